@@ -1,0 +1,36 @@
+"""fa2edu: a runnable textbook of FlashAttention (FA1) and FlashAttention-2 (FA2).
+
+Every algorithm of the two papers, in NumPy, reading like the pseudo-code, counting its own HBM traffic on a
+simulated memory hierarchy, and proven exact against a float64 oracle::
+
+    import fa2edu
+    O, L = fa2edu.attention_reference(Q, K, V, causal=True)          # the float64 oracle
+    fwd = fa2edu.flash2_forward(Q, K, V, M=49_152, causal=True)        # FA2 Alg. 1: .O, .L
+    grads = fa2edu.flash2_backward(Q, K, V, fwd.O, fwd.L, dO, causal=True)
+    print(fa2edu.simulate_io(4096, 64, 98_304))                        # HBM traffic, by execution
+
+Modules, bottom-up (the dependency direction is one-way): ``memory`` ← ``softmax``, ``masks``, ``dropout``,
+``blocks`` ← ``reference``, ``standard``, ``flash1``, ``flash2`` ← ``io``, ``flops`` ← ``cli``.
+"""
+
+from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
+from fa2edu.flash1 import (flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward,
+                           flash1_forward)
+from fa2edu.flash2 import flash2_backward, flash2_forward
+from fa2edu.flops import count_flops
+from fa2edu.io import IOReport, simulate_io
+from fa2edu.memory import HBM, SRAM, FlopCounter, SRAMOverflowError
+from fa2edu.reference import attention_reference, attention_reference_backward
+from fa2edu.standard import standard_attention, standard_attention_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention_reference", "attention_reference_backward",
+    "standard_attention", "standard_attention_backward",
+    "flash1_forward", "flash1_backward", "flash1_block_sparse_forward", "flash1_block_sparse_backward",
+    "flash2_forward", "flash2_backward",
+    "simulate_io", "IOReport", "count_flops",
+    "HBM", "SRAM", "FlopCounter", "SRAMOverflowError",
+    "DEFAULT_M", "block_sizes_kv_outer", "block_sizes_q_outer",
+]

@@ -1,0 +1,148 @@
+"""FlashAttention-2: forward (FA2 Algorithm 1) and backward (FA2 Algorithm 2), with causal block skipping and GQA.
+
+FA2 keeps FA1's tiling and online softmax and changes three things (FA2 Section 3.1):
+
+1. The loops are swapped for the forward pass: the **outer loop runs over blocks of Q**, so a block's output O_i,
+   its running max m_i and running sum ℓ_i stay on chip for the whole inner loop over K/V blocks, and O_i is
+   written once. (FA1 reads and writes O_i, ℓ_i, m_i back to HBM on every inner step.)
+2. The accumulator is kept **un-scaled**: Õ_i is only multiplied by ``e^{m_old − m_new}`` when the maximum moves,
+   and divided by ℓ_i once, after the loop (tweak 1: fewer non-matmul FLOPs).
+3. Only the log-sum-exp ``L = m + log ℓ`` is saved for the backward pass, not both m and ℓ (tweak 2).
+
+GQA/MQA: query head h reads K/V head h // (H_q / H_kv) by index mapping (broadcasting here), never a copy;
+dK and dV are summed over the heads of a group (FA2 Section 3.1, "Multi-query attention").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, start_run
+from fa2edu.dropout import check_dropout, keep_mask
+from fa2edu.masks import BlockKind, classify_block
+from fa2edu.memory import HBM, FlopCounter
+from fa2edu.softmax import exp_minus
+from fa2edu.validation import check_like, prepare
+
+__all__ = ["Flash2Forward", "Flash2Backward", "flash2_forward", "flash2_backward",
+           "flash2_forward_working_set", "flash2_backward_working_set"]
+
+
+class Flash2Forward(NamedTuple):
+    """FA2 Alg. 1's outputs: O (..., N_q, d_v) and the log-sum-exp L (..., N_q) saved for the backward pass."""
+
+    O: np.ndarray
+    L: np.ndarray
+
+
+class Flash2Backward(NamedTuple):
+    dQ: np.ndarray  # (..., N_q, d)
+    dK: np.ndarray  # (..., N_k, d), summed over each GQA group
+    dV: np.ndarray  # (..., N_k, d_v)
+
+
+def flash2_forward_working_set(B_r: int, B_c: int, d: int, d_v: int | None = None) -> int:
+    """Peak on-chip elements of FA2 Alg. 1 for full blocks: Q_i, Õ_i, K_j, V_j, S_i^(j) and m_i, ℓ_i, m_new."""
+    d_v = d if d_v is None else d_v
+    return B_r * d + B_r * d_v + B_c * d + B_c * d_v + B_r * B_c + 3 * B_r
+
+
+def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
+                   dropout_p: float = 0.0, seed: int = 0, hbm: HBM | None = None,
+                   flops: FlopCounter | None = None) -> Flash2Forward:
+    """FlashAttention-2 forward pass (FA2 Algorithm 1), with FA1 Alg. 2's scale τ, mask and dropout.
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has H_q heads and K, V have H_kv.
+    Block sizes: ``block_sizes=(B_r, B_c)``, else from M (elements) by the Q-outer rule ``B_r = ceil(M/4d)``,
+    ``B_c = min(ceil(M/4d), d)`` (:func:`fa2edu.blocks.block_sizes_q_outer`), M defaulting to
+    :data:`fa2edu.blocks.DEFAULT_M`. ``hbm``/``flops`` record the traffic and the FLOPs if given.
+
+    Returns ``Flash2Forward(O, L)``; O in the input dtype, L in the compute dtype (+inf on fully masked rows).
+
+    Cost per (batch, head), N_q = N_k = N, no mask: 4N²d matmul FLOPs; HBM reads Nd + 2Nd·T_r, writes Nd + N.
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
+    run = start_run("flash2_forward", N_q, N_k, d, M=M, block_sizes=block_sizes, rule=block_sizes_q_outer,
+                    working_set=lambda br, bc: flash2_forward_working_set(br, bc, d, d_v), hbm=hbm, flops=flops)
+    mem, sram, count = run.hbm, run.sram, run.flops
+    lead = problem.lead                                        # (Z, H_kv, G)
+    heads = lead[1] * lead[2]
+    mem.put("Q", problem.Q)
+    mem.put("K", problem.K)
+    mem.put("V", problem.V)
+    # Alg. 1 line 2: O and L are outputs in HBM, each row block written exactly once (no initialisation needed).
+    mem.put("O", np.zeros(lead + (N_q, d_v), dtype=problem.dtype))
+    mem.put("L", np.zeros(lead + (N_q,), dtype=problem.dtype), vector=True)
+
+    # Alg. 1 line 3: the outer loop runs over the T_r row blocks of Q (one thread block each on a GPU).
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        # Alg. 1 line 4: load Q_i from HBM to on-chip SRAM.
+        Q_i = sram.hold("Q_i", mem.read("Q", rows, line="Alg 1 line 4"))              # (…, B_r, d)
+        # Alg. 1 line 5: on chip, Õ_i = 0, ℓ_i = 0, m_i = −inf.
+        O_i = sram.hold("O_i", np.zeros(lead + (r, d_v), dtype=problem.dtype))        # (…, B_r, d_v)
+        l_i = sram.hold("l_i", np.zeros(lead + (r,), dtype=problem.dtype), vector=True)
+        m_i = sram.hold("m_i", np.full(lead + (r,), -np.inf, dtype=problem.dtype), vector=True)
+
+        # Alg. 1 line 6: the inner loop streams the T_c blocks of K and V through SRAM.
+        for cols in run.col_tiles:
+            c = cols.stop - cols.start
+            # FA2 Section 3.1 (causal masking): blocks entirely above the diagonal are skipped: no load, no FLOP.
+            kind, share, visible = classify_block(N_q, N_k, rows, cols, problem.causal, problem.mask)
+            if kind is BlockKind.SKIP:
+                continue
+            # Alg. 1 line 7: load K_j, V_j from HBM to on-chip SRAM.
+            K_j = sram.hold("K_j", mem.read("K", cols, line="Alg 1 line 7", share=share))    # (…, B_c, d)
+            V_j = sram.hold("V_j", mem.read("V", cols, line="Alg 1 line 7", share=share))    # (…, B_c, d_v)
+            # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ (the scale τ as in FA1 Alg. 2 line 9).
+            S_ij = sram.hold("S_ij", tau * (Q_i @ np.swapaxes(K_j, -1, -2)))            # (…, B_r, B_c)
+            count.add_matmul(r, c, d, line="Alg 1 line 8", share=share)
+            count.add_nonmatmul(r * c, line="Alg 1 line 8", share=share)
+            if kind is BlockKind.MASK:
+                # Only blocks that straddle the diagonal (or the padding edge) pay for the elementwise mask.
+                S_ij = np.where(visible, S_ij, -np.inf)
+                count.add_nonmatmul(r * c, line="Alg 1 line 8 (mask)", share=share)
+            # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))).
+            m_new = sram.hold("m_new", np.maximum(m_i, S_ij.max(axis=-1)), vector=True)
+            # Alg. 1 line 9: P̃_i^(j) = exp(S_i^(j) − m_i^(j)), guarded where a row has seen no key yet (m = −inf).
+            P_ij = exp_minus(S_ij, m_new)
+            # Alg. 1 line 9: ℓ_i^(j) = e^{m_i^(j−1) − m_i^(j)} ℓ_i^(j−1) + rowsum(P̃_i^(j)).
+            alpha = exp_minus(m_i[..., None], m_new)[..., 0]          # e^{m_old − m_new}, 0 while m_old = −inf
+            l_i = alpha * l_i + P_ij.sum(axis=-1)
+            count.add_nonmatmul(r * c * 4 + r * 5, line="Alg 1 line 9", share=share)
+            if dropout_p > 0.0:
+                # FA1 Alg. 2 line 14: drop entries of P̃ (ℓ keeps the un-dropped sum), regenerated from the seed.
+                keep = keep_mask(seed, dropout_p, lead, heads, rows, cols)
+                P_ij = np.where(keep, P_ij / (1.0 - dropout_p), 0.0)
+                count.add_nonmatmul(r * c, line="Alg 1 line 9 (dropout)", share=share)
+            # Alg. 1 line 10: Õ_i^(j) = diag(e^{m_old − m_new}) Õ_i^(j−1) + P̃_i^(j) V_j.
+            # (The paper prints diag(…)^{-1}: erratum 4. The old accumulator is scaled *down*.)
+            O_i = alpha[..., None] * O_i + P_ij @ V_j
+            count.add_matmul(r, d_v, c, line="Alg 1 line 10", share=share)
+            count.add_nonmatmul(2 * r * d_v, line="Alg 1 line 10", share=share)
+            m_i = sram.hold("m_i", m_new, vector=True)
+            sram.free("m_new", "S_ij")
+
+        # Alg. 1 line 12: O_i = diag(ℓ_i^(T_c))^{-1} Õ_i^(T_c): the one and only normalisation.
+        # Guard ℓ = 0 (a row that saw no key): its Õ_i is 0, and O_i must be 0, not 0/0.
+        l_safe = np.where(l_i == 0.0, 1.0, l_i)
+        O_i = O_i / l_safe[..., None]
+        # Alg. 1 line 13: L_i = m_i + log ℓ_i; +inf for a fully masked row so that exp(S − L) = 0 in the backward.
+        with np.errstate(divide="ignore"):
+            L_i = np.where(l_i == 0.0, np.inf, m_i + np.log(l_safe))
+        count.add_nonmatmul(r * d_v + 2 * r, line="Alg 1 lines 12-13")
+        # Alg. 1 lines 14-15: write O_i and L_i to HBM, once per row block.
+        mem.write("O", rows, O_i, line="Alg 1 line 14")
+        mem.write("L", rows, L_i, line="Alg 1 line 15")
+        sram.free("Q_i", "O_i", "l_i", "m_i", "K_j", "V_j")
+
+    O = problem.from_q_layout(mem["O"]).astype(problem.in_dtype, copy=False)
+    return Flash2Forward(O, problem.from_q_layout(mem["L"]))
+
+
+def flash2_backward(*a, **k):  # PLACEHOLDER while being written (helper B)
+    raise NotImplementedError

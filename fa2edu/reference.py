@@ -1,0 +1,99 @@
+"""The float64 oracle: ``O = softmax(τ·QKᵀ + mask)·V``, its log-sum-exp ``L``, and its exact gradients.
+
+Everything else in fa2edu is tested against these two functions. They are written for clarity, not memory: the
+full N_q × N_k score matrix is formed, GQA is done by repeating K/V heads, and the arithmetic is float64 whatever
+the input dtype.
+
+Conventions (DESIGN.md): causal masking is bottom-right aligned; a fully masked row has O = 0, L = +inf and zero
+gradients; dropout (``dropout_p > 0``) uses :mod:`fa2edu.dropout`'s counter-based mask keyed on ``seed``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from fa2edu.dropout import check_dropout, keep_mask
+from fa2edu.masks import causal_mask
+from fa2edu.validation import check_like, prepare
+
+__all__ = ["ReferenceResult", "Gradients", "attention_reference", "attention_reference_backward"]
+
+
+class ReferenceResult(NamedTuple):
+    O: np.ndarray  # (..., N_q, d_v) float64
+    L: np.ndarray  # (..., N_q) float64, log-sum-exp of each row of τ·QKᵀ (+inf for a fully masked row)
+
+
+class Gradients(NamedTuple):
+    dQ: np.ndarray  # (..., N_q, d)
+    dK: np.ndarray  # (..., N_k, d), summed over the query heads of each group (GQA)
+    dV: np.ndarray  # (..., N_k, d_v)
+
+
+def _scores(problem, dropout_p: float, seed: int):
+    """S = τQKᵀ with −inf where masked; P = softmax(S) (0 on fully masked rows); L; the scaled dropout mask."""
+    Q, K = (problem.Q.astype(np.float64), problem.K.astype(np.float64))
+    S = problem.scale * np.einsum("zkgid,zkhjd->zkgij", Q, K)           # (Z, H_kv, G, N_q, N_k)
+    visible = np.ones(S.shape, dtype=bool)
+    if problem.causal:
+        visible &= causal_mask(problem.N_q, problem.N_k)
+    if problem.mask is not None:
+        visible &= problem.mask
+    S = np.where(visible, S, -np.inf)
+    m = S.max(axis=-1, keepdims=True)
+    empty = np.isneginf(m)                                                  # fully masked rows
+    E = np.exp(S - np.where(empty, 0.0, m))
+    l = E.sum(axis=-1, keepdims=True)
+    P = E / np.where(empty, 1.0, l)
+    with np.errstate(divide="ignore"):
+        L = np.where(empty, np.inf, m + np.log(np.where(empty, 1.0, l)))[..., 0]
+    scaled_keep = None
+    if dropout_p > 0.0:
+        keep = keep_mask(seed, dropout_p, problem.lead, problem.lead[1] * problem.lead[2],
+                         slice(0, problem.N_q), slice(0, problem.N_k))
+        scaled_keep = keep / (1.0 - dropout_p)
+    return P, L, scaled_keep
+
+
+def attention_reference(Q, K, V, causal: bool = False, scale=None, mask=None, *, dropout_p: float = 0.0,
+                        seed: int = 0) -> ReferenceResult:
+    """softmax(τ·QKᵀ + mask)·V in float64, and ``L = logsumexp(τ·QKᵀ + mask)`` per row.
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has more heads than K/V.
+    Returns ``(O, L)`` with O (..., N_q, d_v) and L (..., N_q), both float64. Cost: 4·N_q·N_k·d FLOPs, N_q·N_k memory.
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    P, L, scaled_keep = _scores(problem, dropout_p, seed)
+    if scaled_keep is not None:
+        P = P * scaled_keep
+    O = np.einsum("zkgij,zkhjd->zkgid", P, problem.V.astype(np.float64))
+    return ReferenceResult(problem.from_q_layout(O), problem.from_q_layout(L))
+
+
+def attention_reference_backward(Q, K, V, dO, causal: bool = False, scale=None, mask=None, *,
+                                 dropout_p: float = 0.0, seed: int = 0) -> Gradients:
+    """Exact gradients of ``sum(dO ∘ O)`` with respect to Q, K, V, in float64 (FA1 Alg. 3's equations).
+
+    dV = P_dᵀ dO, dP = (dO Vᵀ) ∘ Z/(1−p), dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ = τ dS K, dK = τ dSᵀ Q
+    (the FA2 text's ``dK = Q dSᵀ`` is erratum 1). dK, dV sum over the query heads that share a K/V head.
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    dO = check_like(dO, "dO", problem.q_shape[:-1] + (problem.d_v,))
+    dO5 = problem.to_q_layout(dO).astype(np.float64)
+    Q5, K5, V5 = (x.astype(np.float64) for x in (problem.Q, problem.K, problem.V))
+    P, _, scaled_keep = _scores(problem, dropout_p, seed)
+    P_d = P if scaled_keep is None else P * scaled_keep
+    O = np.einsum("zkgij,zkhjd->zkgid", P_d, V5)
+    dV = np.einsum("zkgij,zkgid->zkgjd", P_d, dO5)
+    dP = np.einsum("zkgid,zkhjd->zkgij", dO5, V5)
+    if scaled_keep is not None:
+        dP = dP * scaled_keep
+    D = (dO5 * O).sum(axis=-1, keepdims=True)
+    dS = P * (dP - D)
+    dQ = problem.scale * np.einsum("zkgij,zkhjd->zkgid", dS, K5)
+    dK = problem.scale * np.einsum("zkgij,zkgid->zkgjd", dS, Q5)
+    return Gradients(problem.from_q_layout(dQ), problem.from_kv_layout(dK), problem.from_kv_layout(dV))

@@ -1,0 +1,203 @@
+"""Input checks shared by every algorithm (and by kernels_gpu): clear errors, nothing silently broadcast.
+
+Every public algorithm calls :func:`prepare` first. It checks Q, K, V, the scale and the mask, and returns an
+:class:`AttentionProblem` whose arrays have one fixed layout, so the algorithms can be written once for single
+heads, batches and GQA alike:
+
+* ``Q``: ``(Z, H_kv, G, N_q, d)`` where Z is the product of the batch axes and G = H_q // H_kv is the group size;
+* ``K``: ``(Z, H_kv, 1, N_k, d)`` and ``V``: ``(Z, H_kv, 1, N_k, d_v)``.
+
+Query head ``h`` lives at ``(h // G, h % G)``, so it reads K/V head ``h // G`` through NumPy broadcasting: the
+head-index mapping of FA2 Section 3.1, with no copy of K or V. Gradients dK, dV come back summed over the G axis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import numpy as np
+
+__all__ = ["AttentionProblem", "prepare", "check_like", "check_scale", "compute_dtype", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float64 inputs compute in float64; float32 and float16 inputs compute (accumulate) in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _check_array(x, name: str, *, finite: bool = True) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__cuda_array_interface__"):
+            raise TypeError(f"{name} is a GPU array; fa2edu's NumPy algorithms take NumPy arrays "
+                            f"(use kernels_gpu for GPU arrays, or copy it to the host)")
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype (float16, float32 or float64), got {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got shape {x.shape}")
+    if 0 in x.shape:
+        raise ValueError(f"{name} must not be empty, got shape {x.shape}")
+    if finite and not np.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or infinite values; attention inputs must be finite")
+    return x
+
+
+def check_scale(scale, d: int) -> float:
+    """The softmax scale τ: ``1/sqrt(d)`` by default (FA2 footnote 2 prints 1/d: erratum 7)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_like(x, name: str, shape: tuple[int, ...], dtype: np.dtype | None = None, *,
+               finite: bool = True) -> np.ndarray:
+    """Check that ``x`` is a float array of exactly ``shape`` (a saved statistic or a gradient)."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if finite and not np.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return x
+
+
+@dataclass
+class AttentionProblem:
+    """Checked inputs in the algorithms' layout (see the module docstring)."""
+
+    Q: np.ndarray            # (Z, H_kv, G, N_q, d), compute dtype
+    K: np.ndarray            # (Z, H_kv, 1, N_k, d)
+    V: np.ndarray            # (Z, H_kv, 1, N_k, d_v)
+    mask: np.ndarray | None  # (Z, H_kv, G, N_q, N_k) bool, True = attend; None = no mask
+    scale: float             # τ
+    causal: bool
+    q_shape: tuple[int, ...]   # the caller's Q shape
+    kv_shape: tuple[int, ...]  # the caller's K shape
+    v_shape: tuple[int, ...]   # the caller's V shape
+    dtype: np.dtype            # compute dtype
+    in_dtype: np.dtype         # the caller's dtype (O is returned in it)
+
+    @property
+    def N_q(self) -> int:
+        return self.Q.shape[-2]
+
+    @property
+    def N_k(self) -> int:
+        return self.K.shape[-2]
+
+    @property
+    def d(self) -> int:
+        return self.Q.shape[-1]
+
+    @property
+    def d_v(self) -> int:
+        return self.V.shape[-1]
+
+    @property
+    def group(self) -> int:
+        return self.Q.shape[2]
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """Leading (batch, head) axes of the internal layout, (Z, H_kv, G)."""
+        return self.Q.shape[:3]
+
+    @property
+    def programs(self) -> int:
+        """Number of (batch, query-head) pairs: the papers' per-head counts are per program."""
+        return int(np.prod(self.Q.shape[:3]))
+
+    # -- layout conversions ----------------------------------------------------------------------------------
+    def to_q_layout(self, x: np.ndarray) -> np.ndarray:
+        """A caller-shaped per-query tensor (..., N_q, k) or (..., N_q) in the internal layout."""
+        tail = x.shape[len(self.q_shape) - 2:]
+        return x.reshape(self.Q.shape[:3] + tail)
+
+    def from_q_layout(self, x: np.ndarray) -> np.ndarray:
+        """Internal (Z, H_kv, G, N_q, ...) back to the caller's leading axes."""
+        return x.reshape(self.q_shape[:-2] + x.shape[3:])
+
+    def from_kv_layout(self, x: np.ndarray) -> np.ndarray:
+        """Internal (Z, H_kv, G, N_k, ...) summed over the group G (dK, dV of GQA), in the caller's K/V layout."""
+        summed = x.sum(axis=2) if x.shape[2] != 1 else x[:, :, 0]
+        return summed.reshape(self.kv_shape[:-2] + x.shape[3:])
+
+
+def _check_mask(mask, q_shape: tuple[int, ...], N_q: int, N_k: int) -> np.ndarray:
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"mask must be a numpy.ndarray of bool (True = attend), got {type(mask).__name__}")
+    if mask.dtype != np.bool_:
+        raise TypeError(f"mask must have dtype bool (True = attend, False = masked out), got {mask.dtype}")
+    lead = q_shape[:-2]
+    if mask.shape[-2:] != (N_q, N_k) or mask.ndim not in (2, len(q_shape)):
+        raise ValueError(f"mask must have shape (N_q, N_k) = {(N_q, N_k)} or (*Q's leading axes, N_q, N_k) "
+                         f"with each leading axis equal to Q's {lead} or 1; got {mask.shape}")
+    if mask.ndim == len(q_shape):
+        for axis, (m, q) in enumerate(zip(mask.shape[:-2], lead)):
+            if m not in (1, q):
+                raise ValueError(f"mask axis {axis} has size {m}; it must be 1 or Q's size {q} "
+                                 f"(mask shape {mask.shape}, Q shape {q_shape})")
+    return mask
+
+
+def prepare(Q, K, V, *, causal: bool = False, scale=None, mask=None, allow_mask: bool = True) -> AttentionProblem:
+    """Check Q, K, V (and scale, mask) and put them in the algorithms' layout.
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v). With three or more axes the axis before N is heads:
+    Q has H_q heads, K and V have H_kv, and H_q must be a multiple of H_kv (GQA/MQA); other leading axes must match.
+    """
+    Q = _check_array(Q, "Q")
+    K = _check_array(K, "K")
+    V = _check_array(V, "V")
+    if not (Q.dtype == K.dtype == V.dtype):
+        raise TypeError(f"Q, K, V must share one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not (Q.ndim == K.ndim == V.ndim):
+        raise ValueError(f"Q, K, V must have the same number of axes, got shapes {Q.shape}, {K.shape}, {V.shape}")
+    N_q, d = Q.shape[-2:]
+    N_k = K.shape[-2]
+    if K.shape[-1] != d:
+        raise ValueError(f"K's head dimension must equal Q's: Q has d = {d}, K has {K.shape[-1]} (shape {K.shape})")
+    if V.shape[-2] != N_k:
+        raise ValueError(f"V must have as many rows as K: K has N_k = {N_k}, V has {V.shape[-2]}")
+    if K.shape[:-2] != V.shape[:-2]:
+        raise ValueError(f"K and V must have the same leading axes, got {K.shape[:-2]} and {V.shape[:-2]}")
+    if Q.ndim >= 3:
+        if Q.shape[:-3] != K.shape[:-3]:
+            raise ValueError(f"Q and K must have the same batch axes, got {Q.shape[:-3]} and {K.shape[:-3]}")
+        H_q, H_kv = Q.shape[-3], K.shape[-3]
+        if H_q % H_kv != 0:
+            raise ValueError(f"the number of query heads H_q = {H_q} must be a multiple of the number of "
+                             f"key/value heads H_kv = {H_kv} (GQA/MQA)")
+    else:
+        H_q = H_kv = 1
+    if mask is not None and not allow_mask:
+        raise ValueError("this algorithm does not take a mask")
+    if mask is not None:
+        mask = _check_mask(mask, Q.shape, N_q, N_k)
+    tau = check_scale(scale, d)
+    work = compute_dtype(Q.dtype)
+    Z = int(np.prod(Q.shape[:-3])) if Q.ndim >= 3 else 1
+    G = H_q // H_kv
+    Q5 = Q.astype(work, copy=False).reshape(Z, H_kv, G, N_q, d)
+    K5 = K.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, d)
+    V5 = V.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, V.shape[-1])
+    mask5 = None
+    if mask is not None:
+        if mask.ndim == 2:
+            mask = mask.reshape((1,) * (Q.ndim - 2) + mask.shape)
+        mask5 = np.broadcast_to(mask, Q.shape[:-2] + (N_q, N_k)).reshape(Z, H_kv, G, N_q, N_k)
+    return AttentionProblem(Q=Q5, K=K5, V=V5, mask=mask5, scale=tau, causal=bool(causal),
+                            q_shape=tuple(Q.shape), kv_shape=tuple(K.shape), v_shape=tuple(V.shape),
+                            dtype=work, in_dtype=Q.dtype)
