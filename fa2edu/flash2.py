@@ -144,5 +144,178 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
     return Flash2Forward(O, problem.from_q_layout(mem["L"]))
 
 
-def flash2_backward(*a, **k):  # PLACEHOLDER while being written (helper B)
-    raise NotImplementedError
+def flash2_backward_working_set(B_r: int, B_c: int, d: int, d_v: int | None = None, *,
+                                redundant_loads: bool = False) -> int:
+    """Peak on-chip elements of FA2 Alg. 2 for full blocks.
+
+    Outer loop: K_j, V_j, dK_j, dV_j (B_c × (2d + 2d_v)). Inner loop: Q_i, dO_i, dQ_i (B_r × (2d + d_v)), L_i and D_i
+    (2B_r), P_i^(j) and dP_i^(j)/dS_i^(j) (2·B_r·B_c); the printed version's O_i adds B_r × d_v. The line 4 pass holds
+    dO_i, O_i and D_i (B_r × (2d_v + 1)) when nothing else is on chip; the larger of the two phases is the peak.
+    """
+    d_v = d if d_v is None else d_v
+    main_loop = B_c * (2 * d + 2 * d_v) + B_r * (2 * d + d_v) + 2 * B_r + 2 * B_r * B_c
+    if redundant_loads:
+        main_loop += B_r * d_v
+    d_pass = B_r * (2 * d_v + 1)
+    return max(main_loop, d_pass)
+
+
+def _check_saved(problem, O, L, dO) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """O, dO (..., N_q, d_v) in Q's dtype and L (..., N_q) as the forward pass returned them; internal layout."""
+    o_shape = problem.q_shape[:-1] + (problem.d_v,)
+    O = check_like(O, "O", o_shape)
+    dO = check_like(dO, "dO", o_shape)
+    L = check_like(L, "L", problem.q_shape[:-1], finite=False)
+    for name, x in (("O", O), ("dO", dO)):
+        if x.dtype != problem.in_dtype:
+            raise TypeError(f"{name} must have Q's dtype {problem.in_dtype}, got {x.dtype}")
+    # L = +inf marks a fully masked row (exp(S − L) = 0); NaN or −inf cannot come out of the forward pass.
+    if np.isnan(L).any() or np.isneginf(L).any():
+        raise ValueError("L contains NaN or -inf; it must be the log-sum-exp saved by the forward pass "
+                         "(finite, or +inf on fully masked rows)")
+    O, L, dO = (problem.to_q_layout(x).astype(problem.dtype, copy=False) for x in (O, L, dO))
+    return O, L, dO
+
+
+def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
+                    dropout_p: float = 0.0, seed: int = 0, redundant_loads: bool = False,
+                    hbm: HBM | None = None, flops: FlopCounter | None = None) -> Flash2Backward:
+    """FlashAttention-2 backward pass (FA2 Algorithm 2), with FA1 Alg. 4's scale τ, mask and dropout.
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); O, dO (..., N_q, d_v) and L (..., N_q) as
+    :func:`flash2_forward` returned them (L = +inf on fully masked rows). GQA: dK, dV are summed over the query heads
+    that share a K/V head. Block sizes: ``block_sizes=(B_r, B_c)``, else the K/V-outer rule of FA1 Alg. 1 line 1,
+    ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)`` (:func:`fa2edu.blocks.block_sizes_kv_outer`), since the
+    outer loop runs over K/V blocks. Dropout regenerates the forward pass's mask from ``seed`` (nothing stored).
+
+    ``redundant_loads=True`` performs the loads exactly as printed: line 9 also loads O_i (unneeded once D is
+    precomputed) and dQ_i (loaded again at line 15), erratum 9; they cost 2·T_c·N_q·d_v extra reads and change
+    nothing else.
+
+    Returns ``Flash2Backward(dQ, dK, dV)`` in the input dtype.
+
+    Cost per (batch, head), N_q = N_k = N, d_v = d, no mask: 10N²d matmul FLOPs (2.5× the forward's 4N²d);
+    HBM reads 4Nd + T_c(3Nd + 2N), writes N + 2Nd + T_c·Nd, plus N·d initialisation writes of dQ (line 3).
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    if not isinstance(redundant_loads, (bool, np.bool_)):
+        raise TypeError(f"redundant_loads must be a bool, got {type(redundant_loads).__name__}")
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    O5, L5, dO5 = _check_saved(problem, O, L, dO)
+    N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
+    run = start_run("flash2_backward", N_q, N_k, d, M=M, block_sizes=block_sizes, rule=block_sizes_kv_outer,
+                    working_set=lambda br, bc: flash2_backward_working_set(br, bc, d, d_v,
+                                                                           redundant_loads=redundant_loads),
+                    hbm=hbm, flops=flops)
+    mem, sram, count = run.hbm, run.sram, run.flops
+    lead = problem.lead                                        # (Z, H_kv, G)
+    heads = lead[1] * lead[2]
+    for name, x in (("Q", problem.Q), ("K", problem.K), ("V", problem.V), ("O", O5), ("dO", dO5)):
+        mem.put(name, x)
+    mem.put("L", L5, vector=True)
+    # Alg. 2 line 3: initialise dQ = 0 in HBM: every column block j adds its share to it (line 15).
+    mem.allocate("dQ", lead + (N_q, d), 0.0, problem.dtype, line="Alg 2 line 3")
+    # Alg. 2 line 3: dK, dV are per query head (GQA sums them at the end); each block is written once (line 18).
+    mem.put("dK", np.zeros(lead + (N_k, d), dtype=problem.dtype))
+    mem.put("dV", np.zeros(lead + (N_k, d_v), dtype=problem.dtype))
+    # Alg. 2 line 4: D ∈ R^N (the paper prints R^d: erratum 5), one entry per row of O.
+    mem.put("D", np.zeros(lead + (N_q,), dtype=problem.dtype), vector=True)
+
+    # Alg. 2 line 4: D = rowsum(dO ∘ O), its own pass over the row blocks: reads dO and O once, writes D.
+    # With dropout, O is the dropped output, and D_i = rowsum(dO_i ∘ O_i) still equals rowsum(P ∘ dP) row by row.
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        dO_i = sram.hold("dO_i", mem.read("dO", rows, line="Alg 2 line 4"))          # (…, B_r, d_v)
+        O_i = sram.hold("O_i", mem.read("O", rows, line="Alg 2 line 4"))            # (…, B_r, d_v)
+        D_i = sram.hold("D_i", (dO_i * O_i).sum(axis=-1), vector=True)             # (…, B_r)
+        count.add_nonmatmul(2 * r * d_v, line="Alg 2 line 4")
+        mem.write("D", rows, D_i, line="Alg 2 line 4")
+        sram.free("dO_i", "O_i", "D_i")
+
+    # Alg. 2 line 5: the outer loop runs over the T_c column blocks of K and V (one thread block each on a GPU).
+    for cols in run.col_tiles:
+        c = cols.stop - cols.start
+        # Alg. 2 line 6: load K_j, V_j from HBM to on-chip SRAM.
+        K_j = sram.hold("K_j", mem.read("K", cols, line="Alg 2 line 6"))                # (…, B_c, d)
+        V_j = sram.hold("V_j", mem.read("V", cols, line="Alg 2 line 6"))                # (…, B_c, d_v)
+        # Alg. 2 line 7: dK_j = 0, dV_j = 0 on chip; one per query head, so the shape carries the group axis G.
+        dK_j = sram.hold("dK_j", np.zeros(lead + (c, d), dtype=problem.dtype))          # (…, B_c, d)
+        dV_j = sram.hold("dV_j", np.zeros(lead + (c, d_v), dtype=problem.dtype))        # (…, B_c, d_v)
+
+        # Alg. 2 line 8: the inner loop streams the T_r row blocks of Q, dO, L, D (and dQ) through SRAM.
+        for rows in run.row_tiles:
+            r = rows.stop - rows.start
+            # FA2 Section 3.1 (causal masking): blocks with every entry masked are skipped: no load, no FLOP.
+            kind, share, visible = classify_block(N_q, N_k, rows, cols, problem.causal, problem.mask)
+            if kind is BlockKind.SKIP:
+                continue
+            # Alg. 2 line 9: load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM.
+            Q_i = sram.hold("Q_i", mem.read("Q", rows, line="Alg 2 line 9", share=share))       # (…, B_r, d)
+            dO_i = sram.hold("dO_i", mem.read("dO", rows, line="Alg 2 line 9", share=share))    # (…, B_r, d_v)
+            L_i = sram.hold("L_i", mem.read("L", rows, line="Alg 2 line 9", share=share), vector=True)
+            D_i = sram.hold("D_i", mem.read("D", rows, line="Alg 2 line 9", share=share), vector=True)
+            if redundant_loads:
+                # Alg. 2 line 9 as printed also loads O_i (D_i already holds all it was needed for) and dQ_i
+                # (loaded again at line 15 before it is used): erratum 9. Pure traffic, never read on chip.
+                sram.hold("O_i", mem.read("O", rows, line="Alg 2 line 9 (redundant)", share=share))
+                sram.hold("dQ_i", mem.read("dQ", rows, line="Alg 2 line 9 (redundant)", share=share))
+            # Alg. 2 line 10: S_i^(j) = τ Q_i K_jᵀ (the scale τ as in FA1 Alg. 4 line 11).
+            S_ij = sram.hold("S_ij", tau * (Q_i @ np.swapaxes(K_j, -1, -2)))                     # (…, B_r, B_c)
+            count.add_matmul(r, c, d, line="Alg 2 line 10", share=share)
+            count.add_nonmatmul(r * c, line="Alg 2 line 10", share=share)
+            if kind is BlockKind.MASK:
+                # Only blocks that straddle the diagonal (or the padding edge) pay for the elementwise mask.
+                S_ij = np.where(visible, S_ij, -np.inf)
+                count.add_nonmatmul(r * c, line="Alg 2 line 10 (mask)", share=share)
+            # Alg. 2 line 11: P_i^(j) = exp(S_i^(j) − L_i): the forward's softmax, rebuilt from one statistic.
+            # No guard is needed: a fully masked row has L_i = +inf, and exp(S − inf) = exp(−inf) = 0 for every S,
+            # finite or −inf (−inf − (+inf) is −inf, not NaN).
+            P_ij = np.exp(S_ij - L_i[..., None])                                                  # (…, B_r, B_c)
+            sram.free("S_ij")
+            sram.hold("P_ij", P_ij)
+            count.add_nonmatmul(2 * r * c, line="Alg 2 line 11", share=share)
+            P_dropped = P_ij
+            if dropout_p > 0.0:
+                # FA1 Alg. 4 line 13: regenerate the forward pass's keep mask Z from the seed (never stored).
+                scaled_keep = keep_mask(seed, dropout_p, lead, heads, rows, cols) / (1.0 - dropout_p)
+                P_dropped = P_ij * scaled_keep
+                count.add_nonmatmul(r * c, line="Alg 2 line 11 (dropout)", share=share)
+            # Alg. 2 line 12: dV_j ← dV_j + (P_i^(j))ᵀ dO_i (with dropout, the dropped P that made O).
+            dV_j = sram.hold("dV_j", dV_j + np.swapaxes(P_dropped, -1, -2) @ dO_i)
+            count.add_matmul(c, d_v, r, line="Alg 2 line 12", share=share)
+            count.add_nonmatmul(c * d_v, line="Alg 2 line 12", share=share)
+            # Alg. 2 line 13: dP_i^(j) = dO_i V_jᵀ (∘ Z / (1 − p) with dropout: the gradient flows through kept entries).
+            dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)                                               # (…, B_r, B_c)
+            count.add_matmul(r, c, d_v, line="Alg 2 line 13", share=share)
+            if dropout_p > 0.0:
+                dP_ij = dP_ij * scaled_keep
+                count.add_nonmatmul(r * c, line="Alg 2 line 13 (dropout)", share=share)
+            sram.hold("dP_ij", dP_ij)
+            # Alg. 2 line 14: dS_i^(j) = P_i^(j) ∘ (dP_i^(j) − D_i), the softmax Jacobian with D_i = rowsum(P ∘ dP).
+            dS_ij = P_ij * (dP_ij - D_i[..., None])                                               # (…, B_r, B_c)
+            sram.free("dP_ij")
+            sram.hold("dS_ij", dS_ij)
+            count.add_nonmatmul(2 * r * c, line="Alg 2 line 14", share=share)
+            # Alg. 2 line 15: load dQ_i, add τ dS_i^(j) K_j on chip (τ from S = τQKᵀ), write it back to HBM.
+            # On a GPU, thread blocks of different j do this with atomic adds (FA2 Section 3.2).
+            dQ_i = sram.hold("dQ_i", mem.read("dQ", rows, line="Alg 2 line 15", share=share))   # (…, B_r, d)
+            dQ_i = dQ_i + tau * (dS_ij @ K_j)
+            count.add_matmul(r, d, c, line="Alg 2 line 15", share=share)
+            count.add_nonmatmul(2 * r * d, line="Alg 2 line 15", share=share)
+            mem.write("dQ", rows, dQ_i, line="Alg 2 line 15", share=share)
+            # Alg. 2 line 16: dK_j ← dK_j + τ dS_i^(j)ᵀ Q_i (the FA2 text's dK = Q dSᵀ is erratum 1).
+            dK_j = sram.hold("dK_j", dK_j + tau * (np.swapaxes(dS_ij, -1, -2) @ Q_i))
+            count.add_matmul(c, d, r, line="Alg 2 line 16", share=share)
+            count.add_nonmatmul(2 * c * d, line="Alg 2 line 16", share=share)
+            sram.free("Q_i", "dO_i", "L_i", "D_i", "O_i", "dQ_i", "P_ij", "dS_ij")
+
+        # Alg. 2 line 18: write dK_j, dV_j to HBM, once per column block.
+        mem.write("dK", cols, dK_j, line="Alg 2 line 18")
+        mem.write("dV", cols, dV_j, line="Alg 2 line 18")
+        sram.free("K_j", "V_j", "dK_j", "dV_j")
+
+    # GQA/MQA (FA2 Section 3.1): the query heads of a group each computed their own dK, dV: sum them.
+    dQ = problem.from_q_layout(mem["dQ"]).astype(problem.in_dtype, copy=False)
+    dK = problem.from_kv_layout(mem["dK"]).astype(problem.in_dtype, copy=False)
+    dV = problem.from_kv_layout(mem["dV"]).astype(problem.in_dtype, copy=False)
+    return Flash2Backward(dQ, dK, dV)
