@@ -14,8 +14,7 @@ Modules, bottom-up (the dependency direction is one-way): ``memory`` ← ``softm
 """
 
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
-from fa2edu.flash1 import (flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward,
-                           flash1_forward)
+from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward, flash1_forward
 from fa2edu.flash2 import flash2_backward, flash2_forward
 from fa2edu.flops import count_flops
 from fa2edu.io import IOReport, simulate_io

@@ -284,7 +284,7 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
             dV_j = sram.hold("dV_j", dV_j + np.swapaxes(P_dropped, -1, -2) @ dO_i)
             count.add_matmul(c, d_v, r, line="Alg 2 line 12", share=share)
             count.add_nonmatmul(c * d_v, line="Alg 2 line 12", share=share)
-            # Alg. 2 line 13: dP_i^(j) = dO_i V_jᵀ (∘ Z / (1 − p) with dropout: the gradient flows through kept entries).
+            # Alg. 2 line 13: dP_i^(j) = dO_i V_jᵀ; with dropout ∘ Z/(1 − p): the gradient flows through kept entries.
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)                                               # (…, B_r, B_c)
             count.add_matmul(r, c, d_v, line="Alg 2 line 13", share=share)
             if dropout_p > 0.0:

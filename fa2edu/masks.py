@@ -39,7 +39,7 @@ def causal_offset(N_q: int, N_k: int) -> int:
 
 
 def causal_mask(N_q: int, N_k: int, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
-    """Boolean (rows × cols) tile of the causal mask, ``True`` where ``j <= i + N_k - N_q``; whole (N_q, N_k) by default."""
+    """Boolean (rows × cols) tile of the causal mask, ``True`` where ``j <= i + N_k - N_q`` (default: all of it)."""
     rows = rows or slice(0, N_q)
     cols = cols or slice(0, N_k)
     i = np.arange(rows.start, rows.stop)[:, None]

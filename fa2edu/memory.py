@@ -108,7 +108,7 @@ class HBM:
 
     def read(self, name: str, rows: slice, *, line: str, cols: slice | None = None,
              share: float = 1.0) -> np.ndarray:
-        """Load rows ``rows`` (and columns ``cols``) of tensor ``name`` from HBM; returns a copy, counts its elements."""
+        """Load rows ``rows`` (and columns ``cols``) of tensor ``name`` from HBM: a copy, its elements counted."""
         block = np.array(self._tensors[name][self._index(name, rows, cols)])
         self.ledger[("read", name, line)] += tile_elements(block, self._vector[name]) * share
         return block

@@ -1,3 +1,277 @@
-"""PLACEHOLDER while being written (helper A)."""
-def standard_attention(*a, **k): raise NotImplementedError
-def standard_attention_backward(*a, **k): raise NotImplementedError
+"""Standard attention: FA1 Algorithm 0 (forward) and Algorithm 3 (backward), the baseline FlashAttention beats.
+
+Standard attention *materialises* the N_q × N_k matrices in HBM: the forward pass writes the scores S and the
+probabilities P, the backward pass reads P and writes dP and dS. Each line of the algorithms is a separate kernel
+(a matrix multiply or an elementwise pass) that reads its inputs from HBM and writes its output back, so the traffic
+is Θ(Nd + N²) per (batch, head) whatever the SRAM size (FA1 Theorem 2 and Theorem 5):
+
+| pass | HBM reads | HBM writes |
+| --- | --- | --- |
+| forward (Alg 0) | 3Nd + 2N² | Nd + 2N² |
+| backward (Alg 3) | 5Nd + 5N² | 3Nd + 2N² |
+
+How this module streams through SRAM. The paper counts every operand of a line once. fa2edu follows that count
+exactly: each line walks the rows of its N-row operands in blocks of B_r rows (only B_r matters; B_c is accepted for a
+uniform interface and unused), while the operand that every row block multiplies (K in Alg. 0 line 1, V in line 3, …)
+is read once and kept on chip for the whole line. The SRAM peak therefore shows what the paper's count quietly
+assumes: about N_k·d + B_r·N_k elements on chip, more than M as soon as N_k·d > M. A real GEMM re-reads tiles of that
+operand (and leans on the L2 cache); FlashAttention's count needs no such assumption.
+
+Precision. The materialised matrices S, P, dP, dS and the outputs are stored in HBM in the *input* dtype, as a
+float16 standard attention stores them, while every line computes in the compute dtype (float32 for float16 inputs):
+this is the same-dtype baseline of DESIGN.md's low-precision rule. (In float16, a score beyond ±65504 overflows to
+±inf in S: FlashAttention's S never leaves chip, so it never has that problem.)
+
+Masks, causal masking and dropout are FA1 Algorithm 2's: masked scores are a real −inf in S, fully masked rows give
+P = 0 and O = 0, and dropout regenerates its keep-mask Z from the seed (:mod:`fa2edu.dropout`) on chip, so the
+traffic is the same with or without it. GQA/MQA: query head h reads K/V head h // (H_q / H_kv); dK and dV sum over
+the heads of a group.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from fa2edu.blocks import block_sizes_q_outer, start_run
+from fa2edu.dropout import check_dropout, keep_mask
+from fa2edu.masks import block_visible
+from fa2edu.memory import HBM, FlopCounter
+from fa2edu.softmax import safe_softmax
+from fa2edu.validation import check_like, prepare
+
+__all__ = ["StandardForward", "StandardBackward", "standard_attention", "standard_attention_backward",
+           "standard_forward_working_set", "standard_backward_working_set"]
+
+
+class StandardForward(NamedTuple):
+    """Alg. 0's output O (..., N_q, d_v) and the probabilities P (..., N_q, N_k) that Alg. 3 reads back."""
+
+    O: np.ndarray
+    P: np.ndarray
+
+
+class StandardBackward(NamedTuple):
+    dQ: np.ndarray  # (..., N_q, d)
+    dK: np.ndarray  # (..., N_k, d), summed over each GQA group
+    dV: np.ndarray  # (..., N_k, d_v)
+
+
+def standard_forward_working_set(B_r: int, N_k: int, d: int, d_v: int | None = None) -> int:
+    """Peak on-chip elements of Alg. 0 with row blocks of B_r: the largest of its three lines.
+
+    Line 1 holds K, Q_i and S_i; line 2 holds S_i and P_i; line 3 holds V, P_i and O_i.
+    """
+    d_v = d if d_v is None else d_v
+    return max(N_k * d + B_r * d + B_r * N_k, 2 * B_r * N_k, N_k * d_v + B_r * N_k + B_r * d_v)
+
+
+def standard_backward_working_set(B_r: int, N_k: int, d: int, d_v: int | None = None) -> int:
+    """Peak on-chip elements of Alg. 3 with row blocks of B_r: the largest of its five lines.
+
+    Lines 1-2 hold dV (or V), P_i or dP_i, and dO_i; line 3 holds P_i, dP_i, dS_i and D_i; lines 4-5 hold K (or the
+    dK accumulator), dS_i and Q_i or dQ_i.
+    """
+    d_v = d if d_v is None else d_v
+    return max(N_k * d_v + B_r * N_k + B_r * d_v, 3 * B_r * N_k + B_r, N_k * d + B_r * N_k + B_r * d)
+
+
+def _start(algorithm: str, problem, working_set, M, block_sizes, hbm, flops):
+    """Block sizes, ledger and SRAM of one run; only B_r (the row block) is used by standard attention."""
+    N_k, d, d_v = problem.N_k, problem.d, problem.d_v
+    return start_run(algorithm, problem.N_q, N_k, d, M=M, block_sizes=block_sizes, rule=block_sizes_q_outer,
+                     working_set=lambda br, bc: working_set(br, N_k, d, d_v), hbm=hbm, flops=flops)
+
+
+def _dropout_scale(problem, dropout_p: float, seed: int, rows: slice) -> np.ndarray:
+    """Z_i: the keep-mask of rows ``rows`` scaled by 1/(1 − p), regenerated from the seed (FA1 Alg. 4 line 14)."""
+    lead = problem.lead
+    keep = keep_mask(seed, dropout_p, lead, lead[1] * lead[2], rows, slice(0, problem.N_k))
+    return keep / (1.0 - dropout_p)
+
+
+def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_p: float = 0.0, seed: int = 0,
+                       M=None, block_sizes=None, hbm: HBM | None = None,
+                       flops: FlopCounter | None = None) -> StandardForward:
+    """Standard attention, FA1 Algorithm 0: S = τQKᵀ and P = softmax(S) are written to HBM, then O = PV.
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has more heads than K and V.
+    ``M``/``block_sizes`` only set the row block B_r that streams rows through SRAM (default rule: FA2's Q-outer
+    ``B_r = ceil(M/4d)``); the traffic does not depend on them. With ``dropout_p > 0`` O is computed from the dropped
+    P ∘ Z; the returned P is the un-dropped softmax (Alg. 3 regenerates Z from ``seed``).
+
+    Returns ``StandardForward(O, P)``, both in the input dtype (P is (..., N_q, N_k)); fully masked rows have P = 0
+    and O = 0.
+
+    Cost per (batch, head): 2·N_q·N_k·(d + d_v) matmul FLOPs; HBM reads N_q·d + N_k·d + 2·N_q·N_k + N_k·d_v,
+    writes 2·N_q·N_k + N_q·d_v (= 3Nd + 2N² and Nd + 2N² when N_q = N_k, d_v = d).
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
+    run = _start("standard_attention", problem, standard_forward_working_set, M, block_sizes, hbm, flops)
+    mem, sram, count = run.hbm, run.sram, run.flops
+    lead, all_keys = problem.lead, slice(0, N_k)
+    mem.put("Q", problem.Q)
+    mem.put("K", problem.K)
+    mem.put("V", problem.V)
+    # S, P and O are outputs of their lines, every element written once (no initialisation), stored in HBM in the
+    # input dtype; tiles are computed on chip in the compute dtype.
+    store, work = problem.in_dtype, problem.dtype
+    mem.put("S", np.zeros(lead + (N_q, N_k), dtype=store))
+    mem.put("P", np.zeros(lead + (N_q, N_k), dtype=store))
+    mem.put("O", np.zeros(lead + (N_q, d_v), dtype=store))
+
+    # Alg. 0 line 1: load Q, K by blocks from HBM, compute S = τQKᵀ, write S to HBM.
+    K_all = sram.hold("K", mem.read("K", all_keys, line="Alg 0 line 1"))             # (…, N_k, d), read once
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        Q_i = sram.hold("Q_i", mem.read("Q", rows, line="Alg 0 line 1"))              # (…, B_r, d)
+        S_i = sram.hold("S_i", tau * (Q_i @ np.swapaxes(K_all, -1, -2)))               # (…, B_r, N_k)
+        count.add_matmul(r, N_k, d, line="Alg 0 line 1")
+        count.add_nonmatmul(r * N_k, line="Alg 0 line 1")
+        # FA1 Alg. 2's MASK: a real −inf where query i may not see key j (causal or an explicit mask).
+        visible = block_visible(N_q, N_k, rows, all_keys, problem.causal, problem.mask)
+        if visible is not None:
+            S_i = np.where(visible, S_i, -np.inf)
+            count.add_nonmatmul(r * N_k, line="Alg 0 line 1 (mask)")
+        mem.write("S", rows, S_i, line="Alg 0 line 1")
+        sram.free("Q_i", "S_i")
+    sram.free("K")
+
+    # Alg. 0 line 2: read S from HBM, compute P = softmax(S), write P to HBM. A softmax needs whole rows of S.
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        S_i = sram.hold("S_i", mem.read("S", rows, line="Alg 0 line 2").astype(work))  # (…, B_r, N_k)
+        # Safe softmax (max subtracted); a fully masked row (all −inf) gives P_i = 0, guarded in safe_softmax.
+        P_i = sram.hold("P_i", safe_softmax(S_i))
+        count.add_nonmatmul(5 * r * N_k, line="Alg 0 line 2")                           # max, −, exp, sum, ÷
+        mem.write("P", rows, P_i, line="Alg 0 line 2")
+        sram.free("S_i", "P_i")
+
+    # Alg. 0 line 3: load P and V by blocks from HBM, compute O = PV, write O to HBM.
+    V_all = sram.hold("V", mem.read("V", all_keys, line="Alg 0 line 3"))             # (…, N_k, d_v), read once
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        P_i = sram.hold("P_i", mem.read("P", rows, line="Alg 0 line 3").astype(work))  # (…, B_r, N_k)
+        if dropout_p > 0.0:
+            # FA1 Alg. 2 line 14: O uses the dropped P ∘ Z; Z is regenerated on chip, so no extra traffic.
+            P_i = P_i * _dropout_scale(problem, dropout_p, seed, rows)
+            count.add_nonmatmul(r * N_k, line="Alg 0 line 3 (dropout)")
+        O_i = sram.hold("O_i", P_i @ V_all)                                              # (…, B_r, d_v)
+        count.add_matmul(r, d_v, N_k, line="Alg 0 line 3")
+        mem.write("O", rows, O_i, line="Alg 0 line 3")
+        sram.free("P_i", "O_i")
+    sram.free("V")
+
+    return StandardForward(problem.from_q_layout(mem["O"]), problem.from_q_layout(mem["P"]))
+
+
+def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=None, *, dropout_p: float = 0.0,
+                                seed: int = 0, M=None, block_sizes=None, hbm: HBM | None = None,
+                                flops: FlopCounter | None = None) -> StandardBackward:
+    """Standard attention backward pass, FA1 Algorithm 3: dP and dS are materialised in HBM.
+
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with D_i = Σ_l P_il dP_il, dQ = τ dS K, dK = τ dSᵀ Q (FA1 Appendix B.2;
+    the FA2 text's ``dK = Q dSᵀ`` is erratum 1). With dropout, Z is regenerated from ``seed``: dV = (P ∘ Z)ᵀ dO and
+    dP = (dO Vᵀ) ∘ Z, and D_i = Σ_l P_il dP_il still equals rowsum(dO_i ∘ O_i).
+
+    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v), P (..., N_q, N_k) = :func:`standard_attention`'s
+    un-dropped P, dO (..., N_q, d_v). Returns ``StandardBackward(dQ, dK, dV)`` in the input dtype; dK and dV are
+    summed over the query heads of a GQA group.
+
+    Cost per (batch, head): 4·N_q·N_k·(d + d_v) matmul FLOPs; HBM reads 5Nd + 5N², writes 3Nd + 2N² (N_q = N_k,
+    d_v = d; in general reads N_q(N_k·5 + 2d_v + d) + N_k(d + d_v), writes 2·N_q·N_k + N_q·d + N_k·(d + d_v)).
+    """
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
+    P = check_like(P, "P", problem.q_shape[:-1] + (N_k,))
+    dO = check_like(dO, "dO", problem.q_shape[:-1] + (d_v,))
+    run = _start("standard_attention_backward", problem, standard_backward_working_set, M, block_sizes, hbm, flops)
+    mem, sram, count = run.hbm, run.sram, run.flops
+    lead, all_keys = problem.lead, slice(0, N_k)
+    mem.put("Q", problem.Q)
+    mem.put("K", problem.K)
+    mem.put("V", problem.V)
+    store, work = problem.in_dtype, problem.dtype
+    mem.put("P", problem.to_q_layout(P).astype(store, copy=False))
+    mem.put("dO", problem.to_q_layout(dO).astype(work, copy=False))
+    # Outputs of their lines, every element written once, stored in the input dtype. dK, dV are per query head;
+    # the GQA group sum comes last.
+    for name, rows_, cols_ in (("dV", N_k, d_v), ("dP", N_q, N_k), ("dS", N_q, N_k), ("dQ", N_q, d), ("dK", N_k, d)):
+        mem.put(name, np.zeros(lead + (rows_, cols_), dtype=store))
+
+    # Alg. 3 line 1: load P, dO by blocks from HBM, compute dV = Pᵀ dO, write dV to HBM.
+    dV = sram.hold("dV", np.zeros(lead + (N_k, d_v), dtype=work))            # accumulator, on chip
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        P_i = sram.hold("P_i", mem.read("P", rows, line="Alg 3 line 1").astype(work))  # (…, B_r, N_k)
+        dO_i = sram.hold("dO_i", mem.read("dO", rows, line="Alg 3 line 1"))           # (…, B_r, d_v)
+        if dropout_p > 0.0:
+            # The forward pass multiplied V by P ∘ Z, so dV = (P ∘ Z)ᵀ dO (Z regenerated, FA1 Appendix B.4).
+            P_i = P_i * _dropout_scale(problem, dropout_p, seed, rows)
+            count.add_nonmatmul(r * N_k, line="Alg 3 line 1 (dropout)")
+        dV = sram.hold("dV", dV + np.swapaxes(P_i, -1, -2) @ dO_i)
+        count.add_matmul(N_k, d_v, r, line="Alg 3 line 1")
+        count.add_nonmatmul(N_k * d_v, line="Alg 3 line 1")
+        sram.free("P_i", "dO_i")
+    mem.write("dV", all_keys, dV, line="Alg 3 line 1")
+    sram.free("dV")
+
+    # Alg. 3 line 2: load dO, V by blocks from HBM, compute dP = dO Vᵀ, write dP to HBM.
+    V_all = sram.hold("V", mem.read("V", all_keys, line="Alg 3 line 2"))             # (…, N_k, d_v), read once
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        dO_i = sram.hold("dO_i", mem.read("dO", rows, line="Alg 3 line 2"))
+        dP_i = sram.hold("dP_i", dO_i @ np.swapaxes(V_all, -1, -2))                    # (…, B_r, N_k)
+        count.add_matmul(r, N_k, d_v, line="Alg 3 line 2")
+        if dropout_p > 0.0:
+            # Dropped entries pass no gradient: dP = (dO Vᵀ) ∘ Z (FA1 Alg. 4 line 18).
+            dP_i = dP_i * _dropout_scale(problem, dropout_p, seed, rows)
+            count.add_nonmatmul(r * N_k, line="Alg 3 line 2 (dropout)")
+        mem.write("dP", rows, dP_i, line="Alg 3 line 2")
+        sram.free("dO_i", "dP_i")
+    sram.free("V")
+
+    # Alg. 3 line 3: read P, dP from HBM, compute dS_ij = P_ij (dP_ij − Σ_l P_il dP_il), write dS to HBM.
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        P_i = sram.hold("P_i", mem.read("P", rows, line="Alg 3 line 3").astype(work))
+        dP_i = sram.hold("dP_i", mem.read("dP", rows, line="Alg 3 line 3").astype(work))
+        D_i = sram.hold("D_i", (P_i * dP_i).sum(axis=-1), vector=True)                 # (…, B_r)
+        dS_i = sram.hold("dS_i", P_i * (dP_i - D_i[..., None]))                         # (…, B_r, N_k)
+        count.add_nonmatmul(4 * r * N_k, line="Alg 3 line 3")                           # ∘, Σ, −, ∘
+        mem.write("dS", rows, dS_i, line="Alg 3 line 3")
+        sram.free("P_i", "dP_i", "D_i", "dS_i")
+
+    # Alg. 3 line 4: load dS and K by blocks from HBM, compute dQ = τ dS K, write dQ to HBM.
+    K_all = sram.hold("K", mem.read("K", all_keys, line="Alg 3 line 4"))             # (…, N_k, d), read once
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        dS_i = sram.hold("dS_i", mem.read("dS", rows, line="Alg 3 line 4").astype(work))
+        dQ_i = sram.hold("dQ_i", tau * (dS_i @ K_all))                                  # (…, B_r, d)
+        count.add_matmul(r, d, N_k, line="Alg 3 line 4")
+        count.add_nonmatmul(r * d, line="Alg 3 line 4")
+        mem.write("dQ", rows, dQ_i, line="Alg 3 line 4")
+        sram.free("dS_i", "dQ_i")
+    sram.free("K")
+
+    # Alg. 3 line 5: load dS and Q by blocks from HBM, compute dK = τ dSᵀ Q, write dK to HBM.
+    dK = sram.hold("dK", np.zeros(lead + (N_k, d), dtype=work))              # accumulator, on chip
+    for rows in run.row_tiles:
+        r = rows.stop - rows.start
+        dS_i = sram.hold("dS_i", mem.read("dS", rows, line="Alg 3 line 5").astype(work))
+        Q_i = sram.hold("Q_i", mem.read("Q", rows, line="Alg 3 line 5"))
+        dK = sram.hold("dK", dK + tau * (np.swapaxes(dS_i, -1, -2) @ Q_i))
+        count.add_matmul(N_k, d, r, line="Alg 3 line 5")
+        count.add_nonmatmul(2 * N_k * d, line="Alg 3 line 5")
+        sram.free("dS_i", "Q_i")
+    mem.write("dK", all_keys, dK, line="Alg 3 line 5")
+    sram.free("dK")
+
+    # GQA: dK, dV of the query heads in a group are summed in the compute dtype, then stored as the input dtype.
+    return StandardBackward(problem.from_q_layout(mem["dQ"]),
+                            problem.from_kv_layout(mem["dK"].astype(work)).astype(store, copy=False),
+                            problem.from_kv_layout(mem["dV"].astype(work)).astype(store, copy=False))

@@ -1,0 +1,279 @@
+"""The ``fa2edu`` command: HBM traffic tables, a guided tour, the errata, the version.
+
+::
+
+    fa2edu io --N 4096 --d 64 --M 98304 [--causal] [--dtype float16 --batch 8 --heads 16] [--device a100]
+    fa2edu tour          # a few seconds: traffic, Theorem 2's scaling, exactness, causal skipping, where to read on
+    fa2edu errata        # every checkable erratum of the papers: printed formula vs corrected, against the oracle
+    fa2edu version       # or: fa2edu --version
+
+Every number the command prints is computed when it runs (by :func:`fa2edu.simulate_io`, the algorithms and the
+oracle), never typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import fa2edu
+from fa2edu import hardware
+from fa2edu.blocks import DEFAULT_M
+from fa2edu.io import METHODS, simulate_io
+
+__all__ = ["main", "build_parser", "tour"]
+
+#: The tour's realistic size: a 4k-token sequence, head dimension 64, 96 K elements of SRAM (192 KiB of fp16).
+TOUR_N, TOUR_D, TOUR_M = 4096, 64, 98_304
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fa2edu", description="FlashAttention and FlashAttention-2, a runnable textbook: HBM traffic tables, "
+                                   "a guided tour, the papers' errata.")
+    parser.add_argument("--version", action="version", version=f"fa2edu {fa2edu.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{io,tour,errata,version}")
+
+    io = sub.add_parser("io", help="HBM reads/writes of standard attention, FA1 and FA2, forward and backward",
+                        description="HBM traffic per (batch, head) in elements, counted by executing the algorithms "
+                                    "(small sizes) or by formulas proven equal to the executed ledger (large ones); "
+                                    "then in bytes for --dtype × --batch × --heads.")
+    io.add_argument("--N", type=_positive_int, default=TOUR_N, help=f"sequence length N (= N_q); default {TOUR_N}")
+    io.add_argument("--N-k", dest="N_k", type=_positive_int, default=None, help="key/value length (default: N)")
+    io.add_argument("--d", type=_positive_int, default=TOUR_D, help=f"head dimension d; default {TOUR_D}")
+    io.add_argument("--M", type=_positive_int, default=None,
+                    help=f"SRAM size in ELEMENTS (FA1 Theorem 2), at least 4d; default: one SM of --device in "
+                         f"--dtype if a device is given, else {DEFAULT_M}")
+    io.add_argument("--causal", action="store_true", help="causal mask (blocks above the diagonal are skipped)")
+    io.add_argument("--block-sizes", type=_positive_int, nargs=2, metavar=("B_R", "B_C"), default=None,
+                    help="explicit block sizes for every tiled pass (default: each pass's rule from M)")
+    io.add_argument("--block-sparsity", type=_fraction, default=None, metavar="S",
+                    help="block-sparse attention with a random block mask of density S (FA1 Algorithm 5)")
+    io.add_argument("--method", choices=METHODS, default="auto",
+                    help="execute the algorithms, use the closed forms, or pick (auto: execute when small)")
+    io.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32", "float64"],
+                    help="element type for the bytes table; default float16")
+    io.add_argument("--batch", type=_positive_int, default=1, help="batch size for the bytes table; default 1")
+    io.add_argument("--heads", type=_positive_int, default=1, help="number of heads for the bytes table; default 1")
+    io.add_argument("--device", default=None, choices=sorted(hardware.DEVICES),
+                    help="a GPU profile: sets the default M and adds a roofline lower bound on the HBM time")
+
+    sub.add_parser("tour", help="a guided run of a few seconds through the book's main results")
+    sub.add_parser("errata", help="the papers' errata: printed formula vs corrected, checked numerically")
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+# -- fa2edu io --------------------------------------------------------------------------------------------------------
+
+def _format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _run_io(args, parser: argparse.ArgumentParser, out) -> int:
+    M = args.M
+    if M is None:
+        M = hardware.M_for(args.device, args.dtype) if args.device else DEFAULT_M
+    try:
+        report = simulate_io(args.N, args.d, M, args.causal, N_k=args.N_k,
+                             block_sizes=tuple(args.block_sizes) if args.block_sizes else None,
+                             block_sparsity=args.block_sparsity, method=args.method)
+    except (ValueError, TypeError) as error:
+        parser.error(f"io: {error}")
+    print(report, file=out)
+    print(file=out)
+    programs = f"{args.batch} × {args.heads} (batch × heads)"
+    print(f"In bytes, {args.dtype} elements, {programs}:", file=out)
+    records = report.to_bytes(args.dtype, batch=args.batch, heads=args.heads)
+    dev = hardware.device(args.device) if args.device else None
+    for rec in records:
+        line = (f"  {rec['algorithm']:<9} {rec['pass']:<9} reads {_format_bytes(rec['reads_bytes']):>12}   "
+                f"writes {_format_bytes(rec['writes_bytes']):>12}   total {_format_bytes(rec['total_bytes']):>12}")
+        if dev is not None:
+            seconds = rec["total_bytes"] / dev.hbm_bandwidth
+            line += f"   ≥ {seconds * 1e3:,.3f} ms of HBM time on {dev.name}"
+        print(line, file=out)
+    return 0
+
+
+# -- fa2edu tour ------------------------------------------------------------------------------------------------------
+
+def _section(out, number: int, title: str) -> None:
+    print(file=out)
+    print(f"({number}) {title}", file=out)
+    print("-" * (len(title) + 4), file=out)
+
+
+def _both_passes(report, algorithm: str) -> int:
+    return report.row(algorithm, "forward").total + report.row(algorithm, "backward").total
+
+
+def _tour_traffic(out) -> None:
+    _section(out, 1, f"HBM traffic at a realistic size: N = {TOUR_N:,}, d = {TOUR_D}, M = {TOUR_M:,} elements")
+    print("Standard attention writes the N × N matrices S and P to HBM and reads them back; FlashAttention tiles\n"
+          "Q, K, V into blocks that fit in the SRAM of M elements and never stores S or P (FA1 Algorithm 1).\n"
+          "Elements moved between HBM and SRAM per (batch, head):", file=out)
+    report = simulate_io(TOUR_N, TOUR_D, TOUR_M)
+    print(report, file=out)
+    std, fa1, fa2 = (_both_passes(report, a) for a in ("standard", "flash1", "flash2"))
+    print(f"Forward + backward: standard {std:,}, FlashAttention {fa1:,} ({std / fa1:.1f}× less), "
+          f"FlashAttention-2 {fa2:,} ({std / fa2:.1f}× less).", file=out)
+    fp16 = hardware.itemsize("float16")
+    print(f"In fp16 that is {std * fp16 / 1e6:,.0f} MB against {fa2 * fp16 / 1e6:,.1f} MB per head; FA2 moves "
+          f"{fa2 / fa1:.2f}× FA1's traffic because its outer loop keeps O_i, ℓ_i, m_i on chip.", file=out)
+
+
+def _tour_scaling(out) -> None:
+    _section(out, 2, "Theorem 2's scaling: standard Θ(Nd + N²), FlashAttention Θ(N²d²/M)")
+    N, d, M = TOUR_N, TOUR_D, TOUR_M
+
+    def totals(n: int, m: int) -> tuple[int, int]:
+        rep = simulate_io(n, d, m, algorithms=("standard", "flash1"), passes=("forward",))
+        return rep.row("standard", "forward").total, rep.row("flash1", "forward").total
+
+    base, double_M, double_N = totals(N, M), totals(N, 2 * M), totals(2 * N, M)
+    print(f"Forward pass, d = {d}:", file=out)
+    print(f"  {'':<24}{'standard':>16}{'FlashAttention':>18}", file=out)
+    for label, (s, f) in ((f"N = {N:,}, M = {M:,}", base), (f"N = {N:,}, M = {2 * M:,}", double_M),
+                          (f"N = {2 * N:,}, M = {M:,}", double_N)):
+        print(f"  {label:<24}{s:>16,}{f:>18,}", file=out)
+    print(f"Double M: standard × {double_M[0] / base[0]:.2f} (it never uses the SRAM's size), "
+          f"FlashAttention × {double_M[1] / base[1]:.2f} (∝ 1/M: blocks twice as large, half as many passes).",
+          file=out)
+    print(f"Double N: standard × {double_N[0] / base[0]:.2f} (∝ N²), FlashAttention × {double_N[1] / base[1]:.2f} "
+          f"(∝ N², with the factor d²/M ≈ {d * d / M:.3f} in front).", file=out)
+
+
+def _tour_exactness(out) -> None:
+    _section(out, 3, "Exact, not approximate: FA1 and FA2 against the float64 oracle")
+    rng = np.random.default_rng(0)
+    batch, heads, N, d, M = 1, 2, 150, 16, 512
+    Q, K, V, dO = (rng.standard_normal((batch, heads, N, d)) for _ in range(4))
+    print(f"A random causal problem: Q, K, V of shape {Q.shape}, M = {M} (blocks do not divide N), float64.",
+          file=out)
+    O, L = fa2edu.attention_reference(Q, K, V, causal=True)
+    grads = fa2edu.attention_reference_backward(Q, K, V, dO, causal=True)
+    f1 = fa2edu.flash1_forward(Q, K, V, M=M, causal=True)
+    g1 = fa2edu.flash1_backward(Q, K, V, f1.O, f1.l, f1.m, dO, M=M, causal=True)
+    f2 = fa2edu.flash2_forward(Q, K, V, M=M, causal=True)
+    g2 = fa2edu.flash2_backward(Q, K, V, f2.O, f2.L, dO, M=M, causal=True)
+
+    def err(a, b) -> float:
+        return float(np.max(np.abs(a - b)))
+
+    L1 = f1.m + np.log(f1.l)                       # FA1 saves (ℓ, m); L = m + log ℓ is FA2's single statistic
+    print(f"  {'':<18}{'O':>10}{'L':>10}{'dQ':>10}{'dK':>10}{'dV':>10}   (max |error|)", file=out)
+    for name, fwd_O, fwd_L, g in (("FlashAttention", f1.O, L1, g1), ("FlashAttention-2", f2.O, f2.L, g2)):
+        errors = [err(fwd_O, O), err(fwd_L, L), err(g.dQ, grads.dQ), err(g.dK, grads.dK), err(g.dV, grads.dV)]
+        print(f"  {name:<18}" + "".join(f"{e:>10.1e}" for e in errors), file=out)
+    print("Errors at float64 rounding level: tiling and the online softmax change the order of the sums, not the "
+          "result.", file=out)
+
+
+def _tour_causal(out) -> None:
+    _section(out, 4, "Causal masking skips blocks (FA2 Section 3.1)")
+    dense = simulate_io(TOUR_N, TOUR_D, TOUR_M, algorithms=("flash2",))
+    causal = simulate_io(TOUR_N, TOUR_D, TOUR_M, causal=True, algorithms=("flash2",))
+    print("Blocks entirely above the diagonal are never loaded; those that straddle it are masked elementwise.",
+          file=out)
+    for pass_ in ("forward", "backward"):
+        a, b = dense.row("flash2", pass_), causal.row("flash2", pass_)
+        print(f"  FA2 {pass_:<8}: {b.blocks_visited:,} of {b.blocks_total:,} blocks visited "
+              f"({b.blocks_visited / b.blocks_total:.0%}); traffic {a.total:,} → {b.total:,} elements "
+              f"({1 - b.total / a.total:.0%} saved)", file=out)
+    row = causal.row("flash2", "forward")
+    print(f"Visiting {row.blocks_visited / row.blocks_total:.0%} of the blocks bounds the forward pass's causal "
+          f"speedup by {row.blocks_total / row.blocks_visited:.2f}× (FA2 Section 3.1 measures 1.7-1.8×).", file=out)
+
+
+def _tour_read_on(out) -> None:
+    _section(out, 5, "Where to read on")
+    root = Path(fa2edu.__file__).resolve().parent.parent
+    chapters = sorted((root / "chapters").glob("[0-9][0-9]_*.md"))
+    if chapters:
+        print(f"The book's chapters ({root / 'chapters'}), one notebook each (jupytext Markdown):", file=out)
+        for path in chapters:
+            print(f"  {path.name}", file=out)
+    else:
+        print("The chapters live in the source checkout's chapters/ folder (not installed with the package).",
+              file=out)
+    docs = root / "docs"
+    print(f"The reference pages and the built book: {docs if docs.exists() else 'docs/ in the source checkout'}.",
+          file=out)
+    print("Try: fa2edu io --help   (e.g. fa2edu io --N 16384 --d 128 --causal --device H100-SXM --batch 8 "
+          "--heads 16)", file=out)
+    print("     fa2edu errata      (the papers' typos, each checked against the oracle)", file=out)
+
+
+def tour(out=None) -> None:
+    """The guided tour: five numbered sections, every number computed as it runs (a few seconds)."""
+    out = sys.stdout if out is None else out
+    start = time.perf_counter()
+    print(f"fa2edu {fa2edu.__version__}: a tour of FlashAttention (FA1) and FlashAttention-2 (FA2)", file=out)
+    _tour_traffic(out)
+    _tour_scaling(out)
+    _tour_exactness(out)
+    _tour_causal(out)
+    _tour_read_on(out)
+    print(f"\n(tour computed in {time.perf_counter() - start:.1f} s)", file=out)
+
+
+# -- fa2edu errata ----------------------------------------------------------------------------------------------------
+
+def _run_errata(out) -> int:
+    from fa2edu.errata import check_all
+
+    print("The papers' errata (shared/papers/README.md), each evaluated on random blocks:", file=out)
+    for erratum in check_all():
+        print(erratum, file=out)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``fa2edu`` command (``pyproject.toml``: ``fa2edu = fa2edu.cli:main``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = sys.stdout
+    if args.command == "io":
+        return _run_io(args, parser, out)
+    if args.command == "tour":
+        tour(out)
+        return 0
+    if args.command == "errata":
+        return _run_errata(out)
+    if args.command == "version":
+        print(f"fa2edu {fa2edu.__version__}", file=out)
+        return 0
+    parser.print_help(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""kernels_gpu: fa2edu's algorithms as numba.cuda kernels, for a real GPU and for numba's CUDA simulator.
+
+The same algorithms as :mod:`fa2edu`, with the same names, keywords and NamedTuple results, now as GPU kernels::
+
+    import kernels_gpu
+    O, P = kernels_gpu.standard_attention(Q, K, V, causal=True)              # FA1 Alg. 0: S, P in global memory
+    O, l, m = kernels_gpu.flash1_forward(Q, K, V, block_sizes=(64, 32))      # FA1 Alg. 1: K/V-outer loop
+    O, L = kernels_gpu.flash2_forward(Q, K, V, causal=True)                  # FA2 Alg. 1: Q-outer, L written once
+    dQ, dK, dV = kernels_gpu.flash2_backward(Q, K, V, O, L, dO, causal=True)  # FA2 Alg. 2: atomics on dQ
+
+Arrays are (..., N, d) float32 with heads on the axis before N (GQA when Q has more heads than K and V). NumPy
+arrays are copied to the device and the results come back as NumPy arrays; numba device arrays and anything with
+``__cuda_array_interface__`` (PyTorch, CuPy) are used in place, zero-copy, and the results are numba device arrays.
+
+No GPU? Run everything in numba's CUDA simulator: set ``NUMBA_ENABLE_CUDASIM=1`` in the environment *before*
+numba is imported (the test suite does this). ``import kernels_gpu`` itself needs neither a GPU nor the CUDA
+toolkit: kernels are compiled on first use, one compiled kernel per tile shape.
+
+Modules: :mod:`kernels_gpu.runtime` (device checks, layouts, interop), :mod:`kernels_gpu.standard`,
+:mod:`kernels_gpu.flash1`, :mod:`kernels_gpu.flash2` (the kernels), :mod:`kernels_gpu.counting` (global-memory
+traffic counted in the simulator), :mod:`kernels_gpu.sanitize` (one launch of each kernel, for compute-sanitizer).
+"""
+
+import numpy as _np
+
+# numba-cuda 0.30.4 still calls np.row_stack, which NumPy 2.5 removed: restore it before numba compiles anything.
+if not hasattr(_np, "row_stack"):
+    _np.row_stack = _np.vstack
+
+from kernels_gpu.flash1 import Flash1Forward, flash1_forward  # noqa: E402
+from kernels_gpu.flash2 import Flash2Backward, Flash2Forward, flash2_backward, flash2_forward  # noqa: E402
+from kernels_gpu.runtime import NoGPUError, default_block_sizes, simulator_in_use  # noqa: E402
+from kernels_gpu.standard import (StandardBackward, StandardForward, standard_attention,  # noqa: E402
+                                  standard_attention_backward)
+
+__all__ = [
+    "standard_attention", "standard_attention_backward", "flash1_forward", "flash2_forward", "flash2_backward",
+    "StandardForward", "StandardBackward", "Flash1Forward", "Flash2Forward", "Flash2Backward",
+    "NoGPUError", "default_block_sizes", "simulator_in_use",
+]

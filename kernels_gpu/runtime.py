@@ -1,0 +1,331 @@
+"""What every kernel launch needs besides the kernel: a device, checked inputs in one layout, outputs back out.
+
+* **The device.** :func:`require_device` raises :class:`NoGPUError`, with the simulator recipe, when there is
+  neither a GPU nor numba's CUDA simulator. :func:`simulator_in_use` says which one runs the kernels.
+* **The layout.** Kernels index 4-D arrays ``(Z, H, N, d)``: Z the flattened batch axes, H the heads. Query head h
+  reads key/value head ``h // G`` with ``G = H_q // H_kv`` (FA2 Section 3.1's head-index mapping: K and V are never
+  copied). :func:`prepare_inputs` checks Q, K, V and returns them in that layout with a :class:`Layout` that remembers
+  the caller's shapes, so :func:`finish` can hand results back in them.
+* **Interop.** NumPy in → checked by :func:`fa2edu.validation.prepare` (the same errors as fa2edu), copied to the
+  device as float32, results copied back as NumPy float32 arrays. Numba device arrays and anything with
+  ``__cuda_array_interface__`` (PyTorch, CuPy) in → used in place (``cuda.as_cuda_array``, zero-copy; 4-D inputs may
+  have any strides, others must be contiguous so that a view can add the missing axes), results are numba device
+  arrays. Device inputs get shape and dtype checks only: a finiteness check would cost a pass over HBM.
+* **Counting.** :func:`tally` hands each global array to :mod:`kernels_gpu.counting` when a count is running (the
+  simulator only); otherwise it returns the array unchanged.
+* **Resources.** Tile shapes are compile-time constants; numba gives a block at most 48 KiB of static shared
+  memory (12 288 float32) and 1024 threads: :func:`check_resources` says so before a launch fails obscurely.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32
+
+from fa2edu.blocks import resolve_block_sizes
+from fa2edu.validation import check_like, check_scale, prepare
+
+__all__ = [
+    "NoGPUError", "Layout", "simulator_in_use", "require_device", "is_device_array", "prepare_inputs",
+    "prepare_like", "device_empty", "device_zeros", "finish", "tally", "grid_size", "check_resources", "default_block_sizes",
+    "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS",
+]
+
+#: numba's static shared memory per block, 48 KiB, in float32 elements.
+SHARED_FLOATS = 48 * 1024 // 4
+#: CUDA's limit on threads per block.
+MAX_THREADS = 1024
+
+SIMULATOR_RECIPE = ("no CUDA GPU is available. To run kernels_gpu without a GPU, use numba's CUDA simulator: set "
+                    "the environment variable NUMBA_ENABLE_CUDASIM=1 before numba is imported, e.g. "
+                    "`NUMBA_ENABLE_CUDASIM=1 python script.py` (slow: keep N small)")
+
+
+class NoGPUError(RuntimeError):
+    """A kernel was called on a machine with no usable CUDA GPU, outside the simulator."""
+
+
+def simulator_in_use() -> bool:
+    """True when numba.cuda is the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` was set before numba was imported)."""
+    from numba.cuda.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def require_device() -> None:
+    """Raise :class:`NoGPUError` (saying how to use the simulator) unless a GPU or the simulator can run kernels."""
+    if simulator_in_use():
+        return
+    try:
+        available = cuda.is_available()
+    except Exception:  # noqa: BLE001 (a broken driver install is "no GPU" too)
+        available = False
+    if not available:
+        raise NoGPUError(SIMULATOR_RECIPE)
+
+
+def is_device_array(x) -> bool:
+    """A numba device array (real or simulated) or any object exporting ``__cuda_array_interface__``."""
+    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
+
+
+# -- tile shapes --------------------------------------------------------------------------------------------------
+
+def default_block_sizes(algorithm: str, d: int, d_v: int | None = None) -> tuple[int, int]:
+    """``(B_r, B_c)`` for a GPU run when the caller gives none: the largest power-of-two tiles that fit.
+
+    fa2edu's M-based rule (FA1 Alg. 1 line 1) sizes tiles for an SRAM of M elements; on the GPU the binding limits
+    are numba's 48 KiB of static shared memory per block and the thread count, so:
+
+    * ``"flash1_forward"``, ``"flash2_forward"``: B_r = 64 threads (one per query row), B_c the largest power of
+      two ≤ 64 with K_j and V_j (B_c·(d + d_v) floats) in shared memory;
+    * ``"flash2_backward"``: B_c = 64 threads (one per key row) for d ≤ 64, else 32; B_r the largest power of two
+      ≤ 32 with Q_i, dO_i, K_j, dS and L_i, D_i in shared memory.
+    """
+    d_v = d if d_v is None else d_v
+    if algorithm in ("flash1_forward", "flash2_forward"):
+        B_c = 64
+        while B_c > 1 and B_c * (d + d_v) > SHARED_FLOATS:
+            B_c //= 2
+        return 64, B_c
+    if algorithm == "flash2_backward":
+        B_c = 64 if d <= 64 else 32
+        B_r = 32
+        while B_r > 1 and flash2_backward_shared(B_r, B_c, d, d_v) > SHARED_FLOATS:
+            B_r //= 2
+        return B_r, B_c
+    raise ValueError(f"algorithm must be 'flash1_forward', 'flash2_forward' or 'flash2_backward', got {algorithm!r}")
+
+
+def flash2_backward_shared(B_r: int, B_c: int, d: int, d_v: int) -> int:
+    """Shared-memory floats of the FA2 backward kernel: Q_i, dO_i, K_j, dS_ij, L_i, D_i."""
+    return B_r * d + B_r * d_v + B_c * d + B_r * B_c + 2 * B_r
+
+
+def checked_block_sizes(block_sizes, algorithm: str, d: int, d_v: int) -> tuple[int, int]:
+    """The caller's ``(B_r, B_c)`` (checked as fa2edu checks them), or :func:`default_block_sizes`."""
+    if block_sizes is None:
+        return default_block_sizes(algorithm, d, d_v)
+    return resolve_block_sizes(None, block_sizes, d, rule=None)
+
+
+def check_resources(*, threads: int, shared_floats: int, what: str) -> None:
+    """Refuse tile shapes a CUDA block cannot have (> 1024 threads, > 48 KiB static shared memory)."""
+    if threads > MAX_THREADS:
+        raise ValueError(f"block_sizes give {what} {threads} threads per block; CUDA allows at most {MAX_THREADS}")
+    if shared_floats > SHARED_FLOATS:
+        raise ValueError(f"block_sizes give {what} {shared_floats} float32 of shared memory "
+                         f"({4 * shared_floats} bytes); numba allows {4 * SHARED_FLOATS} bytes of static shared "
+                         f"memory per block: choose smaller block_sizes")
+
+
+# -- inputs --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one attention problem and the caller's shapes (for handing results back)."""
+
+    Z: int               # product of the batch axes
+    H_q: int             # query heads
+    H_kv: int            # key/value heads; G = H_q // H_kv query heads share one
+    N_q: int
+    N_k: int
+    d: int
+    d_v: int
+    lead_q: tuple        # the caller's leading axes of Q (and O, L, dQ, dO)
+    lead_kv: tuple       # ... of K and V (and dK, dV)
+    on_host: bool        # NumPy in, NumPy out
+
+    @property
+    def G(self) -> int:
+        return self.H_q // self.H_kv
+
+
+def _to_4d(x, name: str):
+    """A device array (…, N, d) as (Z, H, N, d): 4-D arrays as they are (any strides), others as a view."""
+    if x.ndim == 4:
+        return x
+    shape = tuple(x.shape)
+    H = shape[-3] if x.ndim >= 3 else 1
+    Z = int(np.prod(shape[:-3])) if x.ndim > 3 else 1
+    try:
+        return x.reshape(Z, H, shape[-2], shape[-1])
+    except Exception as error:  # noqa: BLE001 (numba refuses views of non-contiguous arrays)
+        raise ValueError(f"{name} must be C-contiguous when it does not have 4 axes (shape {tuple(shape)}); "
+                         f"make it contiguous first ({error})") from error
+
+
+def _as_device(x, name: str):
+    """Zero-copy numba view of a device array; the dtype must be float32 (the kernels' storage type)."""
+    if not simulator_in_use() and not getattr(x, "__cuda_ndarray__", False):
+        x = cuda.as_cuda_array(x)
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name} must be float32 on the device (the kernels compute and store in float32), "
+                        f"got {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got shape {tuple(x.shape)}")
+    if 0 in tuple(x.shape):
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    return x
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Just a shape, with NumPy's negative indexing (the simulator's device-array shapes refuse it)."""
+
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _check_device_problem(Q, K, V) -> None:
+    """The shape rules of :func:`fa2edu.validation.prepare`, for device arrays."""
+    Q, K, V = (_Shape(tuple(x.shape)) for x in (Q, K, V))
+    if not (Q.ndim == K.ndim == V.ndim):
+        raise ValueError(f"Q, K, V must have the same number of axes, got shapes {Q.shape}, {K.shape}, {V.shape}")
+    if K.shape[-1] != Q.shape[-1]:
+        raise ValueError(f"K's head dimension must equal Q's: Q has d = {Q.shape[-1]}, K has {K.shape[-1]}")
+    if V.shape[-2] != K.shape[-2]:
+        raise ValueError(f"V must have as many rows as K: K has N_k = {K.shape[-2]}, V has {V.shape[-2]}")
+    if tuple(K.shape[:-2]) != tuple(V.shape[:-2]):
+        raise ValueError(f"K and V must have the same leading axes, got {K.shape[:-2]} and {V.shape[:-2]}")
+    if Q.ndim >= 3:
+        if tuple(Q.shape[:-3]) != tuple(K.shape[:-3]):
+            raise ValueError(f"Q and K must have the same batch axes, got {Q.shape[:-3]} and {K.shape[:-3]}")
+        if Q.shape[-3] % K.shape[-3] != 0:
+            raise ValueError(f"the number of query heads H_q = {Q.shape[-3]} must be a multiple of the number of "
+                             f"key/value heads H_kv = {K.shape[-3]} (GQA/MQA)")
+
+
+def prepare_inputs(Q, K, V, *, causal, scale):
+    """Check Q, K, V; return ``(layout, Q4, K4, V4, tau)`` with device arrays in the (Z, H, N, d) layout.
+
+    NumPy inputs go through :func:`fa2edu.validation.prepare` (types, shapes, finiteness, GQA divisibility, causal,
+    scale), device inputs through the same shape rules. Mixing the two kinds is refused.
+    """
+    require_device()
+    on_device = [is_device_array(x) for x in (Q, K, V)]
+    if any(on_device) and not all(on_device):
+        raise TypeError("Q, K, V must all be NumPy arrays or all be device arrays, not a mix")
+    if not all(on_device):
+        problem = prepare(Q, K, V, causal=causal, scale=scale, allow_mask=False)
+        Z, H_kv, G = problem.lead
+        layout = Layout(Z, H_kv * G, H_kv, problem.N_q, problem.N_k, problem.d, problem.d_v,
+                        tuple(problem.q_shape[:-2]), tuple(problem.kv_shape[:-2]), on_host=True)
+        Q4 = _host_to_device(problem.Q.reshape(Z, H_kv * G, layout.N_q, layout.d))
+        K4 = _host_to_device(problem.K.reshape(Z, H_kv, layout.N_k, layout.d))
+        V4 = _host_to_device(problem.V.reshape(Z, H_kv, layout.N_k, layout.d_v))
+        return layout, Q4, K4, V4, np.float32(problem.scale)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    Q, K, V = (_as_device(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
+    _check_device_problem(Q, K, V)
+    Q4, K4, V4 = _to_4d(Q, "Q"), _to_4d(K, "K"), _to_4d(V, "V")
+    Z, H_q, N_q, d = Q4.shape
+    layout = Layout(Z, H_q, K4.shape[1], N_q, K4.shape[2], d, V4.shape[3],
+                    tuple(Q.shape[:-2]), tuple(K.shape[:-2]), on_host=False)
+    return layout, Q4, K4, V4, np.float32(check_scale(scale, d))
+
+
+def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool = True, finite: bool = True):
+    """A saved statistic or gradient (O, L, dO, P, ...) of shape ``lead + tail``, as a device array with leading
+    axes (Z, H). ``per_query`` picks Q's leading axes (else K's). L may hold +inf: pass ``finite=False``."""
+    lead = layout.lead_q if per_query else layout.lead_kv
+    H = layout.H_q if per_query else layout.H_kv
+    shape = tuple(lead) + tuple(tail)
+    if layout.on_host:
+        if is_device_array(x):
+            raise TypeError(f"{name} is a device array but Q, K, V are NumPy arrays: pass all inputs of one kind")
+        x = check_like(x, name, shape, finite=finite)
+        return _host_to_device(np.ascontiguousarray(x, dtype=np.float32).reshape((layout.Z, H) + tuple(tail)))
+    if not is_device_array(x):
+        raise TypeError(f"{name} must be a device array like Q, K, V, got {type(x).__name__}")
+    x = _as_device(x, name) if len(tail) else x
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name} must be float32 on the device, got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if x.ndim == 2 + len(tail):
+        return x
+    try:
+        return x.reshape((layout.Z, H) + tuple(tail))
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"{name} must be C-contiguous (shape {shape}): {error}") from error
+
+
+def _host_to_device(array: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(array, dtype=np.float32))
+
+
+# -- outputs -------------------------------------------------------------------------------------------------------
+
+#: Fill every freshly allocated output with NaN before the kernels run (tests set it; also ``KERNELS_GPU_POISON=1``):
+#: an element a kernel forgets to write then shows up as NaN instead of passing with stale or zero memory.
+poison_outputs = os.environ.get("KERNELS_GPU_POISON") == "1"
+
+
+def device_empty(shape: tuple):
+    """A float32 device array for a kernel to fill (every element is written; NaN-poisoned if :data:`poison_outputs`)."""
+    array = cuda.device_array(shape, dtype=np.float32)
+    if poison_outputs:
+        _fill(array, np.nan)
+    return array
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_kernel():
+    @cuda.jit
+    def fill(x, value):
+        # One thread per element of a flat array; the grid may not cover it exactly, so guard the tail.
+        k = cuda.grid(1)
+        if k < x.shape[0]:
+            x[k] = value
+    return fill
+
+
+def device_zeros(shape: tuple, *, name: str = "zeros"):
+    """A float32 device array of zeros, filled on the device (no host copy); an initialisation write named ``name``."""
+    array = device_empty(shape)
+    _fill(array, 0.0, name=name)
+    return array
+
+
+def _fill(array, value: float, *, name: str | None = None) -> None:
+    """Set every element of a contiguous device array to ``value`` (counted as an init write of ``name`` if named)."""
+    flat = array.reshape(int(np.prod(array.shape)))
+    threads = min(256, flat.shape[0])              # the simulator pays per thread: no idle ones on tiny arrays
+    target = flat if name is None else tally(name, flat, init=True)
+    _fill_kernel()[grid_size(flat.shape[0], threads), threads](target, float32(value))
+
+
+def finish(array, layout: Layout, tail: tuple, *, per_query: bool = True):
+    """A (Z, H, …) result back in the caller's leading axes: a NumPy array if NumPy came in, else a device array."""
+    lead = layout.lead_q if per_query else layout.lead_kv
+    shaped = array.reshape(tuple(lead) + tuple(tail))
+    return shaped.copy_to_host() if layout.on_host else shaped
+
+
+# -- counting hook (set by kernels_gpu.counting) ----------------------------------------------------------------
+
+#: ``None``, or a function ``(name, array, init) -> array`` that wraps a global array in a counting view.
+tally_hook = None
+
+
+def tally(name: str, array, *, init: bool = False):
+    """``array`` itself, or (inside :func:`kernels_gpu.counting.count_global_memory`) a counting view named ``name``.
+
+    ``init=True`` marks the launch as an "Initialize … in HBM" step: its writes are counted apart, as fa2edu's
+    ledger counts them apart from the algorithm's traffic.
+    """
+    return array if tally_hook is None else tally_hook(name, array, init)
+
+
+def grid_size(n: int, block: int) -> int:
+    """ceil(n / block), the number of blocks covering n items."""
+    return max(1, math.ceil(n / block))
