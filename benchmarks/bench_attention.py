@@ -97,6 +97,8 @@ def build_parser():
     mode.add_argument("--long", action="store_true",
                       help="long-sequence mode: B = 1, fixed heads, N up to 65 536; peak memory vs N")
     parser.add_argument("--plan", action="store_true", help="print the configurations and exit (needs no GPU)")
+    parser.add_argument("--show", nargs="+", metavar="RESULTS", default=None,
+                        help="print the tables and summary of results file(s), and where to commit them; no GPU")
     parser.add_argument("--impls", type=_impl_names, default=None,
                         help=f"comma-separated implementations (default: {','.join(DEFAULT_IMPLS)}; "
                              f"--long: {','.join(LONG_IMPLS)})")
@@ -261,6 +263,9 @@ def cuda_setup(use_torch_allocator=True):
     import numpy as np
     if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 still references np.row_stack, gone in NumPy 2.5
         np.row_stack = np.vstack
+    # numba would synchronise PyTorch's stream each time a kernel takes a tensor; both run on the legacy default
+    # stream, which orders their work already, and a host sync per call would add launch gaps to the timings
+    os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -334,6 +339,7 @@ def device_header(allocator):
                               "clocks": _nvidia_smi("clocks.sm,clocks.max.sm,clocks.mem")},
         "versions": versions,
         "numba_allocator": allocator,
+        "numba_cuda_array_interface_sync": os.environ.get("NUMBA_CUDA_ARRAY_INTERFACE_SYNC"),
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
     }
 
@@ -501,8 +507,27 @@ def format_table(records):
     return "\n".join(lines)
 
 
+def show(paths):
+    """Print the table and summary of results files, and the path each belongs at in the repository."""
+    from benchmarks.results_io import load_results
+    for path in paths:
+        header, records, summary = load_results(path)
+        name = os.path.splitext(os.path.basename(path))[0]
+        print(f"{path}: {header.get('device')} {header.get('date')} ({len(records)} records)")
+        print(f"  commit as {os.path.relpath(default_results_path(header.get('device') or 'unknown', name))}")
+        print(format_table(records))
+        for key, s in (summary or {}).get("series", {}).items():
+            if s.get("memory_slope_top") is not None and (summary or {}).get("mode") == "long":
+                print(f"{key}: largest N {s['max_N_ok']}, memory slope top {_fmt(s['memory_slope_top'])}, "
+                      f"fit {_fmt(s['memory_slope_fit'])}")
+        print()
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.show:
+        return show(args.show)
     configs = plan(args)
     if args.plan:
         for config in configs:

@@ -4,15 +4,15 @@ The protocol (``measure``), for one implementation at one (batch, heads, N, d, c
 
 1. build one input set and whatever the timed pass needs (for a backward pass: the forward's saved state);
 2. **correct first**: run it once with fresh allocations poisoned (NaN), compare with the float64 reference;
-   a wrong result is recorded as ``wrong`` and never timed;
-3. **peak memory**: run it once more between ``reset_peak_memory_stats`` and ``max_memory_allocated``; that call,
-   timed with events, also estimates the time of one call: a call slower than the cap is recorded as ``skipped``;
+   a wrong result is recorded as ``wrong`` and never timed. The same call, between ``reset_peak_memory_stats``
+   and ``max_memory_allocated``, gives the **peak memory**: inputs, saved state, outputs and temporaries;
+3. run it once more, timed with events: a call slower than the cap is recorded as ``skipped``;
 4. **rotate inputs**: build more input sets until together they exceed ``pool_target_bytes`` (twice the L2 cache),
    so a repeat never finds its inputs left in L2 by the previous one;
 5. **warm up** (every input set at least once), then time ``repeats`` calls with a pair of CUDA events each,
    cycling through the input sets, synchronising once at the end; report the median (and the quartiles).
    With ``min_repeats = 1`` (the long-sequence mode) a call longer than ``target_ms`` is not repeated: the
-   peak-memory call of step 3, already warm, is the one sample.
+   call of step 3, already warm, is the one sample.
 
 Everything device-specific goes through a *device* object (``TorchDevice`` on a GPU; tests pass a fake with a
 fake clock), so the protocol itself runs and is tested without a GPU.
@@ -138,12 +138,20 @@ def measure(make_call, check, device, protocol, flops, count_memory=True):
         m0 = device.memory_allocated()
         calls.append(make_call(0))
 
-        # 2. correct first: fresh allocations poisoned, so an unwritten output element shows up as NaN
+        # 2. correct first: fresh allocations poisoned, so an unwritten output element shows up as NaN;
+        # 3. the same call gives the peak memory (poisoning writes into allocations, it adds none)
+        device.synchronize()
+        base = device.memory_allocated()
+        device.reset_peak_memory_stats()
         t_first = time.perf_counter()
         with device.poisoned():
             result = calls[0]()
             device.synchronize()
-        out["first_call_s"] = time.perf_counter() - t_first
+        out["first_call_s"] = time.perf_counter() - t_first  # includes JIT compilation on a kernel's first use
+        peak = device.max_memory_allocated()
+        if count_memory:
+            out["peak_mem_bytes"] = peak - m0
+        out["resident_bytes"] = base - m0
         ok, details = check(result)
         del result
         out.update(details)
@@ -151,21 +159,14 @@ def measure(make_call, check, device, protocol, flops, count_memory=True):
             out.update(status="wrong", error=f"does not match the float64 reference: {details}")
             return out
 
-        # 3. peak memory of one call, which also gives the time of one call
-        device.synchronize()
-        base = device.memory_allocated()
-        device.reset_peak_memory_stats()
+        # 3. the time of one warm call decides the repeats, or that the configuration is too slow to repeat
         start, end = device.event(), device.event()
         start.record()
         result = calls[0]()
         end.record()
         device.synchronize()
-        peak = device.max_memory_allocated()
         del result
         one_call_ms = start.elapsed_time(end)
-        if count_memory:
-            out["peak_mem_bytes"] = peak - m0
-        out["resident_bytes"] = base - m0
         if one_call_ms > protocol.max_call_ms:
             out.update(status="skipped", ms_one_call=one_call_ms,
                        error=f"one call took {one_call_ms:.0f} ms > cap {protocol.max_call_ms:.0f} ms")

@@ -45,8 +45,9 @@ barriers           2·T_c                        3·T_c
 
 Split-Q always saves the exchange and one barrier per step. In raw operand reads the two schemes trade places: split-Q
 reads K_j and V_j once per warp, split-K reads Q_i once per warp. When every tile has at most as many columns as the
-block has rows (c_j ≤ r: square or tall tiles, as FA2's forward uses) and d_v = d, split-Q's total shared-memory
-traffic is strictly lower; for wide tiles over few rows it need not be (``tests/test_partition.py`` proves both).
+block has rows (c_j ≤ r: square or tall tiles, which the Q-outer block-size rule gives) and d_v = d, split-Q's
+total shared-memory traffic is strictly lower; for wide tiles over few rows it need not be (``tests/test_partition.py``
+proves both).
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ def check_like(x, name: str, shape: tuple[int, ...], dtype: np.dtype | None = No
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if dtype is not None and x.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)} (the inputs' dtype), got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if finite and not np.isfinite(x).all():

@@ -25,6 +25,15 @@ import fa2edu.torch as op  # noqa: E402
 from examples.gpt import plot, train  # noqa: E402
 from examples.gpt.data import CharData, generate_text  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These tensors are tiny: extra intra-op threads only spin-wait, badly so on a busy shared CI machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = dict(batch=8, context=32, n_layer=1, n_head=2, d_model=32, lr=3e-3, block_sizes=(8, 8))
 
 

@@ -291,3 +291,8 @@ def test_default_block_sizes_fit_a_block():
         B_r, B_c = kernels_gpu.default_block_sizes("flash2_backward", d)
         assert B_c <= rt.MAX_THREADS and rt.flash2_backward_shared(B_r, B_c, d, d) <= rt.SHARED_FLOATS
     assert kernels_gpu.default_block_sizes("flash2_forward", 64) == (64, 64)
+
+
+def test_outputs_start_poisoned():
+    """The autouse fixture's poison is real: a fresh output holds NaN until a kernel writes it."""
+    assert np.isnan(rt.device_empty((2, 3)).copy_to_host()).all()

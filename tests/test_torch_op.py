@@ -26,6 +26,15 @@ from tolerances import assert_close_to_oracle  # noqa: E402
 import fa2edu  # noqa: E402
 from fa2edu.torch import ALGORITHMS, flash_attention  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These tensors are tiny: extra intra-op threads only spin-wait, badly so on a busy shared CI machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # name: (q shape, k shape, d_v, causal, scale, block_sizes); GQA when q has more heads than k.
 CASES = {
     "gqa-causal-Nq<Nk": ((1, 4, 5, 3), (1, 2, 7, 3), 4, True, None, (2, 3)),

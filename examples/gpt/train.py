@@ -126,7 +126,10 @@ def main(argv=None) -> int:
     parser.add_argument("--block-sizes", type=int, nargs=2, default=None, metavar=("B_r", "B_c"),
                         help="fa2edu's tile sizes (default on the CPU: 16 16, so each row crosses several tiles)")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="PyTorch CPU threads (default 1: the model is tiny, more threads mostly spin-wait)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     block_sizes = tuple(args.block_sizes) if args.block_sizes else ((16, 16) if args.device == "cpu" else None)
     attentions = ATTENTIONS if args.attention == "both" else (args.attention,)
