@@ -59,8 +59,9 @@ def test_flash2_does_fewer_nonmatmul_flops_than_flash1(N, d, tiling, causal):
 
 @pytest.mark.parametrize("N, d, M", [(512, 32, 8192), (256, 64, 98_304), (300, 16, 4000)])
 def test_flash2_backward_saves_nonmatmul_flops_at_the_rules(N, d, M):
-    """Both backward passes use the K/V-outer rule; FA2 computes D = rowsum(dO ∘ O) once (Alg. 2 line 4) instead of
-    once per visited block (FA1 Alg. 4 line 19): exactly T_c − 1 passes of 2·N·d FLOPs fewer, minus nothing else."""
+    """Both backward passes use the K/V-outer rule. FA2 computes D = rowsum(dO ∘ O) once (Alg. 2 line 4) instead of
+    once per visited block (FA1 Alg. 4 line 19), and rebuilds P from one statistic, exp(S − L) (Alg. 2 line 11),
+    instead of diag(ℓ)⁻¹ exp(S − m) (FA1 Alg. 4 line 13)."""
     counts = count_all_flops(N, d, M=M)
     fa1, fa2 = counts[("flash1", "backward")], counts[("flash2", "backward")]
     assert fa2.nonmatmul < fa1.nonmatmul
