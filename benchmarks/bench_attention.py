@@ -116,7 +116,8 @@ def build_parser():
     parser.add_argument("--block-sizes", type=_block_sizes, default=None,
                         help="B_r,B_c for the kernels_gpu flash kernels (default: their own)")
     parser.add_argument("--name", default=None, help="results file name (default: sweep, quick or long)")
-    parser.add_argument("--out", default=None, help="results file path (default benchmarks/results/<device>/<name>.json)")
+    parser.add_argument("--out", default=None,
+                        help="results file path (default benchmarks/results/<device>/<name>.json)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting configurations after this many seconds; the rest are recorded as skipped "
                              "(default: none; --quick: 120)")
@@ -200,7 +201,8 @@ class Config(NamedTuple):
         return model_flops(self.batch, self.heads, self.N, self.d, self.causal, self.pass_)
 
     def label(self):
-        return f"{self.impl} {'fwd' if self.pass_ == 'forward' else 'bwd'} N={self.N} d={self.d}{' causal' if self.causal else ''}"
+        direction = "fwd" if self.pass_ == "forward" else "bwd"
+        return f"{self.impl} {direction} N={self.N} d={self.d}{' causal' if self.causal else ''}"
 
 
 def plan(args):
@@ -348,18 +350,19 @@ def measure_ceilings(device, repeats=10):
     """The two ceilings of GPU.md's method, measured here: device-to-device copy bandwidth (bytes read + written)
     and the fp32 matrix product rate with TF32 off (8192³)."""
     import torch
+
     from benchmarks.timing import summarize_ms, time_calls
-    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    src = torch.randn(2**28, device="cuda")  # 1 GiB of float32
     dst = torch.empty_like(src)
+    copy_bytes = 2 * src.numel() * src.element_size()  # each byte read once and written once
     copy_ms = summarize_ms(time_calls([lambda: dst.copy_(src)], device, 3, repeats))["ms"]
-    del src, dst
     n = 8192
     a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
     mm_ms = summarize_ms(time_calls([lambda: torch.matmul(a, b)], device, 3, repeats))["ms"]
-    del a, b
+    src = dst = a = b = None  # free the buffers before the sweep
     device.empty_cache()
-    return {"copy_TBps": 2 * 2**30 * 4 / (copy_ms * 1e-3) / 1e12,
-            "fp32_matmul_TFLOPs": 2 * n**3 / (mm_ms * 1e-3) / 1e12, "repeats": repeats}
+    return {"copy_TBps": copy_bytes / (copy_ms * 1e-3) / 1e12, "fp32_matmul_TFLOPs": 2 * n**3 / (mm_ms * 1e-3) / 1e12,
+            "copy_ms": copy_ms, "matmul_ms": mm_ms, "repeats": repeats}
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -369,7 +372,7 @@ def run(args, configs, device, header, out_path, progress=True):
     from tqdm import tqdm
 
     from benchmarks import impls
-    from benchmarks.timing import Protocol, measure
+    from benchmarks.timing import Protocol
 
     l2 = header.get("device_properties", {}).get("l2_cache_bytes") or 60 * 2**20
     protocol = Protocol(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
@@ -397,17 +400,8 @@ def run(args, configs, device, header, out_path, progress=True):
         if reason:
             records.append(make_record(status="skipped", error=reason, **common))
         else:
-            ref = _reference_for(reference, config, args.seed, device)
-            seed, scale = args.seed, 1.0 / math.sqrt(config.d)  # DESIGN.md: τ = 1/√d
-
-            def make_call(k, config=config, spec=spec, scale=scale):
-                x = impls.make_inputs(config.batch, config.heads, config.N, config.d,
-                                      impls.config_seed(seed, config.N, config.d, config.causal, k))
-                return spec.build(config.pass_, x, config.causal, scale, options)
-
-            check = impls.make_check(ref[config.pass_], spec.dtype, config.pass_)
-            outcome = measure(make_call, check, device, protocol, config.flops(),
-                              count_memory=(spec.family == "torch" or header["numba_allocator"] == "torch"))
+            outcome = _measure_one(config, spec, args, device, protocol, options, reference,
+                                   count_memory=(spec.family == "torch" or header["numba_allocator"] == "torch"))
             update_history(history, config, outcome)
             fields = {k: v for k, v in outcome.items() if k not in ("status", "error", "ms", "tflops",
                                                                      "peak_mem_bytes")}
@@ -419,6 +413,29 @@ def run(args, configs, device, header, out_path, progress=True):
     reference.clear()
     device.empty_cache()
     return records
+
+
+def _measure_one(config, spec, args, device, protocol, options, reference, count_memory):
+    """``timing.measure`` for one configuration, its reference computed (or reused) first."""
+    from benchmarks import impls
+    from benchmarks.timing import Outcome, measure
+    try:
+        ref = _reference_for(reference, config, args.seed, device)
+    except Exception as exc:  # the float64 reference itself did not fit: nothing to check against
+        reference.clear()
+        device.empty_cache()
+        status = "skipped" if device.is_out_of_memory(exc) else "error"
+        return Outcome(status=status, ms=None, tflops=None, peak_mem_bytes=None,
+                       error=f"float64 reference failed: {type(exc).__name__}: {exc}"[:400])
+    seed, scale = args.seed, 1.0 / math.sqrt(config.d)  # DESIGN.md: τ = 1/√d
+
+    def make_call(k):
+        x = impls.make_inputs(config.batch, config.heads, config.N, config.d,
+                              impls.config_seed(seed, config.N, config.d, config.causal, k))
+        return spec.build(config.pass_, x, config.causal, scale, options)
+
+    check = impls.make_check(ref[config.pass_], spec.dtype, config.pass_)
+    return measure(make_call, check, device, protocol, config.flops(), count_memory=count_memory)
 
 
 def _reference_for(cache, config, seed, device):

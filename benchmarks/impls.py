@@ -5,16 +5,16 @@ float32 CUDA tensors ``Q, K, V, dO`` of shape (batch, heads, N, d)), does the un
 backward pass, the forward whose saved state it needs), and returns a function of no arguments that runs the
 timed pass once and returns its outputs as a dict (``O`` and ``L``, or FA1's ``l, m``; or ``dQ, dK, dV``).
 
-| name             | what                                                                                   | dtype   |
-| ---------------- | -------------------------------------------------------------------------------------- | ------- |
-| kg_standard      | kernels_gpu standard attention (FA1 Alg. 0/3): S and P materialised in global memory    | float32 |
-| kg_flash1        | kernels_gpu FA1 forward (FA1 Alg. 1): K/V-outer loop, O/ℓ/m round-trip through HBM        | float32 |
-| kg_flash2        | kernels_gpu FA2 forward and backward (FA2 Alg. 1/2), dQ accumulated with atomics       | float32 |
-| kg_flash2_det    | kernels_gpu FA2 backward, deterministic dQ (backward only; not in the default set)     | float32 |
-| torch_eager      | PyTorch eager: matmul, softmax, matmul; autograd for the backward                      | float32 |
-| sdpa_math        | PyTorch SDPA, math backend                                                             | float32 |
-| sdpa_efficient   | PyTorch SDPA, memory-efficient backend                                                 | float32 |
-| sdpa_flash       | PyTorch SDPA, flash backend (needs fp16/bf16: inputs cast to fp16, the only non-fp32)  | float16 |
+| name           | what                                                                               | dtype   |
+| -------------- | ---------------------------------------------------------------------------------- | ------- |
+| kg_standard    | kernels_gpu standard attention (FA1 Alg. 0/3): S and P materialised in global memory | float32 |
+| kg_flash1      | kernels_gpu FA1 forward (FA1 Alg. 1): K/V-outer loop, O/ℓ/m round-trip through HBM  | float32 |
+| kg_flash2      | kernels_gpu FA2 forward and backward (FA2 Alg. 1/2), dQ accumulated with atomics   | float32 |
+| kg_flash2_det  | kernels_gpu FA2 backward, deterministic dQ (backward only; not in the default set) | float32 |
+| torch_eager    | PyTorch eager: matmul, softmax, matmul; autograd for the backward                  | float32 |
+| sdpa_math      | PyTorch SDPA, math backend                                                         | float32 |
+| sdpa_efficient | PyTorch SDPA, memory-efficient backend                                             | float32 |
+| sdpa_flash     | PyTorch SDPA, flash backend (needs fp16/bf16: inputs cast to fp16)                 | float16 |
 
 The PyTorch forward passes run as in training (inputs require grad), as the FA2 paper times them; TF32 is off
 (``bench_attention`` sets it), so every float32 row is true fp32 arithmetic on CUDA cores.
@@ -196,12 +196,12 @@ def config_seed(seed, N, d, causal, copy):
     return (seed * 1_000_003 + N * 7_919 + d * 104_729 + int(causal) * 15_485_863 + copy * 2_038_074_743) % 2**62
 
 
-def make_inputs(batch, heads, N, d, seed):
-    """One input set: Q, K, V, dO, float32 standard normal on the GPU (never zeros), shape (batch, heads, N, d)."""
+def make_inputs(batch, heads, N, d, seed, device="cuda"):
+    """One input set: Q, K, V, dO, float32 standard normal (never zeros), shape (batch, heads, N, d)."""
     import torch
-    generator = torch.Generator(device="cuda").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, heads, N, d)
-    return {name: torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32)
+    return {name: torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             for name in ("Q", "K", "V", "dO")}
 
 

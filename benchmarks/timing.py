@@ -18,7 +18,6 @@ Everything device-specific goes through a *device* object (``TorchDevice`` on a 
 fake clock), so the protocol itself runs and is tested without a GPU.
 """
 
-import contextlib
 import gc
 import math
 import statistics

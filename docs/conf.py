@@ -54,6 +54,7 @@ autosummary_generate = True
 autosummary_imported_members = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_inherit_docstrings = False   # torch.autograd.Function's inherited docstrings point at PyTorch's own labels
 autodoc_default_options = {"show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True

@@ -329,7 +329,8 @@ def flash1_backward(Q, K, V, O, l, m, dO, M=None, block_sizes=None, causal=False
     ``seed`` (FA1 Appendix B.4). Returns ``Flash1Backward(dQ, dK, dV)`` in the input dtype; dK, dV are summed over
     the query heads of a GQA group; fully masked rows get zero gradients, never NaN.
 
-    Cost per (batch, head), N_q = N_k = N, no mask: 8N²d matmul FLOPs (4N²d of them recomputation and dP);
+    Cost per (batch, head), N_q = N_k = N, no mask: 10N²d matmul FLOPs (five products: S recomputed, dV, dP,
+    dQ, dK);
     HBM reads 2Nd + T_c(4Nd + 2N), writes 2Nd + T_c·Nd, plus 3Nd initialisation writes (dQ, dK, dV).
     """
     dropout_p, seed = check_dropout(dropout_p, seed)

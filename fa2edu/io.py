@@ -232,11 +232,16 @@ def visit_form(algorithm: str, pass_: str, d: int, visits: BlockVisits, *,
             return (N_q + 2 * N_k) * d + 2 * N_q * N_k, 2 * N_q * N_k + N_q * d
         return 5 * N_q * N_k + (3 * N_q + 2 * N_k) * d, 2 * N_q * N_k + (N_q + 2 * N_k) * d
     if (algorithm, pass_) == ("flash1", "forward"):
+        # FA1 Alg 1 line 6: K_j, V_j | line 8: Q_i, O_i, ℓ_i, m_i in | lines 12-13: O_i, ℓ_i, m_i out (per visit).
         return 2 * N_k * d + (2 * d + 2) * RV, (d + 2) * RV
     if (algorithm, pass_) == ("flash1", "backward"):
+        # FA1 Alg 4 line 7: K_j, V_j | line 10: Q_i, O_i, dO_i, dQ_i, ℓ_i, m_i | line 21: dQ_i | line 24: dK_j, dV_j.
         return 2 * N_k * d + (4 * d + 2) * RV, 2 * N_k * d + d * RV
     if (algorithm, pass_) == ("flash2", "forward"):
+        # FA2 Alg 1 line 4: Q_i once | line 7: K_j, V_j per visit | lines 14-15: O_i, L_i once.
         return N_q * d + 2 * d * CV, (d + 1) * N_q
+    # FA2 Alg 2 line 4: dO, O in, D out | line 6: K_j, V_j | line 9: Q_i, dO_i, L_i, D_i | line 15: dQ_i in and out
+    # | line 18: dK_j, dV_j.  The printed line 9 also loads O_i and dQ_i (erratum 9).
     extra = 2 * d * RV if redundant_loads else 0
     return 2 * N_q * d + 2 * N_k * d + (3 * d + 2) * RV + extra, N_q + 2 * N_k * d + d * RV
 
@@ -257,7 +262,7 @@ def _working_set(algorithm: str, pass_: str, d: int, redundant_loads: bool = Fal
 
 
 def peak_sram_form(algorithm: str, pass_: str, d: int, visits: BlockVisits, *,
-                   redundant_loads: bool = False) -> int | None:
+                   redundant_loads: bool = False) -> int:
     """Peak SRAM occupancy (elements) of a tiled pass: its working set at the largest tile shape it visits.
 
     Working sets grow with the tile shape (r, c), so the peak is the largest working set over the (at most four)

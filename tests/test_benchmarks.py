@@ -3,9 +3,11 @@ device with a fake clock, argument parsing and the plan, and the plot script on 
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,7 +18,6 @@ if ROOT not in sys.path:  # benchmarks/ is a top-level package of the checkout, 
 from benchmarks import bench_attention as bench  # noqa: E402
 from benchmarks import results_io, timing  # noqa: E402
 from benchmarks.flop_model import model_flops, tflops  # noqa: E402
-
 
 # ---------------------------------------------------------------------------------------------- FLOP model
 
@@ -512,3 +513,121 @@ def test_torch_allocator_plugin_allocates_and_frees_through_torch():
     result = subprocess.run([sys.executable, "-c", ALLOCATOR_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "allocator ok" in result.stdout, result.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- with PyTorch (CPU)
+# The GPU runs these same functions on CUDA tensors; on a machine with PyTorch they are checked on the CPU.
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 8 * 3 * 29])  # whole heads per chunk; 3 rows per chunk
+def test_reference_matches_the_fa2edu_oracle(causal, chunk_bytes):
+    torch = pytest.importorskip("torch")
+    import fa2edu
+    from benchmarks import impls
+    x = impls.make_inputs(2, 3, 29, 8, seed=5, device="cpu")
+    scale = 1 / math.sqrt(8)
+    O, L = impls.reference_forward(x["Q"], x["K"], x["V"], causal, scale, chunk_bytes=chunk_bytes)
+    dQ, dK, dV = impls.reference_backward(x["Q"], x["K"], x["V"], x["dO"], O, L, causal, scale,
+                                          chunk_bytes=chunk_bytes)
+    Q, K, V, dO = (x[n].numpy() for n in ("Q", "K", "V", "dO"))
+    O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal, scale=scale)
+    grads = fa2edu.attention_reference_backward(Q, K, V, dO, causal=causal, scale=scale)
+    for ours, theirs in ((O, O_ref), (L, L_ref), (dQ, grads.dQ), (dK, grads.dK), (dV, grads.dV)):
+        assert ours.dtype == torch.float64
+        assert abs(ours.numpy() - theirs).max() <= 1e-12 * max(1.0, abs(theirs).max())
+
+
+@pytest.mark.parametrize("impl", ["torch_eager", "sdpa_math"])
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_baselines_pass_the_check(impl, pass_, causal):
+    pytest.importorskip("torch")
+    from benchmarks import impls
+    x = impls.make_inputs(2, 2, 40, 16, seed=1, device="cpu")
+    scale = 0.25
+    O, L = impls.reference_forward(x["Q"], x["K"], x["V"], causal, scale)
+    reference = {"O": O, "L": L}
+    if pass_ == "backward":
+        dQ, dK, dV = impls.reference_backward(x["Q"], x["K"], x["V"], x["dO"], O, L, causal, scale)
+        reference = {"dQ": dQ, "dK": dK, "dV": dV}
+    call = impls.IMPLS[impl].build(pass_, x, causal, scale, {})
+    outputs = call()
+    assert set(outputs) == ({"O"} if pass_ == "forward" else {"dQ", "dK", "dV"})
+    ok, details = impls.make_check(reference, "float32", pass_)(outputs)
+    assert ok and details["rel_error"] < 1e-5, details
+    # the same check fails a wrong answer (one row off) and an unwritten (NaN) element
+    name = "O" if pass_ == "forward" else "dK"
+    bad = {k: v.detach().clone() for k, v in outputs.items()}
+    bad[name][0, 0, 3] += 1.0
+    assert not impls.make_check(reference, "float32", pass_)(bad)[0]
+    bad[name][0, 0, 3] = float("nan")
+    ok, details = impls.make_check(reference, "float32", pass_)(bad)
+    assert not ok and details["rel_errors"][name] is None and details["rel_error"] is None
+
+
+def test_check_reads_fa1_statistics_as_a_log_sum_exp():
+    torch = pytest.importorskip("torch")
+    from benchmarks import impls
+    x = impls.make_inputs(1, 2, 33, 8, seed=2, device="cpu")
+    O, L = impls.reference_forward(x["Q"], x["K"], x["V"], True, 0.3)
+    m = L - 0.5  # any m with ℓ = exp(L − m) describes the same row statistics
+    outputs = {"O": O.float(), "l": torch.exp(L - m).float(), "m": m.float()}
+    ok, details = impls.make_check({"O": O, "L": L}, "float32", "forward")(outputs)
+    assert ok and set(details["rel_errors"]) == {"O", "L"}
+    outputs["m"] = outputs["m"] + 0.01  # L off by 0.01 everywhere
+    assert not impls.make_check({"O": O, "L": L}, "float32", "forward")(outputs)[0]
+
+
+class WallClockDevice(FakeDevice):
+    """The CPU as a 'device': events read the wall clock; memory statistics stay at zero."""
+
+    class Event:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    def event(self):
+        return self.Event()
+
+
+def test_the_whole_run_on_cpu_with_torch_baselines(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from benchmarks import impls
+    real_make_inputs = impls.make_inputs
+    monkeypatch.setattr(impls, "make_inputs", lambda *a, **k: real_make_inputs(*a, device="cpu", **k))
+    args = bench.parse_args(["--impls", "torch_eager,sdpa_math", "--N", "32,64", "--d", "16", "--tokens", "128",
+                             "--hidden", "32", "--target-ms", "2", "--max-repeats", "4"])
+    configs = bench.plan(args)
+    assert len(configs) == 2 * 2 * 2 * 2  # impls × N × causal × passes
+    header = {"device": "CPU test", "device_properties": {}, "numba_allocator": "torch"}
+    out = str(tmp_path / "cpu.json")
+    records = bench.run(args, configs, WallClockDevice(), header, out, progress=False)
+    assert [r["status"] for r in records] == ["ok"] * len(configs), [r["error"] for r in records]
+    loaded_header, loaded, summary = results_io.load_results(out)
+    assert loaded_header["settings"]["mode"] == "sweep" and len(loaded) == len(configs)
+    for r in loaded:
+        assert r["rel_error"] < 1e-5 and r["repeats"] >= 3 and r["batch"] * r["N"] == 128
+        flops = model_flops(r["batch"], r["heads"], r["N"], r["d"], r["causal"], r["pass"])
+        assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
+    assert summary["series"]["sdpa_math/backward/d16/causal"]["ok"] == 2
+    assert "torch_eager" in bench.format_table(loaded)
+    assert bench.main(["--show", out]) == 0
+
+
+def test_run_records_a_spent_budget_and_a_failed_reference(tmp_path, monkeypatch):
+    from benchmarks import impls
+    args = bench.parse_args(["--impls", "kg_flash2,torch_eager", "--N", "32,64", "--d", "16", "--tokens", "128",
+                             "--hidden", "32", "--passes", "forward", "--budget-s", "0"])
+    header = {"device": "CPU test", "device_properties": {}, "numba_allocator": "torch"}
+    records = bench.run(args, bench.plan(args), FakeDevice(), header, str(tmp_path / "a.json"), progress=False)
+    assert len(records) == 8 and all(r["status"] == "skipped" and "budget" in r["error"] for r in records)
+
+    def no_memory(*a, **k):
+        raise MemoryError("out of memory (fake) for the float64 reference")
+    monkeypatch.setattr(impls, "make_inputs", no_memory)
+    args.budget_s = None
+    records = bench.run(args, bench.plan(args), FakeDevice(), header, str(tmp_path / "b.json"), progress=False)
+    assert all(r["status"] == "skipped" and r["error"].startswith("float64 reference failed") for r in records)
+    assert len(results_io.load_results(str(tmp_path / "b.json"))[1]) == 8

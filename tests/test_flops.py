@@ -38,9 +38,9 @@ def test_causal_matmul_flops_count_visited_blocks(N, d, bs):
     assert 0.5 <= causal / full < 0.5 + 1.0 / visits.T_r + 1e-12
 
 
-@pytest.mark.parametrize("N, d, tiling", [(64, 8, {"M": 128}), (200, 16, {"M": 1024}), (512, 32, {"block_sizes": (64, 64)}),
-                                          (128, 64, {"block_sizes": (64, 64)}), (100, 16, {"block_sizes": (7, 30)}),
-                                          (33, 4, {"block_sizes": (40, 40)})])
+@pytest.mark.parametrize("N, d, tiling", [(64, 8, {"M": 128}), (200, 16, {"M": 1024}),
+                                          (512, 32, {"block_sizes": (64, 64)}), (128, 64, {"block_sizes": (64, 64)}),
+                                          (100, 16, {"block_sizes": (7, 30)}), (33, 4, {"block_sizes": (40, 40)})])
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash2_does_fewer_nonmatmul_flops_than_flash1(N, d, tiling, causal):
     """FA2 Section 3.1: no per-step rescale by diag(ℓ)⁻¹ (tweak 1), D precomputed once in the backward pass.

@@ -25,6 +25,7 @@ import fa2edu.torch as op  # noqa: E402
 from examples.gpt import plot, train  # noqa: E402
 from examples.gpt.data import CharData, generate_text  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def one_thread():
     # These tensors are tiny: extra intra-op threads only spin-wait, badly so on a busy shared CI machine.

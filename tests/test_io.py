@@ -19,10 +19,8 @@ import fa2edu
 from fa2edu import hardware
 from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, num_blocks, sram_capacity
 from fa2edu.flash1 import flash1_backward_working_set, flash1_forward_working_set
-from fa2edu.flash2 import flash2_backward, flash2_backward_working_set, flash2_forward
-from fa2edu.flash2 import flash2_forward_working_set
-from fa2edu.io import (ALGORITHMS, PASSES, IOReport, block_rule, block_visits, closed_form, simulate_io,
-                       visit_form)
+from fa2edu.flash2 import flash2_backward, flash2_backward_working_set, flash2_forward, flash2_forward_working_set
+from fa2edu.io import ALGORITHMS, PASSES, IOReport, block_rule, block_visits, closed_form, simulate_io, visit_form
 from fa2edu.masks import BlockKind, classify_block, random_block_mask
 from fa2edu.memory import HBM
 
@@ -213,7 +211,7 @@ def test_sram_peak_within_capacity(N, d, M):
     report = simulate_io(N, d, M, True, method="execute", algorithms=("flash1", "flash2"))
     for row in report.rows:
         ws = working_sets[(row.algorithm, row.pass_)]
-        capacity = sram_capacity(M, d, block_rule(row.algorithm, row.pass_), lambda br, bc: ws(br, bc, d))
+        capacity = sram_capacity(M, d, block_rule(row.algorithm, row.pass_), lambda br, bc, ws=ws: ws(br, bc, d))
         assert 0 < row.peak_sram <= capacity
         assert row.peak_sram <= 5 * M
 

@@ -26,6 +26,7 @@ from tolerances import assert_close_to_oracle  # noqa: E402
 import fa2edu  # noqa: E402
 from fa2edu.torch import ALGORITHMS, flash_attention  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def one_thread():
     # These tensors are tiny: extra intra-op threads only spin-wait, badly so on a busy shared CI machine.

@@ -55,7 +55,8 @@ def plot(result: dict, path: Path) -> Path:
         bottom.semilogy(steps, _bounds(result), "r-", lw=1, label="agreement bound")
         bottom.set_ylabel("|loss_sdpa − loss_fa2edu|")
         bottom.set_xlabel("step")
-        bottom.legend()
+        bottom.set_ylim(top=30 * max(_bounds(result)))       # room above the bound for the legend
+        bottom.legend(loc="upper left", fontsize=8, ncol=3)
     else:
         top.set_xlabel("step")
     figure.tight_layout()
