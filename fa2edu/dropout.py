@@ -42,7 +42,7 @@ def uniform(seed: int, batch, head, rows, cols) -> np.ndarray:
 
 
 def keep_mask(seed: int, p: float, lead: tuple[int, ...], heads: int, rows: slice, cols: slice) -> np.ndarray:
-    """Boolean keep-mask Z of shape (*lead, rows, cols) for the programs laid out as ``lead``.
+    """Boolean keep-mask Z of shape ``(*lead, rows, cols)`` for the programs laid out as ``lead``.
 
     ``lead`` are the algorithm-layout leading axes (Z, H_kv, G); the flat program index z = b·H_q + h gives the
     batch entry b = z // heads and head h = z % heads, with ``heads`` = H_q.
