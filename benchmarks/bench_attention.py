@@ -500,12 +500,15 @@ def format_table(records):
     """A plain-text table: TFLOP/s per implementation (rows) and N (columns), one block per (pass, d, causal);
     '-' skipped, 'X' wrong, 'E' error."""
     lines = []
-    blocks = sorted({(r["pass"], r["d"], r["causal"]) for r in records},
-                    key=lambda b: (b[0] != "forward", b[1], b[2]))
-    for pass_, d, causal in blocks:
-        rows = [r for r in records if (r["pass"], r["d"], r["causal"]) == (pass_, d, causal)]
+    def block(r):
+        return (r.get("mode", "sweep"), r["pass"], r["d"], r["causal"])
+    for mode, pass_, d, causal in sorted({block(r) for r in records},
+                                         key=lambda b: (b[0] == "long", b[1] != "forward", b[2], b[3])):
+        rows = [r for r in records if block(r) == (mode, pass_, d, causal)]
         Ns = sorted({r["N"] for r in rows})
-        lines.append(f"\n{pass_}, d = {d}, {'causal' if causal else 'not causal'}: TFLOP/s (peak GiB)")
+        shape = f"B = {rows[0]['batch']}, H = {rows[0]['heads']}, " if mode == "long" else ""
+        lines.append(f"\n{mode}: {pass_}, {shape}d = {d}, {'causal' if causal else 'not causal'}: "
+                     "TFLOP/s (peak GiB)")
         lines.append(f"{'impl':<16}" + "".join(f"{N:>16}" for N in Ns))
         for impl in dict.fromkeys(r["impl"] for r in rows):
             cells = []

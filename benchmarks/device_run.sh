@@ -19,10 +19,10 @@ OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
 
 STEPS="${STEPS:-versions tests sanitizer sweep long}"
-T_TESTS="${T_TESTS:-140}"          # seconds for `pytest -m gpu tests/gpu`
+T_TESTS="${T_TESTS:-130}"          # seconds for `pytest -m gpu tests/gpu`
 T_SANITIZER="${T_SANITIZER:-55}"   # seconds for each compute-sanitizer tool
 T_SWEEP="${T_SWEEP:-170}"          # seconds for the sweep (it stops starting configurations 35 s before)
-T_LONG="${T_LONG:-110}"            # seconds for the long-sequence run
+T_LONG="${T_LONG:-100}"            # seconds for the long-sequence run
 SWEEP_NAME="${SWEEP_NAME:-sweep_d64}"
 SWEEP_ARGS="${SWEEP_ARGS:---d 64 --target-ms 100 --max-call-ms 1000}"
 LONG_ARGS="${LONG_ARGS:-}"

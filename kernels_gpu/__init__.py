@@ -30,8 +30,12 @@ if not hasattr(_np, "row_stack"):
 from kernels_gpu.flash1 import Flash1Forward, flash1_forward  # noqa: E402
 from kernels_gpu.flash2 import Flash2Backward, Flash2Forward, flash2_backward, flash2_forward  # noqa: E402
 from kernels_gpu.runtime import NoGPUError, default_block_sizes, simulator_in_use  # noqa: E402
-from kernels_gpu.standard import (StandardBackward, StandardForward, standard_attention,  # noqa: E402
-                                  standard_attention_backward)
+from kernels_gpu.standard import (  # noqa: E402
+    StandardBackward,
+    StandardForward,
+    standard_attention,
+    standard_attention_backward,
+)
 
 __all__ = [
     "standard_attention", "standard_attention_backward", "flash1_forward", "flash2_forward", "flash2_backward",

@@ -34,7 +34,7 @@ import numpy as np
 
 from kernels_gpu import runtime as rt
 
-__all__ = ["GlobalTraffic", "CountingArray", "count_global_memory"]
+__all__ = ["GlobalTraffic", "count_global_memory"]  # and CountingArray, built lazily (simulator only)
 
 
 class GlobalTraffic:

@@ -32,7 +32,8 @@ from fa2edu.validation import check_like, check_scale, prepare
 
 __all__ = [
     "NoGPUError", "Layout", "simulator_in_use", "require_device", "is_device_array", "prepare_inputs",
-    "prepare_like", "device_empty", "device_zeros", "finish", "tally", "grid_size", "check_resources", "default_block_sizes",
+    "prepare_like", "device_empty", "device_zeros", "finish", "tally", "grid_size", "check_resources",
+    "default_block_sizes",
     "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS",
 ]
 
@@ -159,13 +160,19 @@ def _to_4d(x, name: str):
                          f"make it contiguous first ({error})") from error
 
 
-def _as_device(x, name: str):
+def _device_view(x, name: str):
     """Zero-copy numba view of a device array; the dtype must be float32 (the kernels' storage type)."""
     if not simulator_in_use() and not getattr(x, "__cuda_ndarray__", False):
         x = cuda.as_cuda_array(x)
     if np.dtype(x.dtype) != np.float32:
         raise TypeError(f"{name} must be float32 on the device (the kernels compute and store in float32), "
                         f"got {x.dtype}")
+    return x
+
+
+def _as_device(x, name: str):
+    """:func:`_device_view` of an input matrix (…, N, d)."""
+    x = _device_view(x, name)
     if x.ndim < 2:
         raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got shape {tuple(x.shape)}")
     if 0 in tuple(x.shape):
@@ -246,9 +253,7 @@ def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool =
         return _host_to_device(np.ascontiguousarray(x, dtype=np.float32).reshape((layout.Z, H) + tuple(tail)))
     if not is_device_array(x):
         raise TypeError(f"{name} must be a device array like Q, K, V, got {type(x).__name__}")
-    x = _as_device(x, name) if len(tail) else x
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"{name} must be float32 on the device, got {x.dtype}")
+    x = _device_view(x, name)
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
     if x.ndim == 2 + len(tail):
@@ -271,7 +276,7 @@ poison_outputs = os.environ.get("KERNELS_GPU_POISON") == "1"
 
 
 def device_empty(shape: tuple):
-    """A float32 device array for a kernel to fill (every element is written; NaN-poisoned if :data:`poison_outputs`)."""
+    """A float32 device array for a kernel to fill (every element gets written); NaN if :data:`poison_outputs`."""
     array = cuda.device_array(shape, dtype=np.float32)
     if poison_outputs:
         _fill(array, np.nan)

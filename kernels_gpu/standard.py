@@ -66,18 +66,36 @@ def matmul_kernel(T: int, trans_a: bool, trans_b: bool):
             h_a = h * a_mul + g
             h_b = (h * b_mul + g) // b_div
             for k0 in range(0, inner, T):
-                # Load one T × T tile of op(A) (rows of C, inner index) and of op(B) (inner index, columns of C);
-                # out-of-range entries are 0 so that ragged edges add nothing.
-                k = k0 + tx
-                a = float32(0.0)
-                if row < n_rows and k < inner:
-                    a = A[z, h_a, k, row] if trans_a else A[z, h_a, row, k]
-                A_tile[ty, tx] = a
-                k = k0 + ty
-                b = float32(0.0)
-                if k < inner and col < n_cols:
-                    b = B[z, h_b, col, k] if trans_b else B[z, h_b, k, col]
-                B_tile[ty, tx] = b
+                # Load one T × T tile of op(A) (rows of C × inner index) and of op(B) (inner index × columns of C);
+                # out-of-range entries are 0 so that ragged edges add nothing. Neighbouring threads (tx) always
+                # read neighbouring addresses (coalesced): a transposed operand is read along its own rows and
+                # stored transposed into shared memory.
+                if trans_a:
+                    r = cuda.blockIdx.y * T + tx
+                    k = k0 + ty
+                    a = float32(0.0)
+                    if r < n_rows and k < inner:
+                        a = A[z, h_a, k, r]
+                    A_tile[tx, ty] = a
+                else:
+                    k = k0 + tx
+                    a = float32(0.0)
+                    if row < n_rows and k < inner:
+                        a = A[z, h_a, row, k]
+                    A_tile[ty, tx] = a
+                if trans_b:
+                    c = cuda.blockIdx.x * T + ty
+                    k = k0 + tx
+                    b = float32(0.0)
+                    if k < inner and c < n_cols:
+                        b = B[z, h_b, c, k]
+                    B_tile[tx, ty] = b
+                else:
+                    k = k0 + ty
+                    b = float32(0.0)
+                    if k < inner and col < n_cols:
+                        b = B[z, h_b, k, col]
+                    B_tile[ty, tx] = b
                 cuda.syncthreads()
                 for kk in range(T):
                     acc += A_tile[ty, kk] * B_tile[kk, tx]

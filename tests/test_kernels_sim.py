@@ -24,11 +24,11 @@ import sys
 
 import numpy as np
 import pytest
+from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 import kernels_gpu
 from kernels_gpu import runtime as rt
-from tolerances import assert_close_to_oracle, baseline_error
 
 if not rt.simulator_in_use() and os.environ.get("FA2EDU_GPU") != "1":  # pragma: no cover
     pytest.skip("the simulator tests need NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
@@ -296,3 +296,18 @@ def test_default_block_sizes_fit_a_block():
 def test_outputs_start_poisoned():
     """The autouse fixture's poison is real: a fresh output holds NaN until a kernel writes it."""
     assert np.isnan(rt.device_empty((2, 3)).copy_to_host()).all()
+
+
+def test_device_arrays_without_batch_axes():
+    """Plain (N, d) device matrices: L is a 1-D device vector, and the backward pass takes it as it came."""
+    from numba import cuda
+    Q, K, V, dO, c = make_problem("2d-causal", seed=2)
+    host = kernels_gpu.flash2_forward(Q, K, V, block_sizes=c["bs"], causal=True)
+    dev = kernels_gpu.flash2_forward(*(cuda.to_device(x) for x in (Q, K, V)), block_sizes=c["bs"], causal=True)
+    assert tuple(dev.L.shape) == (c["N_q"],)
+    grads = kernels_gpu.flash2_backward(*(cuda.to_device(x) for x in (Q, K, V)), dev.O, dev.L, cuda.to_device(dO),
+                                        block_sizes=c["bs"], causal=True, deterministic=True)
+    host_grads = kernels_gpu.flash2_backward(Q, K, V, host.O, host.L, dO, block_sizes=c["bs"], causal=True,
+                                             deterministic=True)
+    for g, h in zip(grads, host_grads):
+        np.testing.assert_array_equal(g.copy_to_host(), h)

@@ -144,7 +144,7 @@ def test_standard_attention_forward_matches_oracle(size, causal):
 
 
 BACKWARD_SIZES = [  # (B, H_q, H_kv, N_q, N_k, d): full float64 oracle gradients, so moderate N
-    (1, 2, 2, 4096, 4096, 64),
+    (1, 1, 1, 4096, 4096, 64),
     (1, 2, 2, 2048, 2048, 128),
     (1, 4, 2, 1500, 2100, 64),          # GQA, N_q < N_k
     (1, 2, 1, 2100, 1500, 128),         # MQA, N_q > N_k: fully masked rows when causal
@@ -224,7 +224,8 @@ def test_torch_tensors_zero_copy():
     Q, K, V, _ = make(1, 2, 2, 1000, 1200, 64, seed=9)
     tq, tk, tv = (torch.from_numpy(x).cuda() for x in (Q, K, V))
     out = kernels_gpu.flash2_forward(tq, tk, tv, causal=True)
-    assert isinstance(out.O, cuda.devicearray.DeviceNDArray)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    assert isinstance(out.O, DeviceNDArray)
     O_torch = torch.as_tensor(out.O, device="cuda")                    # back to torch, zero-copy
     assert O_torch.data_ptr() == out.O.__cuda_array_interface__["data"][0]
     np.testing.assert_array_equal(O_torch.cpu().numpy(), kernels_gpu.flash2_forward(Q, K, V, causal=True).O)

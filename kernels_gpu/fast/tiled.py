@@ -1,0 +1,364 @@
+"""The register-tiled FA2 forward kernel that every numbered fast version is built from.
+
+FA2 Algorithm 1, one thread block per (row block i, batch z, query head h), as in the teaching kernel
+(:mod:`kernels_gpu.flash2`), but the work of a block is spread over a 2-D grid of threads so that every thread does
+many multiply-adds per value it reads from shared memory:
+
+* **Threads.** ``NY × NX`` threads; thread (ty, tx) owns the ``TR`` query rows ``ty·TR + r`` of the row block, the
+  ``TC`` key columns ``tx + NX·c`` of each S tile (interleaved: a quarter-warp's 16-byte reads of K then hit distinct
+  banks), and the ``TD = d_v / NX`` output columns ``4·tx + 4·NX·q + e`` of Õ (again interleaved in 4-wide chunks).
+  B_r = NY·TR, B_c = NX·TC. A row's NX threads are consecutive lanes of one warp (NX ≤ 32).
+* **Registers.** S/P̃ (TR × TC), Õ (TR × TD), m, ℓ (TR each) are ``cuda.local.array`` of compile-time size indexed
+  only inside fully unrolled constant-trip loops, so LLVM keeps them in registers (the resource report shows 0 bytes
+  of local memory: ``resources()``).
+* **Shared memory**, one flat float32 array: Q_i (B_r × (d+4), pre-scaled by τ·log₂e so that the softmax uses
+  ``exp2``), K_j (B_c × (d+4)), V_j (B_c × d_v), P̃ (B_r × (B_c+4)). The +4 pads keep every row 16-byte aligned
+  (so the inner loops read 4 floats per instruction) while shifting rows across banks.
+* **Row statistics.** m is the same for the NX threads of a row: each thread takes the max over its TC columns, then
+  the row's NX partial maxima are combined — through shared memory (v1) or with warp shuffles (v2+). ℓ needs no
+  exchange inside the loop: each thread keeps the partial sum of its own columns, rescaled by the common
+  e^{m_old − m_new}; the partial sums are added once, after the loop (Alg. 1 line 12).
+* **Masking.** Ragged column tiles and the causal diagonal set S = −inf only in the tiles that need it; causal tiles
+  entirely above the diagonal are never loaded (the loop stops before them). Fully masked rows keep m = −inf: the
+  guard ``m_use = 0 if m = −inf`` makes every exponential exactly 0, so O = 0 and L = +inf.
+
+Shared memory above numba's 48 KiB of static shared memory is taken as *dynamic* shared memory, after raising the
+kernel's limit (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, up to 227 KiB on Hopper).
+Cost per (batch, head), N_q = N_k = N, not causal: 4N²d FLOPs (plus ~5 non-matmul ops per S element); global
+reads Nd + 2Nd·T_r, writes Nd + N (the same traffic as the teaching kernel: tiles, not traffic, changed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, uint64
+
+from fa2edu.flash2 import Flash2Forward
+from kernels_gpu import runtime as rt
+
+__all__ = ["Tiling", "make_forward", "run_forward", "resources", "STATIC_FLOATS"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+#: numba's static shared memory per block (48 KiB) in floats; beyond it the kernel takes dynamic shared memory.
+STATIC_FLOATS = 48 * 1024 // 4
+#: Hopper's largest opt-in dynamic shared memory per block, in bytes.
+MAX_DYNAMIC_BYTES = 227 * 1024
+
+
+class Tiling(NamedTuple):
+    """A tile shape: NY × NX threads, each owning TR rows and TC columns of S (B_r = NY·TR, B_c = NX·TC)."""
+
+    NY: int
+    NX: int
+    TR: int
+    TC: int
+
+    @property
+    def B_r(self) -> int:
+        return self.NY * self.TR
+
+    @property
+    def B_c(self) -> int:
+        return self.NX * self.TC
+
+    @property
+    def threads(self) -> int:
+        return self.NY * self.NX
+
+
+def layout(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
+    """Offsets and row strides (floats) of Q_i, K_j, V_j, P̃ (and, without shuffles, the B_r × NX partial row
+    maxima) in the block's flat shared array, and its size."""
+    B_r, B_c = tiling.B_r, tiling.B_c
+    QS, KS, VS, PS = d + 4, d + 4, d_v, B_c + 4
+    q_off = 0
+    k_off = q_off + B_r * QS
+    v_off = k_off + B_c * KS
+    p_off = v_off + B_c * VS
+    red_off = p_off + B_r * PS
+    return dict(QS=QS, KS=KS, VS=VS, PS=PS, q_off=q_off, k_off=k_off, v_off=v_off, p_off=p_off,
+                red_off=red_off, size=red_off + (0 if shuffle else B_r * tiling.NX))
+
+
+def check_tiling(tiling: Tiling, d: int, d_v: int) -> None:
+    """Refuse tile shapes the kernel cannot run (it needs 4-float chunks everywhere and a row inside one warp)."""
+    NY, NX, TR, TC = tiling
+    if NX not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"tiling NX (threads per row) must be a power of two <= 32, got {NX}")
+    if d % 4 or d_v % (4 * NX):
+        raise ValueError(f"the fast kernels need d % 4 == 0 and d_v % (4·NX) == 0; got d = {d}, d_v = {d_v}, "
+                         f"NX = {NX}: use kernels_gpu.flash2_forward for other head sizes")
+    if tiling.B_c % 4 or TR < 1 or TC < 1 or NY < 1:
+        raise ValueError(f"tiling needs B_c = NX·TC a multiple of 4 and TR, TC, NY >= 1, got {tiling}")
+    if tiling.threads > rt.MAX_THREADS:
+        raise ValueError(f"tiling {tiling} gives {tiling.threads} threads; CUDA allows {rt.MAX_THREADS}")
+
+
+# -- warp exchange: the real shuffle, and its emulation for the simulator -----------------------------------------
+
+@cuda.jit(device=True, inline=True)
+def _xor_shuffle_gpu(scratch, t, value, lane_mask):
+    """The value held by lane ``lane ^ lane_mask`` of this warp (``shfl.sync.bfly``); ``scratch`` unused."""
+    return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
+
+
+@cuda.jit(device=True)
+def _xor_shuffle_sim(scratch, t, value, lane_mask):
+    """The simulator has no warp shuffles: the same exchange through shared memory. Every thread of the block
+    must call it (the kernel calls it unconditionally), since it synchronises the block twice."""
+    scratch[t] = value
+    cuda.syncthreads()
+    other = scratch[t ^ lane_mask]
+    cuda.syncthreads()
+    return other
+
+
+# -- the kernel ----------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool):
+    """Compile-time specialisation of the kernel: tile shape, head sizes, and how rows exchange their maxima."""
+    check_tiling(tiling, d, d_v)
+    NY, NX, TR, TC = tiling
+    B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
+    TD = d_v // NX                     # output columns per thread, in TD // 4 chunks of 4
+    TQ = TD // 4
+    S_REGS, O_REGS, QA_REGS, KA_REGS = TR * TC, TR * TD, TR * 4, TC * 4   # local-array sizes: compile-time constants
+    lay = layout(tiling, d, d_v, shuffle)
+    QS, KS, VS, PS = lay["QS"], lay["KS"], lay["VS"], lay["PS"]
+    Q_OFF, K_OFF, V_OFF, P_OFF, RED_OFF = (lay[k] for k in ("q_off", "k_off", "v_off", "p_off", "red_off"))
+    SIZE = lay["size"]
+    STATIC = SIZE if SIZE <= STATIC_FLOATS else 0      # 0: numba's dynamic shared array (size set at launch)
+    SCRATCH = T if (shuffle and simulator) else 1
+    xor_shuffle = _xor_shuffle_sim if simulator else _xor_shuffle_gpu
+    NEG_INF = float32(-math.inf)
+
+    @cuda.jit
+    def flash2_forward_fast(Q, K, V, O, L, scale2, causal):
+        i = cuda.blockIdx.x
+        z = cuda.blockIdx.y
+        h = cuda.blockIdx.z
+        t = cuda.threadIdx.x
+        tx = t % NX
+        ty = t // NX
+        N_q = Q.shape[2]
+        N_k = K.shape[2]
+        h_kv = h // (Q.shape[1] // K.shape[1])        # GQA: query head h reads K/V head h // G
+        row0 = i * B_r
+        offset = N_k - N_q                              # causal, bottom-right: row sees col iff col <= row + offset
+        if simulator:
+            sm = cuda.shared.array(STATIC, float32)                    # (the simulator refuses `alignment`)
+        else:
+            sm = cuda.shared.array(STATIC, float32, alignment=16)      # 16-byte rows for 4-float loads
+        scratch = cuda.shared.array(SCRATCH, float32)   # the simulator's shuffle emulation only
+
+        s = cuda.local.array(S_REGS, float32)          # S_i^(j), then P̃_i^(j): this thread's TR × TC sub-tile
+        o = cuda.local.array(O_REGS, float32)          # Õ_i: TR × TD
+        m = cuda.local.array(TR, float32)               # m_i (log2 units), shared by the row's NX threads
+        l = cuda.local.array(TR, float32)               # ℓ_i: this thread's partial sum over its own columns
+        qa = cuda.local.array(QA_REGS, float32)
+        ka = cuda.local.array(KA_REGS, float32)
+        va = cuda.local.array(TD, float32)
+        pa = cuda.local.array(QA_REGS, float32)
+
+        # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
+        # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
+        for e in range(t, B_r * d, T):
+            r = e // d
+            k = e - r * d
+            x = float32(0.0)
+            if row0 + r < N_q:
+                x = Q[z, h, row0 + r, k] * scale2
+            sm[Q_OFF + r * QS + k] = x
+        # Alg. 1 line 5: Õ_i = 0, ℓ_i = 0, m_i = −inf, in registers.
+        for x in range(TR * TD):
+            o[x] = 0.0
+        for r in range(TR):
+            m[r] = NEG_INF
+            l[r] = 0.0
+
+        # FA2 Section 3.1 (causal): tiles entirely above the diagonal are all past the one holding column
+        # last_row + offset, so the loop stops there (nothing of them is loaded).
+        T_c = (N_k + B_c - 1) // B_c
+        if causal:
+            last_row = min(row0 + B_r, N_q) - 1
+            T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
+        my_row0 = row0 + ty * TR
+        # Alg. 1 line 6: stream K_j, V_j through shared memory.
+        for j in range(T_c):
+            col0 = j * B_c
+            cuda.syncthreads()                          # everyone is done with the previous K_j, V_j, P̃
+            # Alg. 1 line 7: load K_j, V_j (zero past N_k, so padding never makes NaN).
+            for e in range(t, B_c * d, T):
+                c = e // d
+                k = e - c * d
+                x = float32(0.0)
+                if col0 + c < N_k:
+                    x = K[z, h_kv, col0 + c, k]
+                sm[K_OFF + c * KS + k] = x
+            for e in range(t, B_c * d_v, T):
+                c = e // d_v
+                k = e - c * d_v
+                x = float32(0.0)
+                if col0 + c < N_k:
+                    x = V[z, h_kv, col0 + c, k]
+                sm[V_OFF + c * VS + k] = x
+            cuda.syncthreads()
+
+            # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ, this thread's TR × TC sub-tile, 4 values of d at a time.
+            for x in range(TR * TC):
+                s[x] = 0.0
+            for k4 in range(0, d, 4):
+                for r in range(TR):
+                    for u in range(4):
+                        qa[r * 4 + u] = sm[uint64(Q_OFF + (ty * TR + r) * QS + k4 + u)]
+                for c in range(TC):
+                    for u in range(4):
+                        ka[c * 4 + u] = sm[uint64(K_OFF + (tx + NX * c) * KS + k4 + u)]
+                for r in range(TR):
+                    for c in range(TC):
+                        acc = s[r * TC + c]
+                        for u in range(4):
+                            acc += qa[r * 4 + u] * ka[c * 4 + u]
+                        s[r * TC + c] = acc
+            # Mask (only tiles that need it): columns past N_k, and keys after the causal diagonal, get −inf.
+            if col0 + B_c > N_k or (causal and col0 + B_c - 1 > my_row0 + offset):
+                for r in range(TR):
+                    for c in range(TC):
+                        col = col0 + tx + NX * c
+                        if col >= N_k or (causal and col > my_row0 + r + offset):
+                            s[r * TC + c] = NEG_INF
+
+            # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))): this thread's columns, then the row's NX threads.
+            for r in range(TR):
+                mx = m[r]
+                for c in range(TC):
+                    mx = max(mx, s[r * TC + c])
+                qa[r] = mx                              # (qa is free until the next k4 loop: reuse it)
+            if shuffle:
+                lane = 1
+                while lane < NX:                        # butterfly over the NX consecutive lanes of the row
+                    for r in range(TR):
+                        qa[r] = max(qa[r], xor_shuffle(scratch, t, qa[r], lane))
+                    lane *= 2
+            else:
+                for r in range(TR):
+                    sm[RED_OFF + (ty * TR + r) * NX + tx] = qa[r]
+                cuda.syncthreads()
+                for r in range(TR):
+                    mx = qa[r]
+                    for u in range(NX):
+                        mx = max(mx, sm[RED_OFF + (ty * TR + r) * NX + u])
+                    qa[r] = mx
+            for r in range(TR):
+                m_new = qa[r]
+                # Guard m = −inf (every key so far masked): subtract 0 instead, so every exponential is exactly 0.
+                m_use = float32(0.0) if m_new == NEG_INF else m_new
+                alpha = math.exp2(m[r] - m_use)         # e^{m_old − m_new}; 0 while m_old = −inf
+                # Alg. 1 line 9: P̃ = exp(S − m_new), ℓ = e^{m_old − m_new} ℓ + rowsum(P̃) (own columns only).
+                ls = float32(0.0)
+                for c in range(TC):
+                    p = math.exp2(s[r * TC + c] - m_use)
+                    ls += p
+                    sm[P_OFF + (ty * TR + r) * PS + tx + NX * c] = p
+                l[r] = alpha * l[r] + ls
+                m[r] = m_new
+                # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i.
+                for x in range(TD):
+                    o[r * TD + x] *= alpha
+            cuda.syncthreads()                          # P̃ complete before any thread reads other columns
+            # Alg. 1 line 10 (second half): Õ_i += P̃_i^(j) V_j, 4 columns of P̃ at a time.
+            for c4 in range(0, B_c, 4):
+                for r in range(TR):
+                    for u in range(4):
+                        pa[r * 4 + u] = sm[uint64(P_OFF + (ty * TR + r) * PS + c4 + u)]
+                for u in range(4):
+                    for q in range(TQ):
+                        for e in range(4):
+                            va[q * 4 + e] = sm[uint64(V_OFF + (c4 + u) * VS + 4 * tx + 4 * NX * q + e)]
+                    for r in range(TR):
+                        for x in range(TD):
+                            o[r * TD + x] += pa[r * 4 + u] * va[x]
+
+        # Alg. 1 line 12: ℓ_i = the sum of the row's NX partial sums (once, after the loop).
+        for r in range(TR):
+            qa[r] = l[r]
+        if shuffle:
+            lane = 1
+            while lane < NX:
+                for r in range(TR):
+                    qa[r] += xor_shuffle(scratch, t, qa[r], lane)
+                lane *= 2
+        else:
+            cuda.syncthreads()                          # the last max exchange is read by everyone
+            for r in range(TR):
+                sm[RED_OFF + (ty * TR + r) * NX + tx] = qa[r]
+            cuda.syncthreads()
+            for r in range(TR):
+                acc = float32(0.0)
+                for u in range(NX):
+                    acc += sm[RED_OFF + (ty * TR + r) * NX + u]
+                qa[r] = acc
+        for r in range(TR):
+            row = my_row0 + r
+            if row < N_q:
+                l_i = qa[r]
+                # Alg. 1 line 12: O_i = diag(ℓ_i)^{-1} Õ_i; guard ℓ = 0 (a row that saw no key): O_i = 0.
+                inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
+                # Alg. 1 line 14: write O_i, once, 4 consecutive columns per chunk.
+                for q in range(TQ):
+                    for e in range(4):
+                        O[z, h, row, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
+                # Alg. 1 lines 13, 15: L_i = m_i + log ℓ_i in natural units (m is in log2 units); +inf if ℓ = 0.
+                if tx == 0:
+                    L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
+
+    return flash2_forward_fast
+
+
+def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit to ``nbytes`` (needed above 48 KiB): compile for these
+    argument types first, then set ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` on the loaded kernel."""
+    from numba.cuda.cudadrv.driver import binding, driver
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    compiled = kernel.compile(argtypes)
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+
+
+def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None) -> Flash2Forward:
+    """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``."""
+    layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
+    d, d_v = layout_.d, layout_.d_v
+    simulator = rt.simulator_in_use()
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator)
+    size = layout(tiling, d, d_v, bool(shuffle))["size"]
+    if 4 * size > MAX_DYNAMIC_BYTES:
+        raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
+                         f"{MAX_DYNAMIC_BYTES}: choose a smaller tiling")
+    dynamic = 4 * size if size > STATIC_FLOATS else 0
+    O = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q, d_v))
+    L = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q))
+    args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal))
+    if dynamic and not simulator:
+        _allow_dynamic_shared(kernel, args, dynamic)
+    grid = (rt.grid_size(layout_.N_q, tiling.B_r), layout_.Z, layout_.H_q)
+    kernel[grid, tiling.threads, 0, dynamic](*args)
+    return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
+
+
+def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
+    """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared."""
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), False)
+    out = {}
+    for argtypes, compiled in kernel.overloads.items():
+        out = dict(registers=compiled.get_regs_per_thread(), local_bytes=compiled.get_local_mem_per_thread(),
+                   static_shared_bytes=compiled.get_shared_mem_per_block(),
+                   shared_floats=layout(tiling, d, d_v, shuffle)["size"])
+    return out
