@@ -14,7 +14,7 @@ tile loop is dominated by the 2·B_r·B_c·d multiply-adds (the measurement says
 from kernels_gpu.fast.tiled import Tiling, run_forward
 
 SHUFFLE = True
-TILINGS = {64: Tiling(16, 8, 4, 4), 128: Tiling(16, 8, 4, 4)}
+TILINGS = {64: Tiling(16, 8, 4, 4), 128: Tiling(16, 16, 4, 4)}
 
 
 def default_tiling(d: int) -> Tiling:
