@@ -61,6 +61,7 @@ def _parse_impl(name):
 def _resources(fast, d):
     """The resource report of the fast kernel (version, tiling) at head dimension d, after it has been compiled."""
     import importlib
+
     from kernels_gpu.fast import tiled
     version, til = fast
     module = importlib.import_module(f"kernels_gpu.fast.flash2_forward_{version}")
@@ -71,8 +72,8 @@ def _resources(fast, d):
 
 
 def main(argv=None):
-    from benchmarks.bench_attention import cuda_setup, package_versions
     from benchmarks import impls
+    from benchmarks.bench_attention import cuda_setup, package_versions
     from benchmarks.flop_model import model_flops
     from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
     from benchmarks.timing import Protocol, measure
@@ -113,7 +114,7 @@ def main(argv=None):
                 check = impls.make_check({"O": O_ref, "L": L_ref}, "float32", "forward")
                 del x0
                 for label, spec, fast in chosen:
-                    def make_call(k, spec=spec):
+                    def make_call(k, spec=spec, batch=batch, heads=heads, N=N, d=d, causal=causal, scale=scale):
                         x = impls.make_inputs(batch, heads, N, d, impls.config_seed(args.seed, N, d, causal, k))
                         return spec.build("forward", x, causal, scale, {})
                     t0 = time.perf_counter()

@@ -16,9 +16,10 @@ its row of Q, Õ and S in ``cuda.local.array`` indexed by run-time loops, i.e. i
 Tilings (NY, NX, TR, TC): d = 64 → (16, 8, 4, 4): B_r = 64, B_c = 32, 128 threads, 44.5 KiB of shared memory;
 d = 128 → (16, 16, 4, 4): B_c = 64, 256 threads, 119 KiB (dynamic shared memory above 48 KiB).
 
-**Measured** (H100, see ``benchmarks/results/<device>/fast_forward.json`` and the table in
-``benchmarks/fast_kernels.py``'s output): filled in from the device runs — see the report at the end of the header
-of each later version.
+**Measured** (H200, 2026-11-21, fp32 forward, batch × N = 16k tokens, hidden 2048; benchmarks/results/nvidia-h200/
+fast_forward.json): d = 64 non-causal 13.5 (N = 1024) to 16.0 TFLOP/s (N = 16384), 19× the teaching kernel's 0.84;
+d = 128 8.8–12.0. ptxas: 168 registers, 0 bytes local memory. PyTorch eager fp32 in the same run: 24–30 (d = 64),
+34–39 (d = 128): v1 loses to it non-causal, wins causal at d = 64 (eager computes the masked half too).
 """
 
 from kernels_gpu.fast.tiled import Tiling, run_forward

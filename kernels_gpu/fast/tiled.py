@@ -234,7 +234,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                         if col >= N_k or (causal and col > my_row0 + r + offset):
                             s[r * TC + c] = NEG_INF
 
-            # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))): this thread's columns, then the row's NX threads.
+            # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))): own columns, then the row's NX threads.
             for r in range(TR):
                 mx = m[r]
                 for c in range(TC):
@@ -357,8 +357,8 @@ def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
     """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared."""
     kernel = make_forward(tiling, d, d_v, bool(shuffle), False)
     out = {}
-    for argtypes, compiled in kernel.overloads.items():
-        out = dict(registers=compiled.get_regs_per_thread(), local_bytes=compiled.get_local_mem_per_thread(),
-                   static_shared_bytes=compiled.get_shared_mem_per_block(),
+    for compiled in kernel.overloads.values():
+        out = dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
+                   static_shared_bytes=compiled.shared_mem_per_block,
                    shared_floats=layout(tiling, d, d_v, shuffle)["size"])
     return out

@@ -1,0 +1,104 @@
+"""kernels_gpu.fast (the numbered fast FA2 forward kernels) in numba's CUDA simulator, against the float64 oracle.
+
+What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any tile side, N_q ≠ N_k):
+
+* every version (v1: shared-memory row maxima; v2, v3: warp-shuffle butterflies, run here through the simulator's
+  emulation ``_xor_shuffle_sim``, so the lane arithmetic itself is tested) gives O and L within DESIGN.md's float32
+  rule, causal and not, with GQA, for several thread tilings (TR, TC, NX of 1, 2, 4);
+* fully masked rows (causal with N_q > N_k) give exactly O = 0 and L = +inf, never NaN;
+* the dynamic shared-memory path (tiles above 48 KiB) computes the same thing as the static one;
+* tile shapes the kernel cannot run are refused with a ValueError naming the tiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tolerances import assert_close_to_oracle, baseline_error
+
+import fa2edu
+from kernels_gpu import runtime as rt
+from kernels_gpu.fast import VERSIONS, Tiling, tiled
+
+if not rt.simulator_in_use():  # pragma: no cover
+    pytest.skip("simulator tests: NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Outputs start as NaN: an element the kernel never writes cannot pass."""
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+def _problem(seed, Z, H_q, H_kv, N_q, N_k, d, scale=1.0):
+    rng = np.random.default_rng(seed)
+    Q = (scale * rng.standard_normal((Z, H_q, N_q, d))).astype(np.float32)
+    K = (scale * rng.standard_normal((Z, H_kv, N_k, d))).astype(np.float32)
+    V = rng.standard_normal((Z, H_kv, N_k, d)).astype(np.float32)
+    return Q, K, V
+
+
+def _check(version, Q, K, V, causal, tiling):
+    O, L = VERSIONS[version](Q, K, V, causal=causal, tiling=tiling)
+    O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal)
+    base = fa2edu.standard_attention(Q, K, V, causal=causal).O      # float32 standard attention: the baseline error
+    assert_close_to_oracle(O, O_ref, "O", dtype=np.float32, baseline=baseline_error(base, O_ref))
+    # L: float32 rounding of a value of size |L| (the log-sum-exp), relative 1e-6, plus the absolute floor
+    L_size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
+    assert_close_to_oracle(L, L_ref, "L", dtype=np.float32, baseline=1e-6 * max(1.0, L_size))
+    return O, L
+
+
+CASES = [  # (version, tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
+    ("v1", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, False),
+    ("v1", Tiling(2, 4, 2, 1), 1, 1, 1, 9, 17, 16, True),
+    ("v2", Tiling(4, 2, 2, 2), 1, 2, 2, 13, 11, 8, True),
+    ("v2", Tiling(2, 4, 3, 1), 2, 2, 1, 10, 19, 16, False),
+    ("v3", Tiling(4, 1, 2, 4), 1, 2, 1, 7, 12, 4, True),
+    ("v3", Tiling(2, 2, 2, 2), 1, 1, 1, 6, 6, 8, True),
+]
+
+
+@pytest.mark.parametrize("version, tiling, Z, H_q, H_kv, N_q, N_k, d, causal", CASES)
+def test_matches_oracle_on_ragged_shapes(version, tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
+    Q, K, V = _problem(hash((version, N_q, N_k)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
+    _check(version, Q, K, V, causal, tiling)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_fully_masked_rows_give_zero_output_and_infinite_L(version):
+    # causal with N_q > N_k: the first N_q − N_k rows see no key at all (bottom-right alignment)
+    Q, K, V = _problem(7, 1, 1, 1, 11, 5, 8)
+    O, L = _check(version, Q, K, V, True, Tiling(4, 2, 2, 2))
+    assert np.all(O[..., :6, :] == 0.0) and np.all(np.isposinf(L[..., :6]))
+    assert np.isfinite(L[..., 6:]).all()
+
+
+def test_large_logits_stay_finite():
+    Q, K, V = _problem(3, 1, 1, 1, 9, 10, 8, scale=12.0)     # scores of a few hundred: exp overflows unguarded
+    _check("v2", Q, K, V, False, Tiling(4, 2, 2, 2))
+
+
+def test_dynamic_shared_memory_path_matches_static(monkeypatch):
+    Q, K, V = _problem(5, 1, 2, 1, 10, 9, 8)
+    O_static, L_static = VERSIONS["v2"](Q, K, V, causal=True, tiling=Tiling(4, 2, 2, 2))
+    tiled.make_forward.cache_clear()
+    monkeypatch.setattr(tiled, "STATIC_FLOATS", 16)          # force the dynamic-shared-memory declaration
+    O_dyn, L_dyn = VERSIONS["v2"](Q, K, V, causal=True, tiling=Tiling(4, 2, 2, 2))
+    tiled.make_forward.cache_clear()
+    np.testing.assert_array_equal(O_dyn, O_static)
+    np.testing.assert_array_equal(L_dyn, L_static)
+
+
+@pytest.mark.parametrize("tiling, message", [(Tiling(4, 3, 2, 4), "NX"), (Tiling(4, 2, 2, 1), "B_c"),
+                                              (Tiling(1024, 2, 1, 2), "threads")])
+def test_bad_tilings_are_refused(tiling, message):
+    Q, K, V = _problem(0, 1, 1, 1, 4, 4, 8)
+    with pytest.raises(ValueError, match=message):
+        VERSIONS["v1"](Q, K, V, tiling=tiling)
+
+
+def test_head_size_the_kernel_cannot_tile_is_refused():
+    Q, K, V = _problem(0, 1, 1, 1, 4, 4, 6)                  # d = 6: not a multiple of 4
+    with pytest.raises(ValueError, match="d % 4"):
+        VERSIONS["v2"](Q, K, V, tiling=Tiling(2, 2, 2, 2))
