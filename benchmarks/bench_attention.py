@@ -30,7 +30,7 @@ from benchmarks.results_io import default_results_path, make_record, utc_now, wr
 PAPER_N = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_N = (512, 1024)
 LONG_N = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-LONG_IMPLS = ("kg_flash2", "kg_standard")
+LONG_IMPLS = ("kg_flash2", "kg_flash2_v3", "kg_standard")
 
 
 # ---------------------------------------------------------------------------------------------- arguments

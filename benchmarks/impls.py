@@ -164,6 +164,8 @@ def _sdpa(backend_name):
     return attention
 
 
+from benchmarks.fast_kernels import _fast_builder  # noqa: E402 (the fast versions' builder; imports nothing heavy)
+
 IMPLS = {spec.name: spec for spec in (
     ImplSpec("kg_standard", "kernels_gpu", "float32", ("forward", "backward"), _kg_standard,
              "kernels_gpu standard attention: S, P materialised in global memory (FA1 Alg. 0/3)"),
@@ -171,6 +173,8 @@ IMPLS = {spec.name: spec for spec in (
              "kernels_gpu FlashAttention forward (FA1 Alg. 1)"),
     ImplSpec("kg_flash2", "kernels_gpu", "float32", ("forward", "backward"), _kg_flash2,
              "kernels_gpu FlashAttention-2 forward and backward (FA2 Alg. 1/2)"),
+    ImplSpec("kg_flash2_v3", "kernels_gpu", "float32", ("forward",), _fast_builder("v3"),
+             "kernels_gpu.fast FlashAttention-2 forward v3 (register-tiled, the fastest numbered version)"),
     ImplSpec("kg_flash2_det", "kernels_gpu", "float32", ("backward",), _kg_flash2_det,
              "kernels_gpu FlashAttention-2 backward with deterministic dQ", default=False),
     ImplSpec("torch_eager", "torch", "float32", ("forward", "backward"),

@@ -89,6 +89,12 @@ def _kernels_gpu():
     return kernels_gpu
 
 
+def _for_gpu(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors handed to kernels_gpu, detached: torch refuses ``__cuda_array_interface__`` on a tensor that
+    requires grad (the kernels read its memory, zero-copy; autograd is this Function's job)."""
+    return tuple(x.detach() for x in tensors)
+
+
 def _from_gpu(x, like: torch.Tensor) -> torch.Tensor:
     """A kernels_gpu result (a numba device array, or anything with ``__cuda_array_interface__``) as a tensor on
     ``like``'s device, zero-copy: torch keeps the device array alive for as long as the tensor lives."""
@@ -126,7 +132,8 @@ class Flash2Attention(torch.autograd.Function):
         if q.is_cuda:
             # FA2 Alg. 1 on the GPU: one thread block per row block of Q (FA2 Section 3.2).
             with _numba_stream(q.device):
-                O, L = _kernels_gpu().flash2_forward(q, k, v, block_sizes=block_sizes, causal=causal, scale=scale)
+                O, L = _kernels_gpu().flash2_forward(*_for_gpu(q, k, v), block_sizes=block_sizes, causal=causal,
+                                                     scale=scale)
             O, L = _from_gpu(O, q), _from_gpu(L, q)
         else:
             # FA2 Alg. 1 in NumPy: returns O and L = m + log ℓ, nothing else survives the pass.
@@ -145,10 +152,10 @@ class Flash2Attention(torch.autograd.Function):
         options = ctx.options
         dO = dO.contiguous()
         if q.is_cuda:
+            options_gpu = {key: options[key] for key in ("block_sizes", "causal", "scale")}
             # FA2 Alg. 2 on the GPU: one thread block per column block of K/V, atomic adds into dQ.
             with _numba_stream(q.device):
-                dQ, dK, dV = _kernels_gpu().flash2_backward(q, k, v, O, L, dO, block_sizes=options["block_sizes"],
-                                                            causal=options["causal"], scale=options["scale"])
+                dQ, dK, dV = _kernels_gpu().flash2_backward(*_for_gpu(q, k, v, O, L, dO), **options_gpu)
             dQ, dK, dV = (_from_gpu(x, q) for x in (dQ, dK, dV))
         else:
             # FA2 Alg. 2 in NumPy: D = rowsum(dO ∘ O), then P = exp(S − L) recomputed block by block.
@@ -203,7 +210,7 @@ class StandardAttention(torch.autograd.Function):
         if q.is_cuda:
             # FA1 Alg. 0 on the GPU: S and P materialised in global memory by separate launches.
             with _numba_stream(q.device):
-                O, P = _kernels_gpu().standard_attention(q, k, v, causal=causal, scale=scale)
+                O, P = _kernels_gpu().standard_attention(*_for_gpu(q, k, v), causal=causal, scale=scale)
             O, P = _from_gpu(O, q), _from_gpu(P, q)
         else:
             fwd = fa2edu.standard_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), causal=causal, scale=scale)
@@ -221,7 +228,7 @@ class StandardAttention(torch.autograd.Function):
         # FA1 Alg. 3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = τ dS K, dK = τ dSᵀ Q.
         if q.is_cuda:
             with _numba_stream(q.device):
-                grads = _kernels_gpu().standard_attention_backward(q, k, v, P, dO, **ctx.options)
+                grads = _kernels_gpu().standard_attention_backward(*_for_gpu(q, k, v, P, dO), **ctx.options)
             dQ, dK, dV = (_from_gpu(x, q) for x in grads)
         else:
             grads = fa2edu.standard_attention_backward(*(_to_numpy(x) for x in (q, k, v, P, dO)), **ctx.options)

@@ -341,7 +341,7 @@ def test_parse_args_modes():
     quick = bench.parse_args(["--quick"])
     assert quick.N == (512, 1024) and quick.budget_s == 120.0 and quick.name == "quick"
     long = bench.parse_args(["--long"])
-    assert long.N[-1] == 65536 and long.impls == ("kg_flash2", "kg_standard") and long.passes == ("forward",)
+    assert long.N[-1] == 65536 and long.impls == ("kg_flash2", "kg_flash2_v3", "kg_standard") and long.passes == ("forward",)
     assert long.min_repeats == 1 and long.name == "long"
     custom = bench.parse_args(["--impls", "kg_flash2,torch_eager", "--N", "1024,4096", "--d", "128",
                                "--causal", "1", "--passes", "bwd", "--block-sizes", "64,32", "--max-call-ms", "9"])
@@ -362,8 +362,8 @@ def test_parse_args_rejects(argv, capsys):
 
 def test_plan_follows_the_papers_grid():
     configs = bench.plan(bench.parse_args([]))
-    # 7 forward and 6 backward implementations (FA1 has no backward here) × 6 N × 2 d × 2 causal
-    assert len(configs) == (7 + 6) * 6 * 2 * 2
+    # 8 forward and 6 backward implementations (FA1 and the fast FA2 v3 have no backward here) × 6 N × 2 d × 2 causal
+    assert len(configs) == (8 + 6) * 6 * 2 * 2
     for c in configs:
         assert c.batch * c.N == 16384 and c.heads * c.d == 2048
         assert not (c.impl == "kg_flash1" and c.pass_ == "backward")
@@ -455,7 +455,7 @@ def test_cli_plan_and_help_need_no_gpu():
                                 "assert 'kernels_gpu' not in sys.modules, 'kernels_gpu imported eagerly'; "
                                 "sys.exit(rc)"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert plan_text.returncode == 0, plan_text.stderr
-    assert plan_text.stdout.strip().endswith("52 configurations")
+    assert plan_text.stdout.strip().endswith("56 configurations")  # (8 forward + 6 backward) × 2 N × 2 causal
 
 
 # ---------------------------------------------------------------------------------------------- plots
