@@ -12,7 +12,6 @@ exercises, each with a worked solution a reader can reveal.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path

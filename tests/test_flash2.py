@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import attention_problems, block_sizes
+from tolerances import assert_close_to_oracle, baseline_error
 
 from fa2edu import attention_reference, attention_reference_backward, flash2_backward, flash2_forward
 from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, sram_capacity
 from fa2edu.flash2 import flash2_backward_working_set, flash2_forward_working_set
 from fa2edu.memory import HBM, FlopCounter, SRAMOverflowError
-from strategies import attention_problems, block_sizes
-from tolerances import assert_close_to_oracle, baseline_error
 
 
 def upstream_gradient(case, seed: int = 0) -> np.ndarray:

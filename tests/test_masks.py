@@ -8,8 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fa2edu.blocks import tiles
-from fa2edu.masks import (BlockKind, block_sparse_to_mask, butterfly_block_mask, causal_mask, check_block_mask,
-                          classify_block, key_padding_mask, random_block_mask)
+from fa2edu.masks import (
+    BlockKind,
+    block_sparse_to_mask,
+    butterfly_block_mask,
+    causal_mask,
+    check_block_mask,
+    classify_block,
+    key_padding_mask,
+    random_block_mask,
+)
 
 
 def causal_by_definition(N_q: int, N_k: int) -> np.ndarray:

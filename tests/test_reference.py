@@ -8,10 +8,10 @@ import math
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import attention_problems
 
 from fa2edu import attention_reference, attention_reference_backward
 from fa2edu.dropout import uniform
-from strategies import attention_problems
 
 
 def direct_attention(Q, K, V, causal=False, scale=None, mask=None, dropout_p=0.0, seed=0):

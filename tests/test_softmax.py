@@ -8,8 +8,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fa2edu.softmax import (Stats, block_stats, exp_minus, logsumexp_from_stats, merge_stats, naive_softmax,
-                            online_softmax, online_stats, safe_softmax)
+from fa2edu.softmax import (
+    Stats,
+    block_stats,
+    exp_minus,
+    logsumexp_from_stats,
+    merge_stats,
+    naive_softmax,
+    online_softmax,
+    online_stats,
+    safe_softmax,
+)
 
 rows = hnp.arrays(np.float64, st.tuples(st.integers(1, 4), st.integers(1, 30)),
                   elements=st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False))
