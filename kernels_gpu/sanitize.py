@@ -12,7 +12,8 @@ here), racecheck finds shared-memory hazards (a missing ``cuda.syncthreads``), s
 code, initcheck reads of global memory nothing wrote. The problem is GQA (4 query heads on 2 K/V heads), with
 N_q < N_k and N_q > N_k (fully masked rows when causal), causal on and off, small and default tiles. Every result is
 also checked against the float64 oracle, so a clean sanitizer run is a correct run too. ``--quick`` runs one
-configuration only (the sanitizer slows kernels down by orders of magnitude).
+configuration only (the sanitizer slows kernels down by orders of magnitude); ``--fast`` adds the numbered fast FA2
+forward versions of :mod:`kernels_gpu.fast` at d = 64.
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ def run(N_q: int, N_k: int, causal: bool, block_sizes, seed: int = 0) -> None:
             _check(f"flash2 backward {name} (deterministic={deterministic})", g, e)
 
 
+def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
+    """Every numbered fast FA2 forward (kernels_gpu.fast) once at d = 64 with ragged N, against the oracle."""
+    from kernels_gpu.fast import VERSIONS
+
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((1, 4, N_q, 64)).astype(np.float32)
+    K = rng.standard_normal((1, 2, N_k, 64)).astype(np.float32)
+    V = rng.standard_normal((1, 2, N_k, 64)).astype(np.float32)
+    O_ref, L_ref = attention_reference(Q, K, V, causal=causal)
+    for version, forward in VERSIONS.items():
+        O, L = forward(Q, K, V, causal=causal)
+        _check(f"fast {version} O", O, O_ref)
+        _check(f"fast {version} L", L, L_ref)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     configs = [(37, 53, True, ((16, 8), (8, 16))), (53, 37, True, (None, None)), (53, 37, False, ((16, 8), (8, 16))),
@@ -72,6 +88,10 @@ def main(argv=None) -> int:
     for N_q, N_k, causal, block_sizes in configs:
         run(N_q, N_k, causal, block_sizes)
         print(f"ok: N_q={N_q} N_k={N_k} causal={causal} block_sizes={block_sizes}")
+    if "--fast" in argv:
+        for N_q, N_k, causal in [(100, 77, True), (77, 100, False)]:
+            run_fast(N_q, N_k, causal)
+            print(f"ok: fast versions, N_q={N_q} N_k={N_k} causal={causal}")
     return 0
 
 
