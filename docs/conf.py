@@ -32,6 +32,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",      # a local copy of MathJax: the built book renders its maths with no network
     "sphinx.ext.viewcode",
 ]
 

@@ -77,10 +77,11 @@ DEVICES: dict[str, DeviceProfile] = {
         fp16_tensor=989.4 * TERA, tf32_tensor=494.7 * TERA,
         source="NVIDIA H100 datasheet and Hopper GH100 architecture whitepaper"),
     "H200": DeviceProfile(
-        name="NVIDIA H200 SXM 141GB", sms=132, sram_per_sm=228 * KiB, l1_sram_per_sm=256 * KiB, l2=50 * MiB,
+        name="NVIDIA H200 SXM 141GB", sms=132, sram_per_sm=228 * KiB, l1_sram_per_sm=256 * KiB, l2=60 * MiB,
         hbm=141 * 10**9, hbm_bandwidth=4800 * GB_PER_S, fp32=66.9 * TERA, fp16=133.8 * TERA,
         fp16_tensor=989.4 * TERA, tf32_tensor=494.7 * TERA,
-        source="NVIDIA H200 datasheet (same GH100 compute as the H100 SXM, HBM3e memory)"),
+        source="NVIDIA H200 datasheet (same GH100 compute as the H100 SXM, HBM3e memory); L2 as the CUDA "
+               "driver reports it on the H200 of benchmarks/results/nvidia-h200"),
     "T4": DeviceProfile(
         name="NVIDIA T4 16GB", sms=40, sram_per_sm=64 * KiB, l1_sram_per_sm=96 * KiB, l2=4 * MiB,
         hbm=16 * 10**9, hbm_bandwidth=320 * GB_PER_S, fp32=8.1 * TERA, fp16=16.2 * TERA,

@@ -9,7 +9,7 @@
 # No GPU is needed: the GPU chapters run in numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 unless you set it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python3 -c "import sphinx, myst_nb, furo, jupytext, fa2edu" 2>/dev/null; then
+if ! python3 -c "import importlib, sphinx, myst_nb, furo, jupytext, fa2edu; importlib.import_module('sphinx-mathjax-offline')" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -e ".[docs]"
 fi
 export NUMBA_ENABLE_CUDASIM="${NUMBA_ENABLE_CUDASIM:-1}"
