@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from examples.gpt.data import CharData, generate_text
 from examples.gpt.model import GPT, GPTConfig
 
-__all__ = ["RUNS", "NOISE_FACTOR", "FLOOR_ULPS", "train", "judge", "compare", "noise_envelope", "agreement_bounds", "main"]
+__all__ = ["RUNS", "NOISE_FACTOR", "FLOOR_ULPS", "train", "judge", "compare", "noise_envelope", "agreement_bounds",
+           "main"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 RUNS = ("sdpa", "reference", "fa2edu")     # what ``--attention both`` trains, in this order
