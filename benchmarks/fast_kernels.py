@@ -66,7 +66,7 @@ def _resources(fast, d):
     version, til = fast
     module = importlib.import_module(f"kernels_gpu.fast.flash2_forward_{version}")
     til = til or module.default_tiling(d)
-    report = tiled.resources(til, d, d, module.SHUFFLE)
+    report = tiled.resources(til, d, d, module.SHUFFLE, getattr(module, "PIPELINE", False))
     report["tiling"] = list(til)
     return report
 

@@ -2,9 +2,10 @@
 
 What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any tile side, N_q ≠ N_k):
 
-* every version (v1: shared-memory row maxima; v2, v3: warp-shuffle butterflies, run here through the simulator's
-  emulation ``_xor_shuffle_sim``, so the lane arithmetic itself is tested) gives O and L within DESIGN.md's float32
-  rule, causal and not, with GQA, for several thread tilings (TR, TC, NX of 1, 2, 4);
+* every version (v1: shared-memory row maxima; v2-v4: warp-shuffle butterflies, run here through the simulator's
+  emulation ``_xor_shuffle_sim``, so the lane arithmetic itself is tested; v4: K_j/V_j loads pipelined through
+  registers, on its whole-tile, ragged-last-tile and general (T % d ≠ 0) paths) gives O and L within DESIGN.md's
+  float32 rule, causal and not, with GQA, for several thread tilings (TR, TC, NX of 1, 2, 4);
 * fully masked rows (causal with N_q > N_k) give exactly O = 0 and L = +inf, never NaN;
 * the dynamic shared-memory path (tiles above 48 KiB) computes the same thing as the static one;
 * tile shapes the kernel cannot run are refused with a ValueError naming the tiling.
@@ -56,6 +57,11 @@ CASES = [  # (version, tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causa
     ("v2", Tiling(2, 4, 3, 1), 2, 2, 1, 10, 19, 16, False),
     ("v3", Tiling(4, 1, 2, 4), 1, 2, 1, 7, 12, 4, True),
     ("v3", Tiling(2, 2, 2, 2), 1, 1, 1, 6, 6, 8, True),
+    # v4 (pipelined loads): T % d == 0 with B_c % (T/d) == 0 (the "regular" move, whole tiles by constant offsets,
+    # ragged last tile clamped), several tiles so the K_{j+1} prefetch runs, and T % d != 0 (the general move)
+    ("v4", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, False),
+    ("v4", Tiling(8, 1, 2, 4), 1, 2, 2, 9, 21, 4, True),
+    ("v4", Tiling(2, 4, 3, 1), 2, 2, 1, 10, 19, 16, False),
 ]
 
 

@@ -2,10 +2,10 @@
 what it measured. ``VERSIONS`` maps a name to its ``flash2_forward(Q, K, V, causal=, scale=, tiling=)``."""
 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
-from kernels_gpu.fast import flash2_forward_v1, flash2_forward_v2, flash2_forward_v3
+from kernels_gpu.fast import flash2_forward_v1, flash2_forward_v2, flash2_forward_v3, flash2_forward_v4
 from kernels_gpu.fast.tiled import Tiling
 
 VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
-            "v3": flash2_forward_v3.flash2_forward}
+            "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward}
 
-__all__ = ["VERSIONS", "Tiling", "flash2_forward_v1", "flash2_forward_v2", "flash2_forward_v3"]
+__all__ = ["VERSIONS", "Tiling", "flash2_forward_v1", "flash2_forward_v2", "flash2_forward_v3", "flash2_forward_v4"]

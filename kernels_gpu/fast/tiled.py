@@ -118,14 +118,82 @@ def _xor_shuffle_sim(scratch, t, value, lane_mask):
     return other
 
 
+# -- v4: the move of K_j, V_j from global to shared memory, split so that it overlaps arithmetic ---------------
+
+@functools.lru_cache(maxsize=None)
+def _tile_io(T: int, B_c: int, width: int, simulator: bool):
+    """Two device functions for a B_c × width tile of K or V, moved by the block's T threads:
+
+    * ``fetch(Xf, base, col0, N_k, t, reg)``: rows col0 … col0 + B_c − 1 of one head of X (``Xf`` the flat
+      array, ``base`` the head's first element) into this thread's registers ``reg`` (n = ⌈B_c·width / T⌉ values;
+      element e = t + T·u of the tile, so coalesced across the block). Every load is issued before any is used and
+      none sits behind a branch (the ragged last tile clamps the row and zeroes rows past N_k by a select), so all
+      n are in flight together and land while the caller computes. The flat array makes the row stride the
+      compile-time ``width``: the n addresses are one register plus constant offsets (with the 4-D indexing and
+      its run-time strides, ptxas kept a 64-bit address per load: 255 registers at d = 64);
+    * ``store(sm, reg, t, off, stride)``: those registers into shared memory, row c at ``off + c·stride``.
+
+    v1-v3 instead load and store element by element behind the bounds branch: each store waits for its load.
+    """
+    n = -(-B_c * width // T)
+    R = T // width if T % width == 0 else 0     # rows per pass when the block covers whole rows, else 0
+    regular = R > 0 and B_c % R == 0            # every thread moves whole columns k0 of rows c0 + R·u, all < B_c
+    jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+
+    @jit
+    def fetch(Xf, base, col0, N_k, t, reg):
+        if regular:
+            c0 = t // width
+            k0 = t - c0 * width
+            if col0 + B_c <= N_k:
+                # A whole tile: n loads at compile-time-constant distances R·width from one address.
+                start = base + (col0 + c0) * width + k0
+                for u in range(n):
+                    reg[u] = Xf[uint64(start + u * R * width)]
+            else:
+                # The ragged last tile: clamp the row, zero past N_k (a select, not a branch).
+                for u in range(n):
+                    row = col0 + c0 + R * u
+                    x = Xf[uint64(base + min(row, N_k - 1) * width + k0)]
+                    reg[u] = x if row < N_k else float32(0.0)
+        else:
+            for u in range(n):
+                e = t + T * u
+                c = e // width
+                row = col0 + c
+                x = Xf[uint64(base + min(row, N_k - 1) * width + e - c * width)]
+                reg[u] = x if row < N_k else float32(0.0)
+
+    @jit
+    def store(sm, reg, t, off, stride):
+        if regular:
+            c0 = t // width
+            start = off + c0 * stride + t - c0 * width
+            for u in range(n):
+                sm[uint64(start + u * R * stride)] = reg[u]
+        else:
+            for u in range(n):
+                e = t + T * u
+                c = e // width
+                if c < B_c:
+                    sm[uint64(off + c * stride + e - c * width)] = reg[u]
+
+    return fetch, store
+
+
 # -- the kernel ----------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool):
-    """Compile-time specialisation of the kernel: tile shape, head sizes, and how rows exchange their maxima."""
+def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False):
+    """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima, and
+    whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`)."""
     check_tiling(tiling, d, d_v)
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
+    # pipeline: each thread moves NK values of K_j and NV of V_j through registers (see _tile_io).
+    fetch_k, store_k = _tile_io(T, B_c, d, simulator)
+    fetch_v, store_v = _tile_io(T, B_c, d_v, simulator)
+    NK, NV = -(-B_c * d // T), -(-B_c * d_v // T)
     TD = d_v // NX                     # output columns per thread, in TD // 4 chunks of 4
     TQ = TD // 4
     S_REGS, O_REGS, QA_REGS, KA_REGS = TR * TC, TR * TD, TR * 4, TC * 4   # local-array sizes: compile-time constants
@@ -139,7 +207,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     NEG_INF = float32(-math.inf)
 
     @cuda.jit
-    def flash2_forward_fast(Q, K, V, O, L, scale2, causal):
+    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf):
         i = cuda.blockIdx.x
         z = cuda.blockIdx.y
         h = cuda.blockIdx.z
@@ -165,6 +233,8 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         ka = cuda.local.array(KA_REGS, float32)
         va = cuda.local.array(TD, float32)
         pa = cuda.local.array(QA_REGS, float32)
+        kreg = cuda.local.array(NK, float32)           # pipeline: K_{j+1} in flight (registers) during P̃_j V_j
+        vreg = cuda.local.array(NV, float32)           # pipeline: V_j in flight during S_j = Q_i K_jᵀ
 
         # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
         # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
@@ -189,26 +259,35 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
             last_row = min(row0 + B_r, N_q) - 1
             T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
         my_row0 = row0 + ty * TR
+        kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
+        if pipeline and T_c > 0:
+            # Alg. 1 line 7 (K_0 only): every load issued before the first store, then K_0 to shared memory.
+            fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
+            store_k(sm, kreg, t, K_OFF, KS)
         # Alg. 1 line 6: stream K_j, V_j through shared memory.
         for j in range(T_c):
             col0 = j * B_c
             cuda.syncthreads()                          # everyone is done with the previous K_j, V_j, P̃
-            # Alg. 1 line 7: load K_j, V_j (zero past N_k, so padding never makes NaN).
-            for e in range(t, B_c * d, T):
-                c = e // d
-                k = e - c * d
-                x = float32(0.0)
-                if col0 + c < N_k:
-                    x = K[z, h_kv, col0 + c, k]
-                sm[K_OFF + c * KS + k] = x
-            for e in range(t, B_c * d_v, T):
-                c = e // d_v
-                k = e - c * d_v
-                x = float32(0.0)
-                if col0 + c < N_k:
-                    x = V[z, h_kv, col0 + c, k]
-                sm[V_OFF + c * VS + k] = x
-            cuda.syncthreads()
+            if pipeline:
+                # Alg. 1 line 7 (V_j): issue the loads now; they land while S_j is computed, stored after it.
+                fetch_v(Vf, kv_base * d_v, col0, N_k, t, vreg)
+            else:
+                # Alg. 1 line 7: load K_j, V_j (zero past N_k, so padding never makes NaN).
+                for e in range(t, B_c * d, T):
+                    c = e // d
+                    k = e - c * d
+                    x = float32(0.0)
+                    if col0 + c < N_k:
+                        x = K[z, h_kv, col0 + c, k]
+                    sm[K_OFF + c * KS + k] = x
+                for e in range(t, B_c * d_v, T):
+                    c = e // d_v
+                    k = e - c * d_v
+                    x = float32(0.0)
+                    if col0 + c < N_k:
+                        x = V[z, h_kv, col0 + c, k]
+                    sm[V_OFF + c * VS + k] = x
+                cuda.syncthreads()
 
             # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ, this thread's TR × TC sub-tile, 4 values of d at a time.
             for x in range(TR * TC):
@@ -271,7 +350,13 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                 # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i.
                 for x in range(TD):
                     o[r * TD + x] *= alpha
-            cuda.syncthreads()                          # P̃ complete before any thread reads other columns
+            if pipeline:
+                store_v(sm, vreg, t, V_OFF, VS)         # V_j arrived during S_j: to shared memory
+            cuda.syncthreads()                          # P̃ (and V_j) complete before any thread reads other columns
+            if pipeline:
+                # Alg. 1 line 7 (K_{j+1}): issue the loads now, in flight during P̃_j V_j (the last tile reloads
+                # its own K: a clamped index instead of a branch).
+                fetch_k(Kf, kv_base * d, min(j + 1, T_c - 1) * B_c, N_k, t, kreg)
             # Alg. 1 line 10 (second half): Õ_i += P̃_i^(j) V_j, 4 columns of P̃ at a time.
             for c4 in range(0, B_c, 4):
                 for r in range(TR):
@@ -284,6 +369,9 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                     for r in range(TR):
                         for x in range(TD):
                             o[r * TD + x] += pa[r * 4 + u] * va[x]
+            if pipeline:
+                # K_j is no longer read by anyone (they all passed the barrier after S_j): K_{j+1} replaces it.
+                store_k(sm, kreg, t, K_OFF, KS)
 
         # Alg. 1 line 12: ℓ_i = the sum of the row's NX partial sums (once, after the loop).
         for r in range(TR):
@@ -332,12 +420,13 @@ def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
     driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
 
 
-def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None) -> Flash2Forward:
+def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None,
+                pipeline: bool = False) -> Flash2Forward:
     """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``."""
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d, d_v = layout_.d, layout_.d_v
     simulator = rt.simulator_in_use()
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator)
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline))
     size = layout(tiling, d, d_v, bool(shuffle))["size"]
     if 4 * size > MAX_DYNAMIC_BYTES:
         raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
@@ -345,7 +434,8 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     dynamic = 4 * size if size > STATIC_FLOATS else 0
     O = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q, d_v))
     L = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q))
-    args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal))
+    # Kf, Vf: flat views of K, V (contiguous), read by the pipelined loads only.
+    args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal), K4.reshape(-1), V4.reshape(-1))
     if dynamic and not simulator:
         _allow_dynamic_shared(kernel, args, dynamic)
     grid = (rt.grid_size(layout_.N_q, tiling.B_r), layout_.Z, layout_.H_q)
@@ -353,9 +443,9 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
 
 
-def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
+def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False) -> dict:
     """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared."""
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), False)
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline))
     out = {}
     for compiled in kernel.overloads.values():
         out = dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
