@@ -14,6 +14,7 @@ oracle), never typed in.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -261,7 +262,16 @@ def main(argv=None) -> int:
     """Entry point of the ``fa2edu`` command (``pyproject.toml``: ``fa2edu = fa2edu.cli:main``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    out = sys.stdout
+    try:
+        return _dispatch(args, parser, sys.stdout)
+    except BrokenPipeError:
+        # The reader went away (`fa2edu errata | head`): stop quietly, as Unix tools do, and point stdout at
+        # /dev/null so that Python's final flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(args, parser, out) -> int:
     if args.command == "io":
         return _run_io(args, parser, out)
     if args.command == "tour":
