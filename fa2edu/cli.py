@@ -252,7 +252,7 @@ def tour(out=None) -> None:
 def _run_errata(out) -> int:
     from fa2edu.errata import check_all
 
-    print("The papers' errata (shared/papers/README.md), each evaluated on random blocks:", file=out)
+    print("The papers' errata (typos in the FA1 and FA2 texts), each evaluated on random blocks:", file=out)
     for erratum in check_all():
         print(erratum, file=out)
     return 0

@@ -1,8 +1,9 @@
 """The papers' errata, checked numerically: the printed formula against the corrected one, on random blocks.
 
-``shared/papers/README.md`` lists thirteen errata in the FA1 and FA2 texts. Eleven of them say something a computer
-can check. For each, a function here evaluates the formula **as printed** and **as corrected** on random data, and
-the quantity both are meant to equal (the float64 oracle of :mod:`fa2edu.reference`, an exact softmax, an executed
+The FA1 (arXiv 2205.14135) and FA2 (arXiv 2307.08691) texts carry thirteen known errata (chapter 11 lists
+them). Eleven of them say something a computer can check. For each, a function here evaluates the formula
+**as printed** and **as corrected** on random data, and the quantity both are meant to equal (the float64 oracle
+of :mod:`fa2edu.reference`, an exact softmax, an executed
 HBM ledger or FLOP count). It returns an :class:`Erratum` that knows both errors, so a chapter can show
 "printed: wrong, corrected: right", and ``tests/test_errata.py`` proves it for every erratum.
 
