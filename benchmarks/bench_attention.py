@@ -427,7 +427,7 @@ def _measure_one(config, spec, args, device, protocol, options, reference, count
         status = "skipped" if device.is_out_of_memory(exc) else "error"
         return Outcome(status=status, ms=None, tflops=None, peak_mem_bytes=None,
                        error=f"float64 reference failed: {type(exc).__name__}: {exc}"[:400])
-    seed, scale = args.seed, 1.0 / math.sqrt(config.d)  # DESIGN.md: τ = 1/√d
+    seed, scale = args.seed, 1.0 / math.sqrt(config.d)  # docs/conventions.md: τ = 1/√d
 
     def make_call(k):
         x = impls.make_inputs(config.batch, config.heads, config.N, config.d,
@@ -450,7 +450,7 @@ def _reference_for(cache, config, seed, device):
         cache["problem"] = config.problem
     x = impls.make_inputs(config.batch, config.heads, config.N, config.d,
                           impls.config_seed(seed, config.N, config.d, config.causal, 0))
-    scale = 1.0 / math.sqrt(config.d)  # DESIGN.md: τ = 1/√d (FA2's footnote printing 1/d is an erratum)
+    scale = 1.0 / math.sqrt(config.d)  # docs/conventions.md: τ = 1/√d (FA2's footnote printing 1/d is an erratum)
     if "forward_O" not in cache:
         O, L = impls.reference_forward(x["Q"], x["K"], x["V"], config.causal, scale)
         cache["forward_O"], cache["forward_L"] = O, L

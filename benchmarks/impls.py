@@ -225,7 +225,7 @@ def _scores(q, k, r0, causal, scale, N_q, N_k):
     if causal:
         i = torch.arange(r0, r0 + q.shape[-2], device=q.device)[:, None]
         j = torch.arange(N_k, device=q.device)[None, :]
-        # DESIGN.md: query i sees key j iff j ≤ i + N_k − N_q
+        # docs/conventions.md: query i sees key j iff j ≤ i + N_k − N_q
         S.masked_fill_(j > i + (N_k - N_q), float("-inf"))
     return S
 

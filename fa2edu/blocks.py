@@ -2,7 +2,7 @@
 
 FA1 sizes its blocks so that the four tiles it keeps on chip (K_j, V_j of B_c × d and Q_i, O_i of B_r × d) fill the
 SRAM of M elements: ``B_c = ceil(M / (4d))``, ``B_r = min(ceil(M / (4d)), d)``. The large block goes to the loop
-that is *outer* (FA1: K/V). FA2's forward loop is Q-outer, so fa2edu mirrors the rule there (DESIGN.md):
+that is *outer* (FA1: K/V). FA2's forward loop is Q-outer, so fa2edu mirrors the rule there (docs/conventions.md):
 ``B_r = ceil(M / (4d))``, ``B_c = min(ceil(M / (4d)), d)``. FA2's backward is K/V-outer again and uses FA1's rule.
 
 The rule is asymptotic: with its constants the on-chip working set (tiles, the score tile S_ij, the statistics) is

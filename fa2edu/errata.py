@@ -305,7 +305,7 @@ def erratum_9_redundant_loads(seed: int = 0, N: int = 40, d: int = 4, M: int = 6
     (line 4); dQ_i is loaded again at line 15, where it is updated. The loads change no number, only the traffic.
 
     Both versions of :func:`fa2edu.flash2.flash2_backward` run on one random problem; compared are their HBM reads
-    with the minimal count of DESIGN.md's table (:func:`fa2edu.io.closed_form`). ``notes`` records that their
+    with the minimal count of the conventions' table (:func:`fa2edu.io.closed_form`). ``notes`` records that their
     gradients are identical and the extra reads, 2·T_c·N·d.
     """
     rng = np.random.default_rng(seed)
@@ -366,7 +366,7 @@ def erratum_12_L_sum_vs_logsumexp(seed: int = 0, B_r: int = 5, N_k: int = 9) -> 
                    notes={"relation": "L_lse = log(L_sum): the names collide, the quantities differ"})
 
 
-#: Every checkable erratum, by its number in the papers' README.
+#: Every checkable erratum, by its number in chapter 11's list.
 ERRATA: dict[int, Callable[..., Erratum]] = {
     1: erratum_1_dK, 2: erratum_2_two_block_output, 3: erratum_3_tweak_1, 4: erratum_4_line_10_inverse,
     5: erratum_5_D_shape, 6: erratum_6_causal_blocks, 7: erratum_7_scale, 8: erratum_8_parentheses,

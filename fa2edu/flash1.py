@@ -11,7 +11,7 @@ blocks of B_c rows, and computes the softmax one tile at a time with the running
 * Both statistics ℓ and m are saved for the backward pass (FA2 saves only L = m + log ℓ).
 
 Block sizes (Alg. 1 line 1): ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)`` (:func:`fa2edu.blocks.
-block_sizes_kv_outer`). HBM traffic per (batch, head), N_q = N_k = N, d_v = d, no mask (DESIGN.md, exact for ragged N):
+block_sizes_kv_outer`). HBM traffic per (batch, head), N_q = N_k = N, d_v = d, no mask (exact for ragged N):
 
 | pass | HBM reads | HBM writes |
 | --- | --- | --- |
@@ -23,7 +23,7 @@ line 5) are counted apart, as ``init`` writes. Causal and masked runs skip the (
 Section 3.1's classification): no load, no FLOP. Block-sparse FlashAttention (Alg. 5) skips the zero blocks of a
 given block mask in the same place, so its traffic scales with the fraction s of non-zero blocks (Proposition 4).
 
-Fully masked rows end with O = 0, ℓ = 0, m = −inf and zero gradients (DESIGN.md): the guards are named steps below.
+Fully masked rows end with O = 0, ℓ = 0, m = −inf and zero gradients: the guards are named steps below.
 """
 
 from __future__ import annotations

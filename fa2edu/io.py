@@ -8,7 +8,7 @@ tabulates the ledger: reads, writes, total, block sizes and peak SRAM, per (batc
 Executing a tiled pass costs one Python iteration per visited block, too slow for N = 65 536. So this module also
 writes the ledger down as formulas, two ways:
 
-* :func:`closed_form` — DESIGN.md's table for N_q = N_k = N with no mask, term by term the paper's lines.
+* :func:`closed_form` — the conventions' table for N_q = N_k = N with no mask, term by term the paper's lines.
 * :func:`visit_form` — the same lines summed over the blocks a pass *visits*, for causal masking (FA2 Section 3.1)
   and block-sparsity (FA1 Algorithm 5). :func:`block_visits` finds the visited blocks with vectorised NumPy: for
   causal masking in O(T_r + T_c) from the row and column indices alone, for a block mask from the mask itself.
@@ -53,7 +53,8 @@ EXECUTE_MAX_SCORES = 128 * 128
 
 def block_rule(algorithm: str, pass_: str):
     """The block-size rule of a pass: FA1's (K/V-outer) for flash1 and flash2 backward, Q-outer for flash2 forward
-    (DESIGN.md); standard attention uses the Q-outer rule's B_r to stream its rows (its counts do not depend on it)."""
+    (docs/conventions.md); standard attention uses the Q-outer rule's B_r to stream its rows (its counts do
+    not depend on it)."""
     _check_pair(algorithm, pass_)
     if algorithm == "standard" or (algorithm == "flash2" and pass_ == "forward"):
         return block_sizes_q_outer
@@ -171,7 +172,7 @@ def block_visits(N_q: int, N_k: int, B_r: int, B_c: int, causal: bool = False,
 
 def closed_form(algorithm: str, pass_: str, N: int, d: int, B_r: int | None = None,
                 B_c: int | None = None) -> tuple[int, int]:
-    """HBM ``(reads, writes)`` per (batch, head) for N_q = N_k = N, no mask: DESIGN.md's table, exact for ragged N.
+    """HBM ``(reads, writes)`` per (batch, head) for N_q = N_k = N, no mask: the conventions' table, exact for ragged N.
 
     T_r = ceil(N/B_r), T_c = ceil(N/B_c). Each pass over the rows of a tensor moves exactly N rows whatever the
     block sizes, so a ragged last block changes nothing but T_r and T_c:
@@ -566,7 +567,7 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
     Arguments: sequence length ``N`` (= N_q; ``N_k`` defaults to N), head dimension ``d``, SRAM size ``M`` in
     **elements** (FA1 Theorem 2; :func:`fa2edu.hardware.M_for` converts from a GPU; ``None`` with explicit
     ``block_sizes`` means an unbounded SRAM that still records its peak), ``causal`` masking.
-    ``block_sizes=(B_r, B_c)`` for every tiled pass, else each pass's own rule from M (DESIGN.md).
+    ``block_sizes=(B_r, B_c)`` for every tiled pass, else each pass's own rule from M (docs/conventions.md).
     ``block_sparsity``: a fraction s in (0, 1] (a random block mask of that density, diagonal kept, on each pass's
     grid, FA1 Algorithm 5) or a bool (T_r, T_c) block mask (needs ``block_sizes``).
     ``method``: ``"execute"`` runs the algorithms on random data and reads their ledgers (the ground truth);

@@ -7,7 +7,7 @@ no key at all; such fully masked rows give O = 0 and L = +inf.
 
 FA2 Section 3.1 classifies each (B_r × B_c) block of S: blocks that are entirely masked are *skipped* (no loads, no
 FLOPs), blocks that straddle the diagonal are *masked*, the rest are *plain*. The paper's sentence about which
-blocks need no mask is reversed (erratum 6 in the papers' README): blocks whose row indices are all *smaller* than
+blocks need no mask is reversed (erratum 6, chapter 11): blocks whose row indices are all *smaller* than
 their column indices are the skipped ones.
 """
 

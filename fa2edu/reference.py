@@ -4,8 +4,9 @@ Everything else in fa2edu is tested against these two functions. They are writte
 full N_q × N_k score matrix is formed, GQA is done by repeating K/V heads, and the arithmetic is float64 whatever
 the input dtype.
 
-Conventions (DESIGN.md): causal masking is bottom-right aligned; a fully masked row has O = 0, L = +inf and zero
-gradients; dropout (``dropout_p > 0``) uses :mod:`fa2edu.dropout`'s counter-based mask keyed on ``seed``.
+Conventions (docs/conventions.md): causal masking is bottom-right aligned; a fully masked row has O = 0,
+L = +inf and zero gradients; dropout (``dropout_p > 0``) uses :mod:`fa2edu.dropout`'s counter-based mask
+keyed on ``seed``.
 """
 
 from __future__ import annotations

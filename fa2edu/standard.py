@@ -19,7 +19,7 @@ operand (and leans on the L2 cache); FlashAttention's count needs no such assump
 
 Precision. The materialised matrices S, P, dP, dS and the outputs are stored in HBM in the *input* dtype, as a
 float16 standard attention stores them, while every line computes in the compute dtype (float32 for float16 inputs):
-this is the same-dtype baseline of DESIGN.md's low-precision rule. (In float16, a score beyond ±65504 overflows to
+this is the same-dtype baseline of the conventions' low-precision rule. (In float16, a score beyond ±65504 overflows to
 ±inf in S: FlashAttention's S never leaves chip, so it never has that problem.)
 
 Masks, causal masking and dropout are FA1 Algorithm 2's: masked scores are a real −inf in S, fully masked rows give

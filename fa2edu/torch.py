@@ -28,7 +28,7 @@ Where it runs:
 
 Layout: q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v), as ``F.scaled_dot_product_attention``
 takes them, with GQA/MQA when H_q is a multiple of H_kv (K, V never repeated). ``causal=True`` is bottom-right
-aligned (query i sees key j iff j ≤ i + N_k − N_q, DESIGN.md); SDPA's ``is_causal`` is top-left aligned, which
+aligned (query i sees key j iff j ≤ i + N_k − N_q, docs/conventions.md); SDPA's ``is_causal`` is top-left aligned, which
 differs only when N_q ≠ N_k. Fully masked rows give O = 0 and zero gradients.
 
 Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) are accepted and copied to a
@@ -123,7 +123,7 @@ class Flash2Attention(torch.autograd.Function):
     """FA2 Alg. 1 forward, Alg. 2 backward. Saves Q, K, V, O and the log-sum-exp L: never S or P.
 
     Cost per (batch, head) with N_q = N_k = N, d_v = d: forward 4N²d matmul FLOPs, backward 10N²d (2.5×, FA2
-    Section 4.1); HBM reads Nd + 2Nd·T_r and writes Nd + N in the forward pass (DESIGN.md's table).
+    Section 4.1); HBM reads Nd + 2Nd·T_r and writes Nd + N in the forward pass (the conventions' table).
     """
 
     @staticmethod
@@ -168,7 +168,7 @@ class Flash1Attention(torch.autograd.Function):
     """FA1 Alg. 2 forward (Alg. 1 with the scale τ and the mask), Alg. 4 backward. Saves Q, K, V, O, ℓ and m.
 
     Cost per (batch, head): the same FLOPs as FA2; HBM reads 2Nd + T_c(2Nd + 2N), writes T_c(Nd + 2N) forward,
-    because O, ℓ, m go back to HBM on every inner step (DESIGN.md's table). CPU only: kernels_gpu has FA1's forward
+    because O, ℓ, m go back to HBM on every inner step (the conventions' table). CPU only: kernels_gpu has FA1's forward
     kernel but no backward.
     """
 
@@ -285,7 +285,7 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         scale: τ, default 1/√d (FA2 footnote 2's 1/d is erratum 7).
         algorithm: ``"flash2"`` (FA2 Alg. 1/2, the default), ``"flash1"`` (FA1 Alg. 2/4, CPU only) or
             ``"standard"`` (FA1 Alg. 0/3, which saves P).
-        block_sizes: ``(B_r, B_c)`` for the tiled algorithms; by default from ``M`` by DESIGN.md's rules.
+        block_sizes: ``(B_r, B_c)`` for the tiled algorithms; by default from ``M`` by the conventions' rules.
         M: SRAM size in elements (CPU only; the kernels take ``block_sizes``).
 
     Returns:

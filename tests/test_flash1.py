@@ -3,7 +3,7 @@
 What the book claims and this file proves:
 * Alg. 1/2 return the oracle's O, and statistics with m + log ℓ = L ((ℓ, m) = (0, −inf) on fully masked rows);
   Alg. 4 returns the oracle's gradients, regenerating the forward's dropout mask; block sizes do not matter.
-* The executed ledger equals DESIGN.md's closed forms, reads 2Nd + T_c(2Nd + 2N), writes T_c(Nd + 2N) forward and
+* The executed ledger equals the conventions' closed forms, reads 2Nd + T_c(2Nd + 2N), writes T_c(Nd + 2N) forward and
   reads 2Nd + T_c(4Nd + 2N), writes 2Nd + T_c·Nd backward, for ragged N; causal and block-sparse runs pay only for
   the blocks they visit (FA1 Proposition 4: traffic scales with the non-zero fraction s).
 * FA1 does more non-matmul FLOPs than FA2 (FA2 tweak 1), and its SRAM never overflows.
@@ -128,7 +128,7 @@ def test_result_does_not_depend_on_block_sizes(case, first, second):
                  attention_problems(dtypes=(np.float16,), max_n=16, extreme=False)))
 def test_low_precision_within_twice_standard_attention(case):
     """O, L and the gradients in float32/float16 are within 2× the error of standard attention in the same dtype
-    (plus DESIGN.md's floor). float16 is drawn without ±1e4 logits, which overflow a float16 S of standard
+    (plus the conventions' floor). float16 is drawn without ±1e4 logits, which overflow a float16 S of standard
     attention (its baseline would be NaN)."""
     dtype = case.Q.dtype
     dO = _gradient(case)
@@ -198,7 +198,7 @@ def _run_ledgers(Q, K, V, dO, **kw):
 @settings(max_examples=30)
 @given(st.integers(1, 70), st.integers(1, 12), st.integers(0, 400))
 def test_ledger_equals_design_closed_form(N, d, extra):
-    """DESIGN.md's table with Alg. 1 line 1's block sizes, for ragged N and M = 4d + extra (N_q = N_k, d_v = d)."""
+    """the conventions' table with Alg. 1 line 1's block sizes, for ragged N and M = 4d + extra (N_q = N_k, d_v = d)."""
     M = 4 * d + extra
     B_r, B_c = block_sizes_kv_outer(M, d)
     T_c = math.ceil(N / B_c)

@@ -4,9 +4,9 @@ What these tests prove, claim by claim of the book:
 
 * exactness: forward O and L, backward dQ, dK, dV equal the oracle for N_q ≠ N_k, ragged blocks, causal on and off,
   masks with fully masked rows, logits up to ±1e4, GQA/MQA, dropout; float64 within 1e-10, float32/float16 within
-  2× the error of a same-dtype standard computation (DESIGN.md's rule);
+  2× the error of a same-dtype standard computation (the conventions' rule);
 * the result does not depend on the block sizes;
-* the executed ledger equals DESIGN.md's closed forms for ragged N, and the printed Algorithm 2's redundant loads
+* the executed ledger equals the conventions' closed forms for ragged N, and the printed Algorithm 2's redundant loads
   (erratum 9) cost exactly 2·T_c·N·d reads;
 * the SRAM never holds more than its capacity, explicit block sizes that do not fit are refused, and causal block
   skipping visits T(T + 1)/2 of the T² blocks.

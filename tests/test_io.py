@@ -67,12 +67,12 @@ def test_executed_ledger_equals_visit_form(problem):
 @pytest.mark.parametrize("N, d, M", [(1, 4, 16), (37, 5, 61), (100, 8, 96), (129, 16, 700), (250, 3, 120),
                                      (203, 8, 257), (64, 16, 1024)])
 def test_design_table_equals_executed_ledger(N, d, M):
-    """DESIGN.md's table (closed_form) with each pass's own block-size rule from M, exact for ragged N."""
+    """the conventions' table (closed_form) with each pass's own block-size rule from M, exact for ragged N."""
     report = simulate_io(N, d, M, method="execute")
     for row in report.rows:
         B_r, B_c = row.block_sizes or (None, None)
         assert (row.reads, row.writes) == closed_form(row.algorithm, row.pass_, N, d, B_r, B_c), row
-    # the block sizes are the rules of DESIGN.md
+    # the block sizes are the rules of docs/conventions.md
     assert report.row("flash1", "forward").block_sizes == block_sizes_kv_outer(M, d)
     assert report.row("flash2", "forward").block_sizes == block_sizes_q_outer(M, d)
     assert report.row("flash2", "backward").block_sizes == block_sizes_kv_outer(M, d)
@@ -218,7 +218,7 @@ def test_sram_peak_within_capacity(N, d, M):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_simulate_io_answers_the_big_case_within_a_second(causal):
-    """DESIGN.md's contract: simulate_io(65 536, 64, 98 304) in under a second (a generous margin here)."""
+    """the conventions' contract: simulate_io(65 536, 64, 98 304) in under a second (a generous margin here)."""
     start = time.perf_counter()
     report = simulate_io(65536, 64, 98_304, causal)
     elapsed = time.perf_counter() - start

@@ -6,7 +6,7 @@ the same block sizes (:class:`fa2edu.HBM`), tensor by tensor, reads, writes and 
 
 * FA2 forward (Alg. 1), FA1 forward (Alg. 1) and FA2 backward (Alg. 2, atomic dQ) move exactly what the ledger
   says, for ragged blocks, N_q ≠ N_k, causal block skipping, and (forward) GQA;
-* both equal DESIGN.md's closed forms for N_q = N_k (so neither can drift without the other noticing);
+* both equal the conventions' closed forms for N_q = N_k (so neither can drift without the other noticing);
 * the GQA backward kernel loads K_j, V_j once per K/V head (the ledger counts them per query head: G times more);
 * the deterministic backward trades dQ's atomic read-modify-writes for T_r extra passes over K and V;
 * standard attention materialises S and P: N_q·N_k written each (its softmax kernel reads S twice).
@@ -126,7 +126,7 @@ def test_gqa_backward_loads_kv_once_per_group():
 
 @pytest.mark.parametrize("N, d, bs", [(10, 4, (3, 4)), (7, 2, (7, 2))])
 def test_traffic_equals_the_closed_forms(N, d, bs):
-    """DESIGN.md's table, per (batch, head), N_q = N_k = N, T_r = ceil(N/B_r), T_c = ceil(N/B_c)."""
+    """the conventions' table, per (batch, head), N_q = N_k = N, T_r = ceil(N/B_r), T_c = ceil(N/B_c)."""
     rng = np.random.default_rng(3)
     Q, K, V, dO = (rng.standard_normal((N, d)).astype(np.float32) for _ in range(4))
     T_r, T_c = math.ceil(N / bs[0]), math.ceil(N / bs[1])

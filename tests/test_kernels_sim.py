@@ -4,7 +4,7 @@ What these tests prove (the GPU chapter's claims, on any laptop):
 
 * exactness: FA2 forward (O, L), FA1 forward (O, ℓ, m), FA2 backward (dQ, dK, dV; atomic and deterministic),
   standard attention forward (O, P) and backward equal :func:`fa2edu.attention_reference` and its gradients within
-  DESIGN.md's float32 rule (2× the error of a same-dtype standard computation, plus a small floor), on ragged
+  the conventions' float32 rule (2× the error of a same-dtype standard computation, plus a small floor), on ragged
   shapes: N_q ≠ N_k, block sizes dividing nothing, causal on and off, GQA/MQA, d_v ≠ d, 2-D/3-D/4-D inputs, large
   logits;
 * fully masked rows (causal with N_q > N_k) give exactly O = 0, L = +inf, (ℓ, m) = (0, −inf), zero gradients;
@@ -92,7 +92,7 @@ def row_stats(Q, K, causal, dtype):
 
 
 def check(actual, expected, low, name):
-    """DESIGN.md's float32 rule: within 2× the error of the same-dtype computation ``low``, plus a floor."""
+    """the conventions' float32 rule: within 2× the error of the same-dtype computation ``low``, plus a floor."""
     assert_close_to_oracle(np.asarray(actual), expected, name, dtype=np.float32,
                            baseline=baseline_error(np.asarray(low), expected))
 

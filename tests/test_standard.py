@@ -153,7 +153,7 @@ def _backward_form(N_q, N_k, d, d_v):
 
 @pytest.mark.parametrize("N, d", [(1, 1), (7, 3), (33, 8), (64, 16), (100, 5)])
 def test_ledger_equals_closed_form_square(N, d):
-    """DESIGN.md's table: forward 3Nd + 2N² reads, Nd + 2N² writes; backward 5Nd + 5N², 3Nd + 2N²."""
+    """the conventions' table: forward 3Nd + 2N² reads, Nd + 2N² writes; backward 5Nd + 5N², 3Nd + 2N²."""
     rng = np.random.default_rng(N)
     Q, K, V, dO = (rng.standard_normal((N, d)) for _ in range(4))
     hbm = HBM()

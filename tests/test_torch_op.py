@@ -2,7 +2,7 @@
 
 * ``torch.autograd.gradcheck`` (float64, finite differences) passes for every algorithm, with causal masks,
   N_q ≠ N_k (fully masked rows included), GQA, a custom scale and ragged blocks.
-* The forward output and the three gradients equal ``F.scaled_dot_product_attention``'s within DESIGN.md's rule:
+* The forward output and the three gradients equal ``F.scaled_dot_product_attention``'s within the conventions' rule:
   1e-10 relative in float64; in float32, 2× the error of SDPA's own float32 result plus a floor, both measured
   against SDPA in float64. SDPA's ``is_causal`` is top-left aligned, so the bottom-right mask is built explicitly.
 * What each autograd Function keeps for the backward pass, read through ``saved_tensors_hooks``: FA2 keeps Q, K, V,
@@ -61,7 +61,7 @@ def run_op(q, k, v, dO, **options):
 
 
 def run_sdpa(q, k, v, dO, causal, scale):
-    """SDPA with the bottom-right causal mask of DESIGN.md, GQA by ``enable_gqa``; O and gradients."""
+    """SDPA with the bottom-right causal mask of docs/conventions.md, GQA by ``enable_gqa``; O and gradients."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     N_q, N_k = q.shape[-2], k.shape[-2]
     # query i sees key j iff j ≤ i + N_k − N_q: a lower triangle shifted right by N_k − N_q.
@@ -103,7 +103,7 @@ def test_matches_sdpa_float64(algorithm, causal):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_matches_sdpa_float32(algorithm):
-    # DESIGN.md's low-precision rule: error ≤ 2 × (SDPA float32's own error) + floor, both against float64 SDPA.
+    # the conventions' low-precision rule: error ≤ 2 × (SDPA float32's own error) + floor, both against float64 SDPA.
     q, k, v = make_inputs((2, 4, 33, 16), (2, 1, 40, 16), 16, seed=3, requires_grad=False)
     dO = torch.randn(2, 4, 33, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     oracle = run_sdpa(q, k, v, dO, True, 0.3)
@@ -122,7 +122,7 @@ def test_matches_sdpa_float32(algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_fully_masked_rows_match_the_oracle(algorithm):
-    # causal with N_q > N_k: the first N_q − N_k rows see no key. SDPA gives NaN there; DESIGN.md says O = 0 and
+    # causal with N_q > N_k: the first N_q − N_k rows see no key. SDPA gives NaN there; the conventions say O = 0 and
     # zero gradients, which is what fa2edu's float64 oracle computes.
     q, k, v = make_inputs((1, 2, 9, 4), (1, 2, 5, 4), 4, seed=5, requires_grad=False)
     dO = torch.randn(1, 2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))

@@ -1,4 +1,4 @@
-"""Bad input gets a clear ValueError or TypeError whose message names the argument (DESIGN.md, "Numerics and tests").
+"""Bad input gets a clear ValueError or TypeError whose message names the argument (docs/conventions.md).
 
 Every case runs against every algorithm that takes the argument in question. Each case is paired with a control:
 the same call with a *valid* value for the same keyword must succeed, so a test cannot pass because the function

@@ -1,4 +1,4 @@
-"""DESIGN.md's exactness rule, in one place for every test.
+"""the conventions' exactness rule, in one place for every test.
 
 float64: within 1e-10 relative in the max-norm. Lower precisions: within 2× the error of standard attention
 computed in the same dtype (against the float64 oracle), plus a small absolute floor (the flash-attn test rule).

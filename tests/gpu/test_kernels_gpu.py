@@ -6,7 +6,7 @@ Run on the device from the repository root (the default run skips this file)::
 
 What it proves (issue 3 item 4):
 
-* every kernel matches the oracle within DESIGN.md's float32 rule (2× the error of float32 standard attention
+* every kernel matches the oracle within the conventions' float32 rule (2× the error of float32 standard attention
   against the float64 oracle, plus a floor) at N up to 16 384, d = 64 and 128, causal on and off, N_q ≠ N_k with
   fully masked rows, GQA. Large forward problems are checked on a sample of rows (first, last, random), with the
   oracle and the float32 baseline computed for those rows only, so the float64 work stays small;
@@ -80,7 +80,7 @@ def rows_attention(Q, K, V, rows, causal, dtype):
 
 
 def assert_rule(actual, expected, low, name):
-    """DESIGN.md's float32 rule, with the infinity pattern compared exactly."""
+    """the conventions' float32 rule, with the infinity pattern compared exactly."""
     actual = np.asarray(actual, dtype=np.float64)
     assert not np.isnan(actual).any(), f"{name}: NaN"
     assert (np.isinf(actual) == np.isinf(expected)).all(), f"{name}: infinities differ"

@@ -1,7 +1,7 @@
 """fa2edu.torch on a real GPU: kernels_gpu behind ``autograd``, zero-copy, checked against PyTorch's SDPA.
 
 Run on the device (``pytest -m gpu tests/gpu/test_torch_gpu.py``). Checks: the forward output and the gradients of
-``flash_attention(..., algorithm="flash2")`` (and ``"standard"``) on CUDA tensors equal SDPA's within DESIGN.md's
+``flash_attention(..., algorithm="flash2")`` (and ``"standard"``) on CUDA tensors equal SDPA's within the conventions'
 float32 rule against a float64 oracle; the CUDA path agrees with the CPU path; outputs stay on the GPU; side
 streams and non-contiguous inputs are handled; and the small GPT trains the same with either attention.
 """
