@@ -1,11 +1,22 @@
 """Fast FA2 kernels: numbered versions beside the teaching kernels, each module's header says what changed and
-what it measured. ``VERSIONS`` maps a name to its ``flash2_forward(Q, K, V, causal=, scale=, tiling=)``."""
+what it measured. ``VERSIONS`` maps a name to its ``flash2_forward(Q, K, V, causal=, scale=, tiling=)``,
+``BACKWARD_VERSIONS`` a name to its ``flash2_backward``."""
 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
-from kernels_gpu.fast import flash2_forward_v1, flash2_forward_v2, flash2_forward_v3, flash2_forward_v4
+from kernels_gpu.fast import (
+    flash2_backward_v1,
+    flash2_forward_v1,
+    flash2_forward_v2,
+    flash2_forward_v3,
+    flash2_forward_v4,
+)
 from kernels_gpu.fast.tiled import Tiling
 
 VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward}
 
-__all__ = ["VERSIONS", "Tiling", "flash2_forward_v1", "flash2_forward_v2", "flash2_forward_v3", "flash2_forward_v4"]
+#: the fast FA2 backward versions: name → ``flash2_backward(Q, K, V, O, L, dO, causal=, scale=, tiling=)``
+BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward}
+
+__all__ = ["VERSIONS", "BACKWARD_VERSIONS", "Tiling", "flash2_backward_v1", "flash2_forward_v1", "flash2_forward_v2",
+           "flash2_forward_v3", "flash2_forward_v4"]

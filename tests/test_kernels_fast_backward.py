@@ -1,0 +1,113 @@
+"""kernels_gpu.fast's FA2 backward (``BACKWARD_VERSIONS``) in numba's CUDA simulator, against the float64 oracle.
+
+What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any tile side, N_q ≠ N_k), with outputs
+poisoned (NaN) before each run:
+
+* dQ, dK, dV within DESIGN.md's float32 rule of ``fa2edu.attention_reference_backward``, causal and not, with GQA
+  (dK, dV summed over the group), several thread tilings (NX of 1, 2, 4; KC = B_c / NY of 1, 2, 4), several row
+  blocks per column block, so the register prefetch of the next Q_i, dO_i, L_i, D_i (and its clamp on the last
+  step and across the GQA heads) runs;
+* fully masked rows (causal, N_q > N_k: L = +inf) give exactly dQ = 0 there and no NaN anywhere; key rows no query
+  sees give dK = dV = 0;
+* the dynamic shared-memory declaration computes the same as the static one;
+* tile shapes the kernel cannot run are refused with a ValueError naming the problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tolerances import assert_close_to_oracle, baseline_error
+
+import fa2edu
+from kernels_gpu import runtime as rt
+from kernels_gpu.fast import BACKWARD_VERSIONS, flash2_backward_v1
+from kernels_gpu.fast.flash2_backward_v1 import BackwardTiling
+
+if not rt.simulator_in_use():  # pragma: no cover
+    pytest.skip("simulator tests: NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Outputs start as NaN: an element the kernel never writes cannot pass."""
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+def _problem(seed, Z, H_q, H_kv, N_q, N_k, d, scale=1.0):
+    rng = np.random.default_rng(seed)
+    Q = (scale * rng.standard_normal((Z, H_q, N_q, d))).astype(np.float32)
+    K = (scale * rng.standard_normal((Z, H_kv, N_k, d))).astype(np.float32)
+    V = rng.standard_normal((Z, H_kv, N_k, d)).astype(np.float32)
+    dO = rng.standard_normal((Z, H_q, N_q, d)).astype(np.float32)
+    return Q, K, V, dO
+
+
+def _check(Q, K, V, dO, causal, tiling, version="v1"):
+    O, L = fa2edu.flash2_forward(Q, K, V, causal=causal)[:2]
+    O, L = np.asarray(O, np.float32), np.asarray(L, np.float32)
+    grads = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
+    ref = fa2edu.attention_reference_backward(Q, K, V, dO, causal=causal)
+    # the baseline error: float32 standard attention's backward (FA1 Alg. 3), same inputs
+    P = fa2edu.standard_attention(Q, K, V, causal=causal).P
+    low = fa2edu.standard_attention_backward(Q, K, V, P, dO, causal=causal)
+    for name, got, want, base in zip(("dQ", "dK", "dV"), grads, ref[:3], low[:3]):
+        assert np.isfinite(got).all(), f"{name} has NaN/inf (an unwritten or poisoned element)"
+        assert_close_to_oracle(got, want, name, dtype=np.float32, baseline=baseline_error(np.asarray(base), want))
+    return grads
+
+
+CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
+    (BackwardTiling(2, 2, 2, 2), 1, 1, 1, 9, 7, 8, False),        # KC = 2, several row and column blocks
+    (BackwardTiling(2, 2, 2, 2), 1, 2, 1, 11, 13, 8, True),       # GQA, causal, N_q < N_k
+    (BackwardTiling(4, 1, 2, 4), 1, 2, 2, 7, 10, 4, True),        # NX = 1, KC = 1
+    (BackwardTiling(2, 4, 3, 2), 2, 2, 1, 10, 9, 16, False),      # KC = 4, T % d != 0 (general tile move)
+]
+
+
+@pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", CASES)
+def test_matches_oracle_on_ragged_shapes(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
+    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
+    _check(Q, K, V, dO, causal, tiling)
+
+
+def test_fully_masked_rows_give_zero_dQ_and_unseen_keys_zero_dK_dV():
+    # causal with N_q > N_k: the first N_q − N_k = 6 rows see no key (L = +inf); every key is seen by some row
+    Q, K, V, dO = _problem(7, 1, 1, 1, 11, 5, 8)
+    dQ, dK, dV = _check(Q, K, V, dO, True, BackwardTiling(2, 2, 2, 2))
+    assert np.all(dQ[..., :6, :] == 0.0)
+    assert np.abs(dQ[..., 6:, :]).max() > 0
+    # causal with N_q < N_k, bottom-right: keys beyond the last row's reach do not exist; all are seen here too, so
+    # check a non-causal problem's dV is the plain sum of P·dO (nonzero) and a causal one's last key row is seen
+    # by the last query only: dV[-1] = P[-1, -1] dO[-1] (P = e^{S−L} ≤ 1)
+    Q, K, V, dO = _problem(8, 1, 1, 1, 4, 9, 8)
+    dQ, dK, dV = _check(Q, K, V, dO, True, BackwardTiling(2, 2, 2, 2))
+    O, L = fa2edu.flash2_forward(Q, K, V, causal=True)[:2]
+    p_last = np.exp(Q[0, 0, -1] @ K[0, 0, -1] / np.sqrt(8) - L[0, 0, -1])
+    np.testing.assert_allclose(dV[0, 0, -1], p_last * dO[0, 0, -1], rtol=1e-4, atol=1e-6)
+
+
+def test_dynamic_shared_memory_path_matches_static(monkeypatch):
+    Q, K, V, dO = _problem(5, 1, 2, 1, 10, 9, 8)
+    O, L = fa2edu.flash2_forward(Q, K, V, causal=True)[:2]
+    O, L = np.asarray(O, np.float32), np.asarray(L, np.float32)
+    tiling = BackwardTiling(2, 2, 2, 2)
+    static = flash2_backward_v1.flash2_backward(Q, K, V, O, L, dO, causal=True, tiling=tiling)
+    flash2_backward_v1.make_backward.cache_clear()
+    monkeypatch.setattr(flash2_backward_v1.tiled, "STATIC_FLOATS", 16)   # force the dynamic declaration
+    dynamic = flash2_backward_v1.flash2_backward(Q, K, V, O, L, dO, causal=True, tiling=tiling)
+    flash2_backward_v1.make_backward.cache_clear()
+    for a, b in zip(static, dynamic):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)   # dQ's atomics may add in another order
+
+
+@pytest.mark.parametrize("tiling, message", [(BackwardTiling(2, 3, 2, 4), "NX"),
+                                              (BackwardTiling(3, 2, 2, 2), "multiple of NY"),
+                                              (BackwardTiling(1024, 2, 1, 2), "threads"),
+                                              (BackwardTiling(2, 4, 2, 2), "4·NX")])
+def test_bad_tilings_are_refused(tiling, message):
+    Q, K, V, dO = _problem(0, 1, 1, 1, 4, 4, 8)
+    O, L = fa2edu.flash2_forward(Q, K, V)[:2]
+    with pytest.raises(ValueError, match=message):
+        flash2_backward_v1.flash2_backward(Q, K, V, np.asarray(O, np.float32), np.asarray(L, np.float32), dO,
+                                           tiling=tiling)
