@@ -18,14 +18,15 @@ import sys
 import time
 
 
-def _fast_builder(version, tiling=None):
+def _fast_builder(version, tiling=None, max_registers=None):
     def build(pass_, x, causal, scale, options):
         from kernels_gpu.fast import VERSIONS
         forward = VERSIONS[version]
         Q, K, V = x["Q"], x["K"], x["V"]
+        cap = {} if max_registers is None else {"max_registers": max_registers}   # v5+: a ptxas register cap
 
         def call():
-            O, L = forward(Q, K, V, causal=causal, scale=scale, tiling=tiling)
+            O, L = forward(Q, K, V, causal=causal, scale=scale, tiling=tiling, **cap)
             return {"O": O, "L": L}
         return call
     return build
@@ -45,14 +46,17 @@ def register():
 
 
 def _parse_impl(name):
-    """``v2`` or ``v2@16x8x4x4`` → (label, spec) with a fast builder; any other name → the harness's spec."""
+    """``v2``, ``v2@16x8x4x4`` or ``v5@16x8x4x4r168`` (a register cap, v5+) → (label, spec) with a fast builder;
+    any other name → the harness's spec."""
     from benchmarks import impls
     from kernels_gpu.fast import VERSIONS, Tiling
     version, _, tiling = name.partition("@")
     if version in VERSIONS:
+        tiling, _, cap = tiling.partition("r")
+        cap = int(cap) if cap else None
         til = Tiling(*(int(v) for v in tiling.split("x"))) if tiling else None
-        return name, impls.ImplSpec(name, "kernels_gpu", "float32", ("forward",), _fast_builder(version, til),
-                                    f"fast {version} tiling {til}", default=False), (version, til)
+        return name, impls.ImplSpec(name, "kernels_gpu", "float32", ("forward",), _fast_builder(version, til, cap),
+                                    f"fast {version} tiling {til} cap {cap}", default=False), (version, til, cap)
     if name not in impls.IMPLS:
         raise SystemExit(f"unknown implementation {name!r}: fast versions {list(VERSIONS)} or {list(impls.IMPLS)}")
     return name, impls.IMPLS[name], None
@@ -63,11 +67,14 @@ def _resources(fast, d):
     import importlib
 
     from kernels_gpu.fast import tiled
-    version, til = fast
+    version, til, cap = fast
     module = importlib.import_module(f"kernels_gpu.fast.flash2_forward_{version}")
+    if til is None and hasattr(module, "default_max_registers"):
+        cap = module.default_max_registers(d) if cap is None else cap
     til = til or module.default_tiling(d)
-    report = tiled.resources(til, d, d, module.SHUFFLE, getattr(module, "PIPELINE", False))
+    report = tiled.resources(til, d, d, module.SHUFFLE, getattr(module, "PIPELINE", False), cap)
     report["tiling"] = list(til)
+    report["max_registers"] = cap
     return report
 
 

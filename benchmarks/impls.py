@@ -11,6 +11,8 @@ timed pass once and returns its outputs as a dict (``O`` and ``L``, or FA1's ``l
 | kg_flash1      | kernels_gpu FA1 forward (FA1 Alg. 1): K/V-outer loop, O/ℓ/m round-trip through HBM  | float32 |
 | kg_flash2      | kernels_gpu FA2 forward and backward (FA2 Alg. 1/2), dQ accumulated with atomics   | float32 |
 | kg_flash2_det  | kernels_gpu FA2 backward, deterministic dQ (backward only; not in the default set) | float32 |
+| kg_flash2_fast | kernels_gpu.fast FA2: forward v5, backward v1 (register-tiled, pipelined loads)     | float32 |
+| kg_flash2_v3   | kernels_gpu.fast FA2 forward v3 (forward only; not in the default set)             | float32 |
 | torch_eager    | PyTorch eager: matmul, softmax, matmul; autograd for the backward                  | float32 |
 | sdpa_math      | PyTorch SDPA, math backend                                                         | float32 |
 | sdpa_efficient | PyTorch SDPA, memory-efficient backend                                             | float32 |
@@ -101,6 +103,29 @@ def _kg_flash2_det(pass_, x, causal, scale, options):
     return _kg_flash2(pass_, x, causal, scale, options, deterministic=True)
 
 
+#: the fast versions timed as ``kg_flash2_fast`` (kernels_gpu.fast: the fastest measured forward and backward)
+FAST_FORWARD, FAST_BACKWARD = "v5", "v1"
+
+
+def _kg_flash2_fast(pass_, x, causal, scale, options):
+    from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
+    forward, backward = VERSIONS[FAST_FORWARD], BACKWARD_VERSIONS[FAST_BACKWARD]
+    Q, K, V = x["Q"], x["K"], x["V"]
+    if pass_ == "forward":
+        def call_forward():
+            O, L = forward(Q, K, V, causal=causal, scale=scale)     # FA2 Alg. 1, each version's default tiling
+            return {"O": O, "L": L}
+        return call_forward
+    # untimed: the fast forward saves O and L for FA2 Alg. 2
+    O, L = forward(Q, K, V, causal=causal, scale=scale)
+    dO = x["dO"]
+
+    def call_backward():
+        dQ, dK, dV = backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
+        return {"dQ": dQ, "dK": dK, "dV": dV}
+    return call_backward
+
+
 # ---------------------------------------------------------------------------------------------- PyTorch
 
 def _leaves(x, dtype):
@@ -173,8 +198,10 @@ IMPLS = {spec.name: spec for spec in (
              "kernels_gpu FlashAttention forward (FA1 Alg. 1)"),
     ImplSpec("kg_flash2", "kernels_gpu", "float32", ("forward", "backward"), _kg_flash2,
              "kernels_gpu FlashAttention-2 forward and backward (FA2 Alg. 1/2)"),
+    ImplSpec("kg_flash2_fast", "kernels_gpu", "float32", ("forward", "backward"), _kg_flash2_fast,
+             "kernels_gpu.fast FlashAttention-2: forward v5, backward v1 (register-tiled, the fastest versions)"),
     ImplSpec("kg_flash2_v3", "kernels_gpu", "float32", ("forward",), _fast_builder("v3"),
-             "kernels_gpu.fast FlashAttention-2 forward v3 (register-tiled, the fastest numbered version)"),
+             "kernels_gpu.fast FlashAttention-2 forward v3 (register-tiled)", default=False),
     ImplSpec("kg_flash2_det", "kernels_gpu", "float32", ("backward",), _kg_flash2_det,
              "kernels_gpu FlashAttention-2 backward with deterministic dQ", default=False),
     ImplSpec("torch_eager", "torch", "float32", ("forward", "backward"),

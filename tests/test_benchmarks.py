@@ -338,6 +338,8 @@ def test_parse_args_modes():
     assert full.N == (512, 1024, 2048, 4096, 8192, 16384) and full.d == (64, 128)
     assert full.causal == (False, True) and full.passes == ("forward", "backward")
     assert "kg_flash2" in full.impls and "sdpa_flash" in full.impls and "kg_flash2_det" not in full.impls
+    # the fast kernels (forward v5, backward v1) are one default implementation; v3 alone is not default any more
+    assert "kg_flash2_fast" in full.impls and "kg_flash2_v3" not in full.impls
     quick = bench.parse_args(["--quick"])
     assert quick.N == (512, 1024) and quick.budget_s == 120.0 and quick.name == "quick"
     long = bench.parse_args(["--long"])
@@ -363,8 +365,8 @@ def test_parse_args_rejects(argv, capsys):
 
 def test_plan_follows_the_papers_grid():
     configs = bench.plan(bench.parse_args([]))
-    # 8 forward and 6 backward implementations (FA1 and the fast FA2 v3 have no backward here) × 6 N × 2 d × 2 causal
-    assert len(configs) == (8 + 6) * 6 * 2 * 2
+    # 8 forward and 7 backward implementations (FA1 has no backward here) × 6 N × 2 d × 2 causal
+    assert len(configs) == (8 + 7) * 6 * 2 * 2
     for c in configs:
         assert c.batch * c.N == 16384 and c.heads * c.d == 2048
         assert not (c.impl == "kg_flash1" and c.pass_ == "backward")
@@ -456,7 +458,7 @@ def test_cli_plan_and_help_need_no_gpu():
                                 "assert 'kernels_gpu' not in sys.modules, 'kernels_gpu imported eagerly'; "
                                 "sys.exit(rc)"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert plan_text.returncode == 0, plan_text.stderr
-    assert plan_text.stdout.strip().endswith("56 configurations")  # (8 forward + 6 backward) × 2 N × 2 causal
+    assert plan_text.stdout.strip().endswith("60 configurations")  # (8 forward + 7 backward) × 2 N × 2 causal
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -633,3 +635,68 @@ def test_run_records_a_spent_budget_and_a_failed_reference(tmp_path, monkeypatch
     records = bench.run(args, bench.plan(args), FakeDevice(), header, str(tmp_path / "b.json"), progress=False)
     assert all(r["status"] == "skipped" and r["error"].startswith("float64 reference failed") for r in records)
     assert len(results_io.load_results(str(tmp_path / "b.json"))[1]) == 8
+
+
+# ---------------------------------------------------------------------------------------------- check_targets
+
+def _target_records(eager_d128_tflops=30.0, drop=None):
+    """A synthetic file in which every issue-5 target is met, unless ``eager_d128_tflops`` beats the fast forward
+    at d = 128 (30 TFLOP/s) or ``drop`` = (impl, pass, d, causal, N) removes one record."""
+    records = []
+    for pass_ in ("forward", "backward"):
+        for causal in (False, True):
+            for d in (64, 128):
+                for N in (1024, 4096, 8192):
+                    flops = model_flops(16384 // N, 2048 // d, N, d, causal, pass_)
+                    rates = {"kg_flash2_fast": 30.0, "kg_standard": 5.0,
+                             "torch_eager": eager_d128_tflops if (d == 128 and not causal) else 20.0}
+                    for impl, rate in rates.items():
+                        if (impl, pass_, d, causal, N) == drop:
+                            continue
+                        # causal: half the FLOPs at the same rate, so exactly 2x faster in wall time
+                        ms = flops / (rate * 1e12) * 1e3
+                        records.append(results_io.make_record(
+                            impl=impl, pass_=pass_, dtype="float32", batch=16384 // N, heads=2048 // d, N=N, d=d,
+                            causal=causal, device="NVIDIA H200", ms=ms, tflops=tflops(flops, ms), mode="sweep"))
+    return records
+
+
+def test_check_targets_reports_met_and_missed(tmp_path, capsys):
+    from benchmarks import check_targets
+    assert all(t.met for t in check_targets.evaluate(_target_records()))
+
+    # eager faster at d = 128, non-causal: only target 2 is missed, on exactly those rows (3 N)
+    targets = check_targets.evaluate(_target_records(eager_d128_tflops=35.0))
+    assert [t.met for t in targets] == [True, False, True, True, True]
+    assert sum("missed" in line for line in targets[1].lines) == 3
+
+    # a missing record is a missed target, never a silent pass
+    targets = check_targets.evaluate(_target_records(drop=("kg_flash2_fast", "forward", 64, True, 8192)))
+    assert [t.met for t in targets] == [True, False, True, False, False]
+
+    # the CLI on a written file: exit status 1 with the missed target named, 0 when all are met
+    path = str(tmp_path / "final.json")
+    results_io.write_results(path, {"device": "NVIDIA H200"}, _target_records(eager_d128_tflops=35.0))
+    assert check_targets.main([path]) == 1
+    out = capsys.readouterr().out
+    assert "MISSED 2." in out and "missed: target(s) 2" in out and "35.00" in out
+    results_io.write_results(path, {"device": "NVIDIA H200"}, _target_records())
+    assert check_targets.main([path]) == 0 and "all targets met" in capsys.readouterr().out
+
+
+def test_check_targets_ratios_are_wall_time():
+    from benchmarks import check_targets
+    # target 4: equal TFLOP/s causal and not means the causal pass is 2x faster (half the FLOPs)
+    line = check_targets.evaluate(_target_records())[3].lines[0]
+    assert "= 2.00×" in line
+    # target 5: 30 vs 5 TFLOP/s at the same FLOPs is 6x in wall time
+    assert "= 6.00×" in check_targets.evaluate(_target_records())[4].lines[0]
+
+
+def test_fast_kernels_parses_a_register_cap():
+    from benchmarks import fast_kernels
+    label, spec, fast = fast_kernels._parse_impl("v5@16x8x4x4r168")
+    assert label == "v5@16x8x4x4r168" and fast[2] == 168 and tuple(fast[1]) == (16, 8, 4, 4)
+    assert fast_kernels._parse_impl("v4@32x8x4x4")[2][2] is None               # no cap unless one is named
+    assert fast_kernels._parse_impl("v5")[2][1:] == (None, None)               # the version's own defaults
+    assert spec.passes == ("forward",) and not spec.default

@@ -8,7 +8,9 @@ What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any til
   float32 rule, causal and not, with GQA, for several thread tilings (TR, TC, NX of 1, 2, 4);
 * fully masked rows (causal with N_q > N_k) give exactly O = 0 and L = +inf, never NaN;
 * the dynamic shared-memory path (tiles above 48 KiB) computes the same thing as the static one;
-* tile shapes the kernel cannot run are refused with a ValueError naming the tiling.
+* tile shapes the kernel cannot run are refused with a ValueError naming the tiling;
+* v5's per-head-dimension defaults (tiling and register cap) are tilings the kernel accepts, within the shared
+  memory the GPU allows, and a bad register cap is refused with a ValueError naming ``max_registers``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ CASES = [  # (version, tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causa
     ("v4", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, False),
     ("v4", Tiling(8, 1, 2, 4), 1, 2, 2, 9, 21, 4, True),
     ("v4", Tiling(2, 4, 3, 1), 2, 2, 1, 10, 19, 16, False),
+    # v5: v4's kernel with a register cap (a ptxas option: the simulator ignores it, so this tests the same
+    # arithmetic through v5's entry point, with and without a cap)
+    ("v5", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, True),
+    ("v5", Tiling(8, 1, 2, 4), 2, 2, 2, 9, 21, 4, False),
 ]
 
 
@@ -108,3 +114,23 @@ def test_head_size_the_kernel_cannot_tile_is_refused():
     Q, K, V = _problem(0, 1, 1, 1, 4, 4, 6)                  # d = 6: not a multiple of 4
     with pytest.raises(ValueError, match="d % 4"):
         VERSIONS["v2"](Q, K, V, tiling=Tiling(2, 2, 2, 2))
+
+
+def test_v5_register_cap_is_passed_and_checked():
+    Q, K, V = _problem(11, 1, 2, 1, 10, 13, 8)
+    O0, L0 = VERSIONS["v5"](Q, K, V, causal=True, tiling=Tiling(4, 2, 2, 2))
+    O1, L1 = VERSIONS["v5"](Q, K, V, causal=True, tiling=Tiling(4, 2, 2, 2), max_registers=128)
+    np.testing.assert_array_equal(O0, O1)     # the cap changes register allocation, never the arithmetic
+    np.testing.assert_array_equal(L0, L1)
+    for bad in (8, 300, 128.0, True):
+        with pytest.raises(ValueError, match="max_registers"):
+            VERSIONS["v5"](Q, K, V, tiling=Tiling(4, 2, 2, 2), max_registers=bad)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v5_defaults_are_runnable_tilings(d):
+    from kernels_gpu.fast import flash2_forward_v5 as v5
+    tiling, cap = v5.default_tiling(d), v5.default_max_registers(d)
+    tiled.check_tiling(tiling, d, d)                                   # raises on a tiling the kernel cannot run
+    assert 4 * tiled.layout(tiling, d, d, v5.SHUFFLE)["size"] <= tiled.MAX_DYNAMIC_BYTES
+    assert cap is None or 16 <= cap <= 255

@@ -184,9 +184,12 @@ def _tile_io(T: int, B_c: int, width: int, simulator: bool):
 # -- the kernel ----------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False):
-    """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima, and
-    whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`)."""
+def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False,
+                 max_registers: int | None = None):
+    """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima,
+    whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`), and a cap on registers per
+    thread for ptxas (``max_registers``, v5+; ignored by the simulator), which trades registers for resident
+    blocks per SM."""
     check_tiling(tiling, d, d_v)
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
@@ -205,8 +208,9 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     SCRATCH = T if (shuffle and simulator) else 1
     xor_shuffle = _xor_shuffle_sim if simulator else _xor_shuffle_gpu
     NEG_INF = float32(-math.inf)
+    jit = cuda.jit(max_registers=max_registers) if (max_registers and not simulator) else cuda.jit
 
-    @cuda.jit
+    @jit
     def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf):
         i = cuda.blockIdx.x
         z = cuda.blockIdx.y
@@ -421,12 +425,16 @@ def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
 
 
 def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None,
-                pipeline: bool = False) -> Flash2Forward:
-    """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``."""
+                pipeline: bool = False, max_registers: int | None = None) -> Flash2Forward:
+    """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``.
+    ``max_registers``: None (no cap) or a positive int, the ptxas cap on registers per thread."""
+    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
+                                      or not 16 <= max_registers <= 255):
+        raise ValueError(f"max_registers must be None or an int in [16, 255], got {max_registers!r}")
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d, d_v = layout_.d, layout_.d_v
     simulator = rt.simulator_in_use()
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline))
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline), max_registers)
     size = layout(tiling, d, d_v, bool(shuffle))["size"]
     if 4 * size > MAX_DYNAMIC_BYTES:
         raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
@@ -443,9 +451,10 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
 
 
-def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False) -> dict:
+def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False,
+              max_registers: int | None = None) -> dict:
     """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared."""
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline))
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers)
     out = {}
     for compiled in kernel.overloads.values():
         out = dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
