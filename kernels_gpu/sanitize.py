@@ -13,7 +13,7 @@ code, initcheck reads of global memory nothing wrote. The problem is GQA (4 quer
 N_q < N_k and N_q > N_k (fully masked rows when causal), causal on and off, small and default tiles. Every result is
 also checked against the float64 oracle, so a clean sanitizer run is a correct run too. ``--quick`` runs one
 configuration only (the sanitizer slows kernels down by orders of magnitude); ``--fast`` adds the numbered fast FA2
-forward versions of :mod:`kernels_gpu.fast` at d = 64.
+forward and backward versions of :mod:`kernels_gpu.fast` at d = 64.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def run(N_q: int, N_k: int, causal: bool, block_sizes, seed: int = 0) -> None:
 
 
 def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
-    """Every numbered fast FA2 forward (kernels_gpu.fast) once at d = 64 with ragged N, against the oracle."""
-    from kernels_gpu.fast import VERSIONS
+    """Every numbered fast FA2 forward and backward (kernels_gpu.fast) once at d = 64 with ragged N, GQA, against
+    the oracle (the backward fed with the last forward's O and L)."""
+    from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
 
     rng = np.random.default_rng(seed)
     Q = rng.standard_normal((1, 4, N_q, 64)).astype(np.float32)
@@ -77,6 +78,12 @@ def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
         O, L = forward(Q, K, V, causal=causal)
         _check(f"fast {version} O", O, O_ref)
         _check(f"fast {version} L", L, L_ref)
+    dO = rng.standard_normal(O_ref.shape).astype(np.float32)
+    grads_ref = attention_reference_backward(Q, K, V, dO, causal=causal)
+    for version, backward in BACKWARD_VERSIONS.items():
+        grads = backward(Q, K, V, np.asarray(O), np.asarray(L), dO, causal=causal)
+        for name, g, e in zip(("dQ", "dK", "dV"), grads, grads_ref):
+            _check(f"fast backward {version} {name}", g, e)
 
 
 def main(argv=None) -> int:
