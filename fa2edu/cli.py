@@ -227,8 +227,12 @@ def _tour_read_on(out) -> None:
         print("The chapters live in the source checkout's chapters/ folder (not installed with the package).",
               file=out)
     docs = root / "docs"
-    print(f"The reference pages and the built book: {docs if docs.exists() else 'docs/ in the source checkout'}.",
-          file=out)
+    built = docs / "_build" / "html" / "index.html"
+    if built.exists():
+        print(f"The book as a website, with the API reference: {built}", file=out)
+    else:
+        print("The book as a website, with the API reference: `bash scripts/build_docs.sh` in the source checkout,"
+              " then open docs/_build/html/index.html.", file=out)
     print("Try: fa2edu io --help   (e.g. fa2edu io --N 16384 --d 128 --causal --device H100-SXM --batch 8 "
           "--heads 16)", file=out)
     print("     fa2edu errata      (the papers' typos, each checked against the oracle)", file=out)
