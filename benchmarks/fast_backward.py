@@ -22,7 +22,6 @@ with today's default, ``--d 64 --N 4096,8192,16384 --impls v1,torch_eager,sdpa_e
 
 import argparse
 import sys
-import time
 
 
 def _parse_tiling(text):
@@ -149,10 +148,10 @@ def sanitize():
 def main(argv=None):
     from benchmarks import impls
     from benchmarks.bench_attention import cuda_setup, package_versions
-    from benchmarks.fast_kernels import _table
+    from benchmarks.fast_kernels import _table, measure_and_record
     from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
-    from benchmarks.timing import Protocol, measure
+    from benchmarks.results_io import default_results_path, utc_now, write_results
+    from benchmarks.timing import Protocol
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,4096,8192,16384")
@@ -182,6 +181,8 @@ def main(argv=None):
     if args.check_only:
         return
     records = []
+    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=records,
+               device_name=device_name, seed=args.seed)
     for d in (int(v) for v in args.d.split(",")):
         heads = args.hidden // d
         for causal in (bool(int(v)) for v in args.causal.split(",")):
@@ -198,34 +199,8 @@ def main(argv=None):
                 for label, spec, fast in chosen:
                     if label == "kg_flash2" and N > args.teaching_max_N:
                         continue
-
-                    def make_call(k, spec=spec, batch=batch, heads=heads, N=N, d=d, causal=causal, scale=scale):
-                        x = impls.make_inputs(batch, heads, N, d, impls.config_seed(args.seed, N, d, causal, k))
-                        return spec.build("backward", x, causal, scale, {})
-                    t0 = time.perf_counter()
-                    outcome = measure(make_call, check, device, protocol, flops,
-                                      count_memory=(spec.family == "torch" or allocator == "torch"))
-                    if fast is not None and outcome["status"] == "ok":
-                        key = f"{label}/d{d}"
-                        if key not in header["resources"]:
-                            try:
-                                header["resources"][key] = _resources(fast, d)
-                            except Exception as exc:  # noqa: BLE001
-                                header["resources"][key] = {"error": repr(exc)}
-                            print(f"resources {key}: {header['resources'][key]}", flush=True)
-                    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "ms", "tflops",
-                                                                            "peak_mem_bytes")}
-                    records.append(make_record(impl=label if fast is None else f"fast_{label}", pass_="backward",
-                                               dtype=spec.dtype, batch=batch, heads=heads, N=N, d=d, causal=causal,
-                                               device=device_name, ms=outcome["ms"], tflops=outcome["tflops"],
-                                               peak_mem_bytes=outcome["peak_mem_bytes"], status=outcome["status"],
-                                               error=outcome["error"], **extra))
-                    r = records[-1]
-                    tf = "-" if r.get("tflops") is None else f"{r['tflops']:.2f}"
-                    ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
-                    print(f"d={d:3d} causal={int(causal)} N={N:5d} {label:22s} {r['status']:7s} {ms:>9s} ms "
-                          f"{tf:>7s} TFLOP/s err={outcome.get('rel_error')} ({time.perf_counter() - t0:.1f} s)"
-                          + ("" if outcome["status"] == "ok" else f" {outcome['error']}"), flush=True)
+                    measure_and_record(run, label, spec, fast, "backward", check, flops,
+                                       (batch, heads, N, d, causal, scale), _resources)
                 write_results(out_path, header, records)
     _table(records)
     print(f"results: {out_path}")

@@ -78,12 +78,53 @@ def _resources(fast, d):
     return report
 
 
+def measure_and_record(run, label, spec, fast, pass_, check, flops, config, resources):
+    """Time one implementation at one configuration and append its record to ``run["records"]``, printing a line.
+
+    ``run`` holds the run's ``device``, ``protocol``, ``allocator``, ``header``, ``records``, ``device_name`` and
+    ``seed``; ``config`` is ``(batch, heads, N, d, causal, scale)``; ``fast`` (a fast kernel's identity, or None)
+    with ``resources(fast, d)`` adds that kernel's resource report to the header once per (label, d).
+    """
+    from benchmarks import impls
+    from benchmarks.results_io import make_record
+    from benchmarks.timing import measure
+
+    batch, heads, N, d, causal, scale = config
+    header, records = run["header"], run["records"]
+
+    def make_call(k):
+        x = impls.make_inputs(batch, heads, N, d, impls.config_seed(run["seed"], N, d, causal, k))
+        return spec.build(pass_, x, causal, scale, {})
+    t0 = time.perf_counter()
+    outcome = measure(make_call, check, run["device"], run["protocol"], flops,
+                      count_memory=(spec.family == "torch" or run["allocator"] == "torch"))
+    if fast is not None and outcome["status"] == "ok":
+        key = f"{label}/d{d}"
+        if key not in header["resources"]:
+            try:
+                header["resources"][key] = resources(fast, d)
+            except Exception as exc:  # noqa: BLE001
+                header["resources"][key] = {"error": repr(exc)}
+            print(f"resources {key}: {header['resources'][key]}", flush=True)
+    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "ms", "tflops", "peak_mem_bytes")}
+    records.append(make_record(impl=label if fast is None else f"fast_{label}", pass_=pass_, dtype=spec.dtype,
+                               batch=batch, heads=heads, N=N, d=d, causal=causal, device=run["device_name"],
+                               ms=outcome["ms"], tflops=outcome["tflops"], peak_mem_bytes=outcome["peak_mem_bytes"],
+                               status=outcome["status"], error=outcome["error"], **extra))
+    r = records[-1]
+    tf = "-" if r.get("tflops") is None else f"{r['tflops']:.2f}"
+    ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
+    print(f"d={d:3d} causal={int(causal)} N={N:5d} {label:22s} {r['status']:7s} {ms:>9s} ms "
+          f"{tf:>7s} TFLOP/s err={outcome.get('rel_error')} ({time.perf_counter() - t0:.1f} s)"
+          + ("" if outcome["status"] == "ok" else f" {outcome['error']}"), flush=True)
+
+
 def main(argv=None):
     from benchmarks import impls
     from benchmarks.bench_attention import cuda_setup, package_versions
     from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
-    from benchmarks.timing import Protocol, measure
+    from benchmarks.results_io import default_results_path, utc_now, write_results
+    from benchmarks.timing import Protocol
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,2048,4096,8192,16384")
@@ -108,6 +149,8 @@ def main(argv=None):
                            "command": " ".join(sys.argv)}, "resources": {}}
     chosen = [_parse_impl(n.strip()) for n in args.impls.split(",") if n.strip()]
     records = []
+    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=records,
+               device_name=device_name, seed=args.seed)
     for d in (int(v) for v in args.d.split(",")):
         heads = args.hidden // d
         for causal in (bool(int(v)) for v in args.causal.split(",")):
@@ -121,33 +164,8 @@ def main(argv=None):
                 check = impls.make_check({"O": O_ref, "L": L_ref}, "float32", "forward")
                 del x0
                 for label, spec, fast in chosen:
-                    def make_call(k, spec=spec, batch=batch, heads=heads, N=N, d=d, causal=causal, scale=scale):
-                        x = impls.make_inputs(batch, heads, N, d, impls.config_seed(args.seed, N, d, causal, k))
-                        return spec.build("forward", x, causal, scale, {})
-                    t0 = time.perf_counter()
-                    outcome = measure(make_call, check, device, protocol, flops,
-                                      count_memory=(spec.family == "torch" or allocator == "torch"))
-                    if fast is not None and outcome["status"] == "ok":
-                        key = f"{label}/d{d}"
-                        if key not in header["resources"]:
-                            try:
-                                header["resources"][key] = _resources(fast, d)
-                            except Exception as exc:  # noqa: BLE001
-                                header["resources"][key] = {"error": repr(exc)}
-                            print(f"resources {key}: {header['resources'][key]}", flush=True)
-                    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "ms", "tflops",
-                                                                            "peak_mem_bytes")}
-                    records.append(make_record(impl=label if fast is None else f"fast_{label}", pass_="forward",
-                                               dtype=spec.dtype, batch=batch, heads=heads, N=N, d=d, causal=causal,
-                                               device=device_name, ms=outcome["ms"], tflops=outcome["tflops"],
-                                               peak_mem_bytes=outcome["peak_mem_bytes"], status=outcome["status"],
-                                               error=outcome["error"], **extra))
-                    r = records[-1]
-                    tf = "-" if r.get("tflops") is None else f"{r['tflops']:.2f}"
-                    ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
-                    print(f"d={d:3d} causal={int(causal)} N={N:5d} {label:22s} {r['status']:7s} {ms:>9s} ms "
-                          f"{tf:>7s} TFLOP/s err={outcome.get('rel_error')} ({time.perf_counter() - t0:.1f} s)"
-                          + ("" if outcome["status"] == "ok" else f" {outcome['error']}"), flush=True)
+                    measure_and_record(run, label, spec, fast, "forward", check, flops,
+                                       (batch, heads, N, d, causal, scale), _resources)
                 write_results(out_path, header, records)
     _table(records)
     print(f"results: {out_path}")

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, uint64
@@ -82,28 +81,11 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-class BackwardTiling(NamedTuple):
-    """NY × NX threads; each owns TR query rows and TC key columns of S (B_r = NY·TR, B_c = NX·TC)."""
-
-    NY: int
-    NX: int
-    TR: int
-    TC: int
-
-    @property
-    def B_r(self) -> int:
-        return self.NY * self.TR
-
-    @property
-    def B_c(self) -> int:
-        return self.NX * self.TC
-
-    @property
-    def threads(self) -> int:
-        return self.NY * self.NX
+#: The backward's tile shape is the forward's: NY × NX threads, each owning TR query rows and TC key columns of S
+#: (B_r = NY·TR, B_c = NX·TC). One type, so a tiling means the same thing in both passes.
+BackwardTiling = tiled.Tiling
 
 
-#: default tilings per head dimension (d ≤ 64, else 128)
 TILINGS = {64: BackwardTiling(8, 16, 4, 4), 128: BackwardTiling(16, 16, 4, 4)}
 
 
