@@ -72,7 +72,10 @@ def _resources(fast, d):
     if til is None and hasattr(module, "default_max_registers"):
         cap = module.default_max_registers(d) if cap is None else cap
     til = til or module.default_tiling(d)
-    report = tiled.resources(til, d, d, module.SHUFFLE, getattr(module, "PIPELINE", False), cap)
+    if hasattr(module, "resources"):                  # v6+: the version says how its kernel is compiled
+        report = module.resources(til, d, cap)
+    else:
+        report = tiled.resources(til, d, d, module.SHUFFLE, getattr(module, "PIPELINE", False), cap)
     report["tiling"] = list(til)
     report["max_registers"] = cap
     return report

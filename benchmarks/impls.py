@@ -11,7 +11,8 @@ timed pass once and returns its outputs as a dict (``O`` and ``L``, or FA1's ``l
 | kg_flash1      | kernels_gpu FA1 forward (FA1 Alg. 1): K/V-outer loop, O/ℓ/m round-trip through HBM  | float32 |
 | kg_flash2      | kernels_gpu FA2 forward and backward (FA2 Alg. 1/2), dQ accumulated with atomics   | float32 |
 | kg_flash2_det  | kernels_gpu FA2 backward, deterministic dQ (backward only; not in the default set) | float32 |
-| kg_flash2_fast | kernels_gpu.fast FA2: forward v5, backward v1 (register-tiled, pipelined loads)     | float32 |
+| kg_flash2_fast | kernels_gpu.fast FA2: forward v6, backward v1 (register-tiled, pipelined loads)     | float32 |
+| kg_flash2_fast_fp16 | the same kernels with fp16 storage, fp32 arithmetic (not in the default set) | float16 |
 | kg_flash2_v3   | kernels_gpu.fast FA2 forward v3 (forward only; not in the default set)             | float32 |
 | torch_eager    | PyTorch eager: matmul, softmax, matmul; autograd for the backward                  | float32 |
 | sdpa_math      | PyTorch SDPA, math backend                                                         | float32 |
@@ -104,26 +105,39 @@ def _kg_flash2_det(pass_, x, causal, scale, options):
 
 
 #: the fast versions timed as ``kg_flash2_fast`` (kernels_gpu.fast: the fastest measured forward and backward)
-FAST_FORWARD, FAST_BACKWARD = "v5", "v1"
+FAST_FORWARD, FAST_BACKWARD = "v6", "v1"
+#: the fast versions timed as ``kg_flash2_fast_fp16``: the fastest ones that take ``storage="float16"``
+FP16_FORWARD, FP16_BACKWARD = "v6", "v1"
 
 
-def _kg_flash2_fast(pass_, x, causal, scale, options):
+def _kg_flash2_fast(pass_, x, causal, scale, options, storage="float32", versions=None):
+    """The fast forward and backward (``versions``: their names, default ``FAST_FORWARD, FAST_BACKWARD``), with
+    Q, K, V (and dO) stored as ``storage``: float16 inputs are the harness's float32 values cast once, untimed (as
+    ``sdpa_flash``'s are); the kernels then read float16, compute in float32 and write float16 (L float32)."""
     from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
-    forward, backward = VERSIONS[FAST_FORWARD], BACKWARD_VERSIONS[FAST_BACKWARD]
-    Q, K, V = x["Q"], x["K"], x["V"]
+    forward_name, backward_name = versions or (FAST_FORWARD, FAST_BACKWARD)
+    forward, backward = VERSIONS[forward_name], BACKWARD_VERSIONS[backward_name]
+    stored = {} if storage == "float32" else {"storage": storage}    # versions without the option still run fp32
+    Q, K, V, dO = (x.get(name) for name in ("Q", "K", "V", "dO"))
+    if storage == "float16":
+        Q, K, V, dO = (None if t is None else t.half() for t in (Q, K, V, dO))
     if pass_ == "forward":
         def call_forward():
-            O, L = forward(Q, K, V, causal=causal, scale=scale)     # FA2 Alg. 1, each version's default tiling
+            O, L = forward(Q, K, V, causal=causal, scale=scale, **stored)   # FA2 Alg. 1, the default tiling
             return {"O": O, "L": L}
         return call_forward
     # untimed: the fast forward saves O and L for FA2 Alg. 2
-    O, L = forward(Q, K, V, causal=causal, scale=scale)
-    dO = x["dO"]
+    O, L = forward(Q, K, V, causal=causal, scale=scale, **stored)
 
     def call_backward():
-        dQ, dK, dV = backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
+        dQ, dK, dV = backward(Q, K, V, O, L, dO, causal=causal, scale=scale, **stored)
         return {"dQ": dQ, "dK": dK, "dV": dV}
     return call_backward
+
+
+def _kg_flash2_fast_fp16(pass_, x, causal, scale, options):
+    return _kg_flash2_fast(pass_, x, causal, scale, options, storage="float16",
+                           versions=(FP16_FORWARD, FP16_BACKWARD))
 
 
 # ---------------------------------------------------------------------------------------------- PyTorch
@@ -199,7 +213,10 @@ IMPLS = {spec.name: spec for spec in (
     ImplSpec("kg_flash2", "kernels_gpu", "float32", ("forward", "backward"), _kg_flash2,
              "kernels_gpu FlashAttention-2 forward and backward (FA2 Alg. 1/2)"),
     ImplSpec("kg_flash2_fast", "kernels_gpu", "float32", ("forward", "backward"), _kg_flash2_fast,
-             "kernels_gpu.fast FlashAttention-2: forward v5, backward v1 (register-tiled, the fastest versions)"),
+             "kernels_gpu.fast FlashAttention-2: forward v6, backward v1 (register-tiled, the fastest versions)"),
+    ImplSpec("kg_flash2_fast_fp16", "kernels_gpu", "float16", ("forward", "backward"), _kg_flash2_fast_fp16,
+             "kernels_gpu.fast FlashAttention-2 forward v6, backward v1 with fp16 storage and fp32 arithmetic",
+             default=False),
     ImplSpec("kg_flash2_v3", "kernels_gpu", "float32", ("forward",), _fast_builder("v3"),
              "kernels_gpu.fast FlashAttention-2 forward v3 (register-tiled)", default=False),
     ImplSpec("kg_flash2_det", "kernels_gpu", "float32", ("backward",), _kg_flash2_det,
@@ -214,7 +231,7 @@ IMPLS = {spec.name: spec for spec in (
              "PyTorch SDPA, memory-efficient backend, fp32"),
     ImplSpec("sdpa_flash", "torch", "float16", ("forward", "backward"),
              _autograd_builder(_sdpa("FLASH_ATTENTION"), "float16"),
-             "PyTorch SDPA, flash backend, fp16 (tensor cores; the only non-fp32 row)"),
+             "PyTorch SDPA, flash backend, fp16 (tensor cores: the only row not on CUDA cores)"),
 )}
 
 DEFAULT_IMPLS = tuple(name for name, spec in IMPLS.items() if spec.default)

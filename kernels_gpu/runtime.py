@@ -7,10 +7,16 @@
   copied). :func:`prepare_inputs` checks Q, K, V and returns them in that layout with a :class:`Layout` that remembers
   the caller's shapes, so :func:`finish` can hand results back in them.
 * **Interop.** NumPy in → checked by :func:`fa2edu.validation.prepare` (the same errors as fa2edu), copied to the
-  device as float32, results copied back as NumPy float32 arrays. Numba device arrays and anything with
-  ``__cuda_array_interface__`` (PyTorch, CuPy) in → used in place (``cuda.as_cuda_array``, zero-copy; 4-D inputs may
-  have any strides, others must be contiguous so that a view can add the missing axes), results are numba device
-  arrays. Device inputs get shape and dtype checks only: a finiteness check would cost a pass over HBM.
+  device as float32 (or float16: see Storage), results copied back as NumPy arrays of that dtype. Numba device
+  arrays and anything with ``__cuda_array_interface__`` (PyTorch, CuPy) in → used in place (``cuda.as_cuda_array``,
+  zero-copy; 4-D inputs may have any strides, others must be contiguous so that a view can add the missing axes),
+  results are numba device arrays. Device inputs get shape and dtype checks only: a finiteness check would cost a
+  pass over HBM.
+* **Storage.** Every kernel stores in float32 unless it takes ``storage="float16"`` (the fast kernels,
+  :mod:`kernels_gpu.fast`): then the inputs are kept in HBM as float16 (NumPy inputs cast on their way in, device
+  inputs must already be float16), the kernels convert each value to float32 as they load it, and write their
+  results as float16. The ``storage`` argument of :func:`prepare_inputs`, :func:`prepare_like` and
+  :func:`device_empty` defaults to float32, so every other kernel is unchanged.
 * **Counting.** :func:`tally` hands each global array to :mod:`kernels_gpu.counting` when a count is running (the
   simulator only); otherwise it returns the array unchanged.
 * **Resources.** Tile shapes are compile-time constants; numba gives a block at most 48 KiB of static shared
@@ -34,13 +40,15 @@ __all__ = [
     "NoGPUError", "Layout", "simulator_in_use", "require_device", "is_device_array", "prepare_inputs",
     "prepare_like", "device_empty", "device_zeros", "finish", "tally", "grid_size", "check_resources",
     "default_block_sizes",
-    "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS",
+    "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS", "STORAGE", "storage_dtype",
 ]
 
 #: numba's static shared memory per block, 48 KiB, in float32 elements.
 SHARED_FLOATS = 48 * 1024 // 4
 #: CUDA's limit on threads per block.
 MAX_THREADS = 1024
+#: the storage types a kernel may keep its tensors in HBM as (arithmetic is float32 in both).
+STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 
 SIMULATOR_RECIPE = ("no CUDA GPU is available. To run kernels_gpu without a GPU, use numba's CUDA simulator: set "
                     "the environment variable NUMBA_ENABLE_CUDASIM=1 before numba is imported, e.g. "
@@ -67,6 +75,13 @@ def require_device() -> None:
         available = False
     if not available:
         raise NoGPUError(SIMULATOR_RECIPE)
+
+
+def storage_dtype(storage) -> np.dtype:
+    """The NumPy dtype of a ``storage`` name, ``"float32"`` or ``"float16"``; anything else is a ValueError."""
+    if not isinstance(storage, str) or storage not in STORAGE:
+        raise ValueError(f"storage must be 'float32' or 'float16', got {storage!r}")
+    return STORAGE[storage]
 
 
 def is_device_array(x) -> bool:
@@ -160,19 +175,20 @@ def _to_4d(x, name: str):
                          f"make it contiguous first ({error})") from error
 
 
-def _device_view(x, name: str):
-    """Zero-copy numba view of a device array; the dtype must be float32 (the kernels' storage type)."""
+def _device_view(x, name: str, dtype=np.float32):
+    """Zero-copy numba view of a device array; its dtype must be the storage type ``dtype`` (no copy converts it)."""
     if not simulator_in_use() and not getattr(x, "__cuda_ndarray__", False):
         x = cuda.as_cuda_array(x)
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"{name} must be float32 on the device (the kernels compute and store in float32), "
-                        f"got {x.dtype}")
+    dtype = np.dtype(dtype)
+    if np.dtype(x.dtype) != dtype:
+        raise TypeError(f"{name} must be {dtype.name} on the device (storage={dtype.name!r}; the kernels compute in "
+                        f"float32), got {np.dtype(x.dtype).name}")
     return x
 
 
-def _as_device(x, name: str):
+def _as_device(x, name: str, dtype=np.float32):
     """:func:`_device_view` of an input matrix (…, N, d)."""
-    x = _device_view(x, name)
+    x = _device_view(x, name, dtype)
     if x.ndim < 2:
         raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got shape {tuple(x.shape)}")
     if 0 in tuple(x.shape):
@@ -210,12 +226,14 @@ def _check_device_problem(Q, K, V) -> None:
                              f"key/value heads H_kv = {K.shape[-3]} (GQA/MQA)")
 
 
-def prepare_inputs(Q, K, V, *, causal, scale):
+def prepare_inputs(Q, K, V, *, causal, scale, storage: str = "float32"):
     """Check Q, K, V; return ``(layout, Q4, K4, V4, tau)`` with device arrays in the (Z, H, N, d) layout.
 
     NumPy inputs go through :func:`fa2edu.validation.prepare` (types, shapes, finiteness, GQA divisibility, causal,
-    scale), device inputs through the same shape rules. Mixing the two kinds is refused.
+    scale), device inputs through the same shape rules. Mixing the two kinds is refused. ``storage``: the dtype the
+    device arrays have, ``"float32"`` or ``"float16"`` (NumPy inputs are cast to it; device inputs must have it).
     """
+    dtype = storage_dtype(storage)
     require_device()
     on_device = [is_device_array(x) for x in (Q, K, V)]
     if any(on_device) and not all(on_device):
@@ -225,13 +243,13 @@ def prepare_inputs(Q, K, V, *, causal, scale):
         Z, H_kv, G = problem.lead
         layout = Layout(Z, H_kv * G, H_kv, problem.N_q, problem.N_k, problem.d, problem.d_v,
                         tuple(problem.q_shape[:-2]), tuple(problem.kv_shape[:-2]), on_host=True)
-        Q4 = _host_to_device(problem.Q.reshape(Z, H_kv * G, layout.N_q, layout.d))
-        K4 = _host_to_device(problem.K.reshape(Z, H_kv, layout.N_k, layout.d))
-        V4 = _host_to_device(problem.V.reshape(Z, H_kv, layout.N_k, layout.d_v))
+        Q4 = _host_to_device(problem.Q.reshape(Z, H_kv * G, layout.N_q, layout.d), "Q", dtype)
+        K4 = _host_to_device(problem.K.reshape(Z, H_kv, layout.N_k, layout.d), "K", dtype)
+        V4 = _host_to_device(problem.V.reshape(Z, H_kv, layout.N_k, layout.d_v), "V", dtype)
         return layout, Q4, K4, V4, np.float32(problem.scale)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    Q, K, V = (_as_device(x, name) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
+    Q, K, V = (_as_device(x, name, dtype) for x, name in ((Q, "Q"), (K, "K"), (V, "V")))
     _check_device_problem(Q, K, V)
     Q4, K4, V4 = _to_4d(Q, "Q"), _to_4d(K, "K"), _to_4d(V, "V")
     Z, H_q, N_q, d = Q4.shape
@@ -240,9 +258,12 @@ def prepare_inputs(Q, K, V, *, causal, scale):
     return layout, Q4, K4, V4, np.float32(check_scale(scale, d))
 
 
-def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool = True, finite: bool = True):
+def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool = True, finite: bool = True,
+                 storage: str = "float32"):
     """A saved statistic or gradient (O, L, dO, P, ...) of shape ``lead + tail``, as a device array with leading
-    axes (Z, H). ``per_query`` picks Q's leading axes (else K's). L may hold +inf: pass ``finite=False``."""
+    axes (Z, H). ``per_query`` picks Q's leading axes (else K's). L may hold +inf: pass ``finite=False``.
+    ``storage``: the device dtype, as in :func:`prepare_inputs` (L stays float32 under float16 storage)."""
+    dtype = storage_dtype(storage)
     lead = layout.lead_q if per_query else layout.lead_kv
     H = layout.H_q if per_query else layout.H_kv
     shape = tuple(lead) + tuple(tail)
@@ -250,10 +271,10 @@ def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool =
         if is_device_array(x):
             raise TypeError(f"{name} is a device array but Q, K, V are NumPy arrays: pass all inputs of one kind")
         x = check_like(x, name, shape, finite=finite)
-        return _host_to_device(np.ascontiguousarray(x, dtype=np.float32).reshape((layout.Z, H) + tuple(tail)))
+        return _host_to_device(np.asarray(x).reshape((layout.Z, H) + tuple(tail)), name, dtype)
     if not is_device_array(x):
         raise TypeError(f"{name} must be a device array like Q, K, V, got {type(x).__name__}")
-    x = _device_view(x, name)
+    x = _device_view(x, name, dtype)
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
     if x.ndim == 2 + len(tail):
@@ -264,8 +285,15 @@ def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool =
         raise ValueError(f"{name} must be C-contiguous (shape {shape}): {error}") from error
 
 
-def _host_to_device(array: np.ndarray):
-    return cuda.to_device(np.ascontiguousarray(array, dtype=np.float32))
+def _host_to_device(array: np.ndarray, name: str = "input", dtype=np.float32):
+    """A contiguous copy of ``array`` in ``dtype`` on the device. Casting a finite NumPy input to float16 may
+    overflow (|x| > 65504): refused, naming the argument, rather than stored as inf."""
+    with np.errstate(over="ignore"):                  # an overflow is reported below, naming the argument
+        stored = np.ascontiguousarray(array, dtype=dtype)
+    if stored.dtype == np.float16 and np.any(np.isfinite(array) & ~np.isfinite(stored)):
+        raise ValueError(f"{name} has values beyond the range of {stored.dtype.name} "
+                         f"(|x| <= {float(np.finfo(stored.dtype).max):g}): it cannot be stored as {stored.dtype.name}")
+    return cuda.to_device(stored)
 
 
 # -- outputs -------------------------------------------------------------------------------------------------------
@@ -275,9 +303,10 @@ def _host_to_device(array: np.ndarray):
 poison_outputs = os.environ.get("KERNELS_GPU_POISON") == "1"
 
 
-def device_empty(shape: tuple):
-    """A float32 device array for a kernel to fill (every element gets written); NaN if :data:`poison_outputs`."""
-    array = cuda.device_array(shape, dtype=np.float32)
+def device_empty(shape: tuple, *, storage: str = "float32"):
+    """A device array (float32, or the ``storage`` dtype) for a kernel to fill (every element gets written); NaN if
+    :data:`poison_outputs`."""
+    array = cuda.device_array(shape, dtype=storage_dtype(storage))
     if poison_outputs:
         _fill(array, np.nan)
     return array

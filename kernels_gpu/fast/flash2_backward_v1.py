@@ -18,13 +18,31 @@
 * Masking: columns past N_k and keys after the causal diagonal give P = 0 (only in tiles that need it); rows past
   N_q read L = +inf, so P = 0 and dS = 0. Fully masked rows (L = +inf from the forward) give P = 0: their dQ is 0
   and they add nothing to dK, dV.
-* D = rowsum(dO ∘ O) (Alg. 2 line 4) is the teaching kernel's preprocessing launch, reused.
+* D = rowsum(dO ∘ O) (Alg. 2 line 4) is a preprocessing launch, one thread per row (the teaching kernel's, with
+  its loads converted to float32 so that float16 storage multiplies in float32).
 
 Cost per (batch, head), N_q = N_k = N, not causal: 10·N²·d FLOPs by the FA2 paper's model (this kernel does
 8·N²·d in its four products plus the dQ product's 2·N²·d: exactly that); global reads 2Nd (K, V) + T_c·(2Nd + 2N)
 (Q, dO, L, D per column block), dQ atomics T_c·N·d, writes 2Nd (dK, dV). Shared memory:
 B_c·(d+4) + B_c·(d_v+4) + B_r·(d+4) + B_r·(d_v+4) + 2·B_r·(B_c+4) + 2·B_r floats (68 KiB for the d = 64 default,
 167 KiB at d = 128, taken as dynamic shared memory).
+
+**fp16 storage** (``storage="float16"``; the same kernel source, compiled for float16 arguments): Q, K, V, O and
+dO are stored in HBM as float16 (NumPy inputs are cast on the way in; device inputs must be float16), L stays
+float32 (the forward writes it so), and every load is converted to float32 on its way into shared memory or
+registers: all arithmetic and accumulation is float32, in float32 shared tiles (the inner loops are unchanged).
+dK and dV are written as float16 once, at the end. dQ is different: other column blocks add into it concurrently,
+so its accumulator stays a float32 array in HBM (float16 atomics would accumulate in float16), and one more launch
+converts it to float16 at the end (reads 4 bytes, writes 2 bytes per element of dQ). What it changes: the bytes of
+Q, K, V, dO (and O, in D's pass) halve; dQ's atomic traffic (T_c·N·d float32 read-modify-writes per (batch, head),
+as large as the Q_i, dO_i reloads in float32) does not, so the total falls by about a quarter
+(``benchmarks.fp16_check.model_bytes``). Compiled here for sm_90 (numba's NVVM, ptxas of CUDA 13.0): no float16
+arithmetic in the PTX (each global load of Q, K, V, dO is an ``ld.global.u16`` and one ``cvt.f32.f16``), the same
+registers as float32 (d = 64 capped: 168; d = 128: 255), no spills. **Prediction** (written before the device
+run): the kernel is compute-bound (floor 54.1 ms of arithmetic against 0.26 ms of memory at d = 64, N = 8192, see
+benchmarks/README.md), so time should change little, within a few per cent (the extra cast launch moves 6 bytes
+per element of dQ: microseconds); the accuracy cost is the float16 rounding of the inputs and of dQ, dK, dV, each
+2^-11 relative. The device measurement goes here.
 
 **Resources** (ptxas sm_90, also the device's report in the results files): (16, 16, 4, 4) at d = 64 uses 244
 registers with no cap, so one 256-thread block per SM (8 warps); ``max_registers=168`` on (8, 16, 4, 4)
@@ -73,9 +91,9 @@ from numba import cuda, float32, uint64
 from fa2edu.flash2 import Flash2Backward
 from kernels_gpu import runtime as rt
 from kernels_gpu.fast import tiled
-from kernels_gpu.flash2 import preprocess_kernel
 
-__all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS"]
+__all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS",
+           "preprocess_kernel", "cast_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -197,14 +215,14 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
             k = e - c * d
             x = float32(0.0)
             if col0 + c < N_k:
-                x = K[z, h_kv, col0 + c, k] * scale2
+                x = float32(K[z, h_kv, col0 + c, k]) * scale2      # float16 storage: converted before scaling
             sm[K_OFF + c * KS + k] = x
         for e in range(t, B_c * d_v, T):
             c = e // d_v
             k = e - c * d_v
             x = float32(0.0)
             if col0 + c < N_k:
-                x = V[z, h_kv, col0 + c, k]
+                x = float32(V[z, h_kv, col0 + c, k])
             sm[V_OFF + c * VS + k] = x
         # Alg. 2 line 7: dK_j = 0, dV_j = 0, in registers.
         for x in range(KC * TD):
@@ -352,7 +370,8 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                             cuda.atomic.add(dQf, base + 4 * tx + 4 * NX * q + e,
                                             dq[r * TD + q * 4 + e] * float32(LN2))
 
-        # Alg. 2 line 17: write dK_j (times τ), dV_j to HBM, once (summed over the GQA group already).
+        # Alg. 2 line 17: write dK_j (times τ), dV_j to HBM, once (summed over the GQA group already); float16
+        # storage rounds here.
         for c in range(KC):
             col = col0 + ty * KC + c
             if col < N_k:
@@ -366,21 +385,59 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
     return flash2_backward_fast
 
 
-def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, max_registers=None) -> Flash2Backward:
+@functools.lru_cache(maxsize=None)
+def preprocess_kernel(B: int, d_v: int):
+    """FA2 Alg. 2 line 4, D = rowsum(dO ∘ O): one thread per row, B rows per block; loads converted to float32
+    (with float16 storage, ``dO[…] * O[…]`` would otherwise be a float16 product). Reads 2Nd, writes N."""
+
+    @cuda.jit
+    def flash2_backward_fast_preprocess(O, dO, D):
+        z = cuda.blockIdx.y
+        h = cuda.blockIdx.z
+        row = cuda.blockIdx.x * B + cuda.threadIdx.x
+        if row < O.shape[2]:
+            # Alg. 2 line 4: read dO_i and O_i, write D_i = rowsum(dO_i ∘ O_i), accumulated in float32.
+            acc = float32(0.0)
+            for k in range(d_v):
+                acc += float32(dO[z, h, row, k]) * float32(O[z, h, row, k])
+            D[z, h, row] = acc
+
+    return flash2_backward_fast_preprocess
+
+
+@functools.lru_cache(maxsize=None)
+def cast_kernel():
+    """``out[k] = src[k]`` for flat device arrays of one length (float32 → float16 rounds to nearest): the float32
+    dQ accumulator to the float16 dQ of float16 storage. Reads 4 bytes and writes 2 per element."""
+
+    @cuda.jit
+    def cast(src, out):
+        k = cuda.grid(1)
+        if k < src.shape[0]:                            # the grid may not cover the array exactly: guard the tail
+            out[k] = src[k]
+
+    return cast
+
+
+def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, max_registers=None,
+                    storage="float32") -> Flash2Backward:
     """FA2 backward (Alg. 2), fast version 1: ``Flash2Backward(dQ, dK, dV)``, same inputs and outputs as
     :func:`kernels_gpu.flash2_backward` (O, L from a forward; dK, dV summed over each GQA group).
 
     ``tiling``: a :class:`BackwardTiling` (default :data:`TILINGS`); needs d, d_v multiples of 4·NX.
     ``max_registers``: a cap on registers per thread for ptxas (default :data:`MAX_REGISTERS` with the default tiling).
+    ``storage``: ``"float32"``, or ``"float16"``: Q, K, V, O, dO stored as float16 (NumPy inputs cast; device inputs
+    must be float16; L stays float32), dQ, dK, dV returned as float16, arithmetic float32 (see "fp16 storage").
     Cost per (batch, head), N_q = N_k = N, not causal: 10·N²·d FLOPs; reads 2Nd + T_c·(2Nd + 2N), T_c·N·d atomic
-    adds into dQ, writes 2Nd (plus D's pass: reads 2Nd, writes N; dQ's zeroing: Nd).
-    Launches: D = rowsum(dO ∘ O), dQ = 0, then the main kernel (grid (T_c, Z, H_kv)).
+    adds into dQ, writes 2Nd (plus D's pass: reads 2Nd, writes N; dQ's zeroing: Nd; float16: dQ's cast, Nd each).
+    Launches: D = rowsum(dO ∘ O), dQ = 0, then the main kernel (grid (T_c, Z, H_kv)); float16: the cast of dQ.
     """
-    layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
+    rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
+    layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     N_q, d, d_v = layout_.N_q, layout_.d, layout_.d_v
-    O4 = rt.prepare_like(O, "O", layout_, (N_q, d_v))
-    L4 = rt.prepare_like(L, "L", layout_, (N_q,), finite=False)
-    dO4 = rt.prepare_like(dO, "dO", layout_, (N_q, d_v))
+    O4 = rt.prepare_like(O, "O", layout_, (N_q, d_v), storage=storage)
+    L4 = rt.prepare_like(L, "L", layout_, (N_q,), finite=False)                 # float32 in both storages
+    dO4 = rt.prepare_like(dO, "dO", layout_, (N_q, d_v), storage=storage)
     if tiling is None:
         tiling = default_tiling(d)
         max_registers = MAX_REGISTERS.get(64 if d <= 64 else 128) if max_registers is None else max_registers
@@ -392,13 +449,13 @@ def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, ma
     simulator = rt.simulator_in_use()
     Z, H_q, H_kv = layout_.Z, layout_.H_q, layout_.H_kv
 
-    # Alg. 2 line 4: D = rowsum(dO ∘ O) (the teaching kernel's preprocessing, one thread per row).
+    # Alg. 2 line 4: D = rowsum(dO ∘ O), float32 (one thread per row).
     D = rt.device_empty((Z, H_q, N_q))
     preprocess_kernel(64, d_v)[(rt.grid_size(N_q, 64), Z, H_q), 64](O4, dO4, D)
-    # Alg. 2 line 3: dQ = 0 in HBM (the atomic adds accumulate into it).
+    # Alg. 2 line 3: dQ = 0 in HBM (the atomic adds accumulate into it: float32 in both storages).
     dQ = rt.device_zeros((Z, H_q, N_q, d))
-    dK = rt.device_empty((Z, H_kv, layout_.N_k, d))
-    dV = rt.device_empty((Z, H_kv, layout_.N_k, d_v))
+    dK = rt.device_empty((Z, H_kv, layout_.N_k, d), storage=storage)
+    dV = rt.device_empty((Z, H_kv, layout_.N_k, d_v), storage=storage)
     kernel = make_backward(tiling, d, d_v, simulator, max_registers)
     dynamic = 4 * size if size > tiled.STATIC_FLOATS else 0
     args = (K4, V4, L4, D, dQ.reshape(-1), dK, dV, _flat(Q4, "Q"), _flat(dO4, "dO"), np.int64(H_q),
@@ -407,6 +464,12 @@ def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, ma
         tiled._allow_dynamic_shared(kernel, args, dynamic)
     grid = (rt.grid_size(layout_.N_k, tiling.B_c), Z, H_kv)
     kernel[grid, tiling.threads, 0, dynamic](*args)
+    if storage == "float16":
+        # float16 storage: dQ, accumulated in float32, is rounded to float16 once, by one more launch.
+        dQ16 = rt.device_empty((Z, H_q, N_q, d), storage=storage)
+        n = Z * H_q * N_q * d
+        cast_kernel()[rt.grid_size(n, 256), 256](dQ.reshape(n), dQ16.reshape(n))
+        dQ = dQ16
     return Flash2Backward(rt.finish(dQ, layout_, (N_q, d)),
                           rt.finish(dK, layout_, (layout_.N_k, d), per_query=False),
                           rt.finish(dV, layout_, (layout_.N_k, d_v), per_query=False))
@@ -420,11 +483,15 @@ def _flat(x, name: str):
         raise ValueError(f"{name} must be C-contiguous for the fast backward: {error}") from error
 
 
-def resources(tiling: BackwardTiling, d: int, d_v: int, max_registers: int | None = None) -> dict:
-    """The compiler's resource report of the compiled kernel (GPU only): registers, local memory, shared."""
+def resources(tiling: BackwardTiling, d: int, d_v: int, max_registers: int | None = None,
+              storage: str | None = None) -> dict:
+    """The compiler's resource report of the compiled kernel (GPU only): registers, local memory, shared.
+    ``storage``: the report of the kernel compiled for that storage dtype (None: the last one compiled)."""
     kernel = make_backward(tiling, d, d_v, False, max_registers)
     out = {}
-    for compiled in kernel.overloads.values():
+    for argtypes, compiled in kernel.overloads.items():
+        if storage is not None and np.dtype(str(argtypes[0].dtype)) != rt.storage_dtype(storage):
+            continue
         out = dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
                    static_shared_bytes=compiled.shared_mem_per_block, shared_floats=layout(tiling, d, d_v)["size"])
     return out

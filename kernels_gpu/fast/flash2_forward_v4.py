@@ -61,10 +61,11 @@ def default_tiling(d: int) -> Tiling:
     return TILINGS[64] if d <= 64 else TILINGS[128]
 
 
-def flash2_forward(Q, K, V, causal=False, scale=None, tiling=None):
+def flash2_forward(Q, K, V, causal=False, scale=None, tiling=None, storage="float32"):
     """FA2 forward (Alg. 1), fast version 4 (pipelined K/V tile loads): ``Flash2Forward(O, L)``; same inputs and
     outputs as :func:`kernels_gpu.flash2_forward`, d % 4 == 0 and d_v % (4·NX) == 0. Cost: 4·N_q·N_k·d FLOPs per
-    (batch, head); global reads Nd + 2Nd·T_r, writes Nd + N (as v1-v3)."""
-    d_v = V.shape[-1]
+    (batch, head); global reads Nd + 2Nd·T_r, writes Nd + N (as v1-v3). ``storage="float16"``: Q, K, V and O in
+    HBM as float16, arithmetic and L float32 (see :mod:`kernels_gpu.fast.tiled`)."""
+    d_v = tuple(V.shape)[-1]        # (the simulator's device-array shapes refuse negative indices)
     return run_forward(Q, K, V, tiling=tiling or default_tiling(d_v), shuffle=SHUFFLE, causal=causal, scale=scale,
-                       pipeline=PIPELINE)
+                       pipeline=PIPELINE, storage=storage)

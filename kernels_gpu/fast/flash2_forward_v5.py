@@ -41,6 +41,22 @@ configuration checked against the float64 oracle on the GPU first, relative erro
   31.54 / 31.76 in the same call (+1.9 %): v5's d = 64 default.
 * final run (``final.json``, ``kg_flash2_fast`` = v5 forward): d = 64 non-causal 31.4-32.4 (N = 1024-16384),
   causal 27.8-31.2; d = 128 non-causal 28.8-32.0, causal 22.8-30.3 (v4's figures, as expected).
+
+**fp16 storage** (``storage="float16"``; the same kernel source, compiled for float16 arguments): Q, K, V are stored
+in HBM as float16 (NumPy inputs are cast on the way in; device inputs, e.g. torch fp16 tensors, are used in place
+and must be float16), every load is converted to float32 on its way into shared memory or registers, all arithmetic
+and accumulation is float32, O is written as float16 (rounded once, at the end) and L stays float32. Shared memory
+keeps float32 tiles, so the inner loops are v5's instructions unchanged. What it changes: the global bytes halve
+(reads 2·(Nd + 2Nd·T_r) instead of 4·(…) per (batch, head); writes 2Nd + 4N instead of 4Nd + 4N), and so does the
+HBM a caller needs for Q, K, V, O. Compiled here for sm_90 (numba's NVVM, then ptxas of CUDA 13.0): the float16 PTX
+has no float16 arithmetic at all, its 101 global loads are ``ld.global.u16`` each followed by one ``cvt.f32.f16``,
+and ptxas gives both storages the same registers (d = 64 capped: 128; d = 128: 254) and no spills (the device's
+ptxas reported 8 bytes of spills for float32 at d = 64). **Prediction** (written before the device run): v5 is
+compute-bound by two orders of magnitude (memory floor 0.13 ms against a compute floor of 21.6 ms at d = 64,
+N = 8192, benchmarks/README.md), and its tile loads are already hidden behind arithmetic (v4's pipeline), so time should
+change little: within a few per cent either way (the same number of load instructions, plus one conversion per
+element loaded). The accuracy cost is O's own rounding, 2^-11 relative, beside the float16 rounding of the inputs.
+The device measurement goes here.
 """
 
 from kernels_gpu.fast.tiled import Tiling, run_forward
@@ -61,14 +77,15 @@ def default_max_registers(d: int):
     return MAX_REGISTERS[64] if d <= 64 else MAX_REGISTERS[128]
 
 
-def flash2_forward(Q, K, V, causal=False, scale=None, tiling=None, max_registers=None):
+def flash2_forward(Q, K, V, causal=False, scale=None, tiling=None, max_registers=None, storage="float32"):
     """FA2 forward (Alg. 1), fast version 5 (v4 with per-d tiling and register cap): ``Flash2Forward(O, L)``; same
     inputs and outputs as :func:`kernels_gpu.flash2_forward`, d % 4 == 0 and d_v % (4·NX) == 0. With ``tiling``
     given and ``max_registers`` None, no cap. Cost: 4·N_q·N_k·d FLOPs per (batch, head); global reads Nd + 2Nd·T_r,
-    writes Nd + N (as v1-v4)."""
-    d_v = V.shape[-1]
+    writes Nd + N (as v1-v4), elements. ``storage``: ``"float32"`` (4 bytes per element) or ``"float16"`` (Q, K, V
+    read and O written as float16, 2 bytes; L float32; arithmetic float32): see "fp16 storage" above."""
+    d_v = tuple(V.shape)[-1]        # (the simulator's device-array shapes refuse negative indices)
     if tiling is None:
         tiling = default_tiling(d_v)
         max_registers = default_max_registers(d_v) if max_registers is None else max_registers
     return run_forward(Q, K, V, tiling=tiling, shuffle=SHUFFLE, causal=causal, scale=scale, pipeline=PIPELINE,
-                       max_registers=max_registers)
+                       max_registers=max_registers, storage=storage)

@@ -22,8 +22,21 @@ many multiply-adds per value it reads from shared memory:
   entirely above the diagonal are never loaded (the loop stops before them). Fully masked rows keep m = −inf: the
   guard ``m_use = 0 if m = −inf`` makes every exponential exactly 0, so O = 0 and L = +inf.
 
+* **Operand fragments** (v6, ``fragments=True``). Each inner loop reads its operands from shared memory in steps
+  of 4 (4 columns of Q_i and K_j, a row of V_j, 4 columns of P̃); two register buffers alternate, so a step's loads
+  are in flight while the previous step's FFMAs run. The last prefetch of each loop reads the rows' padding (or one
+  row past V_j) and is never used.
+
 Shared memory above numba's 48 KiB of static shared memory is taken as *dynamic* shared memory, after raising the
 kernel's limit (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, up to 227 KiB on Hopper).
+
+**Storage** (``run_forward(..., storage=)``): ``"float32"`` (the default), or ``"float16"``: Q, K, V sit in HBM as
+float16 and O is written as float16; L stays float32. numba compiles one kernel per argument dtype from the same
+source, and every global load is converted by an explicit ``float32(…)`` on its way to shared memory or registers
+(without it, an expression of two float16 values would be float16 arithmetic), so all arithmetic and accumulation
+is float32 in both. The shared tiles stay float32: the inner loops are then the same instructions in both kernels,
+and what float16 changes is the bytes that cross HBM (half of them) and the capacity a tensor needs there, not the
+arithmetic. The store of O converts back (round to nearest).
 Cost per (batch, head), N_q = N_k = N, not causal: 4N²d FLOPs (plus ~5 non-matmul ops per S element); global
 reads Nd + 2Nd·T_r, writes Nd + N (the same traffic as the teaching kernel: tiles, not traffic, changed).
 """
@@ -71,9 +84,10 @@ class Tiling(NamedTuple):
         return self.NY * self.NX
 
 
-def layout(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
+def layout(tiling: Tiling, d: int, d_v: int, shuffle: bool, fragments: bool = False) -> dict:
     """Offsets and row strides (floats) of Q_i, K_j, V_j, P̃ (and, without shuffles, the B_r × NX partial row
-    maxima) in the block's flat shared array, and its size."""
+    maxima) in the block's flat shared array, and its size. With ``fragments`` (v6), d_v floats of slack at the end:
+    the last prefetch of V_j reads one row past it, which must stay inside the array."""
     B_r, B_c = tiling.B_r, tiling.B_c
     QS, KS, VS, PS = d + 4, d + 4, d_v, B_c + 4
     q_off = 0
@@ -82,7 +96,7 @@ def layout(tiling: Tiling, d: int, d_v: int, shuffle: bool) -> dict:
     p_off = v_off + B_c * VS
     red_off = p_off + B_r * PS
     return dict(QS=QS, KS=KS, VS=VS, PS=PS, q_off=q_off, k_off=k_off, v_off=v_off, p_off=p_off,
-                red_off=red_off, size=red_off + (0 if shuffle else B_r * tiling.NX))
+                red_off=red_off, size=red_off + (0 if shuffle else B_r * tiling.NX) + (d_v if fragments else 0))
 
 
 def check_tiling(tiling: Tiling, d: int, d_v: int) -> None:
@@ -149,19 +163,19 @@ def _tile_io(T: int, B_c: int, width: int, simulator: bool):
                 # A whole tile: n loads at compile-time-constant distances R·width from one address.
                 start = base + (col0 + c0) * width + k0
                 for u in range(n):
-                    reg[u] = Xf[uint64(start + u * R * width)]
+                    reg[u] = float32(Xf[uint64(start + u * R * width)])     # float16 storage: converted here
             else:
                 # The ragged last tile: clamp the row, zero past N_k (a select, not a branch).
                 for u in range(n):
                     row = col0 + c0 + R * u
-                    x = Xf[uint64(base + min(row, N_k - 1) * width + k0)]
+                    x = float32(Xf[uint64(base + min(row, N_k - 1) * width + k0)])
                     reg[u] = x if row < N_k else float32(0.0)
         else:
             for u in range(n):
                 e = t + T * u
                 c = e // width
                 row = col0 + c
-                x = Xf[uint64(base + min(row, N_k - 1) * width + e - c * width)]
+                x = float32(Xf[uint64(base + min(row, N_k - 1) * width + e - c * width)])
                 reg[u] = x if row < N_k else float32(0.0)
 
     @jit
@@ -185,11 +199,12 @@ def _tile_io(T: int, B_c: int, width: int, simulator: bool):
 
 @functools.lru_cache(maxsize=None)
 def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False,
-                 max_registers: int | None = None):
+                 max_registers: int | None = None, fragments: bool = False):
     """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima,
     whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`), and a cap on registers per
     thread for ptxas (``max_registers``, v5+; ignored by the simulator), which trades registers for resident
-    blocks per SM."""
+    blocks per SM, and whether the shared-memory operands of the two inner loops are double-buffered in registers
+    and Q_i is moved like the K/V tiles (``fragments``, v6+: see :mod:`kernels_gpu.fast.flash2_forward_v6`)."""
     check_tiling(tiling, d, d_v)
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
@@ -197,10 +212,19 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     fetch_k, store_k = _tile_io(T, B_c, d, simulator)
     fetch_v, store_v = _tile_io(T, B_c, d_v, simulator)
     NK, NV = -(-B_c * d // T), -(-B_c * d_v // T)
+    # Q_i moves in passes of QROWS rows, at most 16 values per thread each (more would spill at d = 128).
+    QROWS = B_r
+    while QROWS * d > 16 * T and QROWS % 2 == 0:
+        QROWS //= 2
+    fetch_q, store_q = _tile_io(T, QROWS, d, simulator)
+    NQ = -(-QROWS * d // T) if fragments else 1
     TD = d_v // NX                     # output columns per thread, in TD // 4 chunks of 4
     TQ = TD // 4
     S_REGS, O_REGS, QA_REGS, KA_REGS = TR * TC, TR * TD, TR * 4, TC * 4   # local-array sizes: compile-time constants
-    lay = layout(tiling, d, d_v, shuffle)
+    VA_REGS = 2 * TD if fragments else TD
+    QB_REGS, KB_REGS, PP_REGS = (QA_REGS, KA_REGS, 2 * QA_REGS) if fragments else (1, 1, 1)
+    NK4, NC4 = d // 4, B_c // 4          # steps of 4 along d (S = Q Kᵀ) and along B_c (P̃ V)
+    lay = layout(tiling, d, d_v, shuffle, fragments)
     QS, KS, VS, PS = lay["QS"], lay["KS"], lay["VS"], lay["PS"]
     Q_OFF, K_OFF, V_OFF, P_OFF, RED_OFF = (lay[k] for k in ("q_off", "k_off", "v_off", "p_off", "red_off"))
     SIZE = lay["size"]
@@ -208,10 +232,48 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     SCRATCH = T if (shuffle and simulator) else 1
     xor_shuffle = _xor_shuffle_sim if simulator else _xor_shuffle_gpu
     NEG_INF = float32(-math.inf)
+    ZERO = float32(0.0)
     jit = cuda.jit(max_registers=max_registers) if (max_registers and not simulator) else cuda.jit
 
+    dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+
+    @dev
+    def s_step(s, qx, kx):
+        """S += Q_i[rows, 4k:4k+4] K_j[cols, 4k:4k+4]ᵀ for this thread's TR × TC, from one buffer of operands: four
+        outer products, so that consecutive FFMAs share an operand (each element still sums u = 0 … 3 in order)."""
+        for u in range(4):
+            for r in range(TR):
+                for c in range(TC):
+                    s[r * TC + c] += qx[r * 4 + u] * kx[c * 4 + u]
+
+    @dev
+    def pv_row(sm, o, pp, va, cur, u, c_next, v_col):
+        """Õ += P̃[:, c] V_j[c, :] for c = 4g + u, P̃'s group in buffer ``cur`` of ``pp``, V_j's row c in buffer
+        u % 2 of ``va``; first loads row ``c_next`` of V_j into the other buffer (in flight during the FFMAs)."""
+        for q in range(TQ):
+            for e in range(4):
+                va[((u + 1) % 2) * TD + q * 4 + e] = sm[uint64(v_col + c_next * VS + 4 * NX * q + e)]
+        for r in range(TR):
+            for x in range(TD):
+                o[r * TD + x] += pp[cur * QA_REGS + r * 4 + u] * va[(u % 2) * TD + x]
+
+    @dev
+    def pv_group(sm, o, pp, va, cur, g, p_row, v_col):
+        """Õ += P̃[:, 4g:4g+4] V_j[4g:4g+4, :] for this thread's TR × TD, with P̃'s group g in buffer ``cur`` of
+        ``pp`` and V_j's row 4g in buffer 0 of ``va``; loads group g+1 of P̃ into buffer 1 − cur and each next row
+        of V_j into the other ``va`` buffer while the current one feeds the FFMAs (indices clamp at the end).
+        Written as four calls with constant ``u`` so that every register index is a compile-time constant."""
+        gn = g + 1                      # the last group loads P̃'s pad columns, never used
+        for r in range(TR):
+            for u in range(4):
+                pp[(1 - cur) * QA_REGS + r * 4 + u] = sm[uint64(p_row + r * PS + 4 * gn + u)]
+        pv_row(sm, o, pp, va, cur, 0, 4 * g + 1, v_col)
+        pv_row(sm, o, pp, va, cur, 1, 4 * g + 2, v_col)
+        pv_row(sm, o, pp, va, cur, 2, 4 * g + 3, v_col)
+        pv_row(sm, o, pp, va, cur, 3, 4 * g + 4, v_col)
+
     @jit
-    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf):
+    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf, Qf):
         i = cuda.blockIdx.x
         z = cuda.blockIdx.y
         h = cuda.blockIdx.z
@@ -235,20 +297,32 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         l = cuda.local.array(TR, float32)               # ℓ_i: this thread's partial sum over its own columns
         qa = cuda.local.array(QA_REGS, float32)
         ka = cuda.local.array(KA_REGS, float32)
-        va = cuda.local.array(TD, float32)
+        va = cuda.local.array(VA_REGS, float32)
         pa = cuda.local.array(QA_REGS, float32)
+        qb = cuda.local.array(QB_REGS, float32)         # fragments: the second buffer of Q_i's and K_j's 4 columns
+        kbuf = cuda.local.array(KB_REGS, float32)
+        pp = cuda.local.array(PP_REGS, float32)         # fragments: two buffers of P̃'s 4 columns
         kreg = cuda.local.array(NK, float32)           # pipeline: K_{j+1} in flight (registers) during P̃_j V_j
         vreg = cuda.local.array(NV, float32)           # pipeline: V_j in flight during S_j = Q_i K_jᵀ
 
         # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
         # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
-        for e in range(t, B_r * d, T):
-            r = e // d
-            k = e - r * d
-            x = float32(0.0)
-            if row0 + r < N_q:
-                x = Q[z, h, row0 + r, k] * scale2
-            sm[Q_OFF + r * QS + k] = x
+        if fragments:
+            # (v6) every load issued before any is stored, as the K/V tiles are moved (see _tile_io).
+            qreg = cuda.local.array(NQ, float32)
+            for qc in range(B_r // QROWS):
+                fetch_q(Qf, (z * Q.shape[1] + h) * N_q * d, row0 + qc * QROWS, N_q, t, qreg)
+                for u in range(NQ):
+                    qreg[u] *= scale2
+                store_q(sm, qreg, t, Q_OFF + qc * QROWS * QS, QS)
+        else:
+            for e in range(t, B_r * d, T):
+                r = e // d
+                k = e - r * d
+                x = float32(0.0)
+                if row0 + r < N_q:
+                    x = float32(Q[z, h, row0 + r, k]) * scale2
+                sm[Q_OFF + r * QS + k] = x
         # Alg. 1 line 5: Õ_i = 0, ℓ_i = 0, m_i = −inf, in registers.
         for x in range(TR * TD):
             o[x] = 0.0
@@ -263,6 +337,10 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
             last_row = min(row0 + B_r, N_q) - 1
             T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
         my_row0 = row0 + ty * TR
+        q_row = Q_OFF + ty * TR * QS                     # this thread's first row of Q_i, K_j, P̃ and column of V_j
+        k_row = K_OFF + tx * KS
+        p_row = P_OFF + ty * TR * PS
+        v_col = V_OFF + 4 * tx
         kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
         if pipeline and T_c > 0:
             # Alg. 1 line 7 (K_0 only): every load issued before the first store, then K_0 to shared memory.
@@ -282,33 +360,64 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                     k = e - c * d
                     x = float32(0.0)
                     if col0 + c < N_k:
-                        x = K[z, h_kv, col0 + c, k]
+                        x = float32(K[z, h_kv, col0 + c, k])
                     sm[K_OFF + c * KS + k] = x
                 for e in range(t, B_c * d_v, T):
                     c = e // d_v
                     k = e - c * d_v
                     x = float32(0.0)
                     if col0 + c < N_k:
-                        x = V[z, h_kv, col0 + c, k]
+                        x = float32(V[z, h_kv, col0 + c, k])
                     sm[V_OFF + c * VS + k] = x
                 cuda.syncthreads()
 
             # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ, this thread's TR × TC sub-tile, 4 values of d at a time.
             for x in range(TR * TC):
                 s[x] = 0.0
-            for k4 in range(0, d, 4):
+            if fragments:
+                # Step k reads Q_i[:, 4k:4k+4] and K_j[:, 4k:4k+4] into buffer k % 2 while buffer (k-1) % 2 feeds
+                # the FFMAs: the shared loads of step k+1 are in flight during the 16·TR·TC/4 FFMAs of step k.
+                # (+0.0: an exact no-op that keeps LLVM from merging these loads with the loop's last prefetch
+                # into one load at the top of the loop, which would undo the prefetch.)
                 for r in range(TR):
                     for u in range(4):
-                        qa[r * 4 + u] = sm[uint64(Q_OFF + (ty * TR + r) * QS + k4 + u)]
+                        qa[r * 4 + u] = sm[uint64(q_row + r * QS + u)] + ZERO
                 for c in range(TC):
                     for u in range(4):
-                        ka[c * 4 + u] = sm[uint64(K_OFF + (tx + NX * c) * KS + k4 + u)]
-                for r in range(TR):
-                    for c in range(TC):
-                        acc = s[r * TC + c]
+                        ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + u)] + ZERO
+                for p2 in range(NK4 // 2):
+                    kb = (2 * p2 + 1) * 4
+                    for r in range(TR):
                         for u in range(4):
-                            acc += qa[r * 4 + u] * ka[c * 4 + u]
-                        s[r * TC + c] = acc
+                            qb[r * 4 + u] = sm[uint64(q_row + r * QS + kb + u)]
+                    for c in range(TC):
+                        for u in range(4):
+                            kbuf[c * 4 + u] = sm[uint64(k_row + NX * c * KS + kb + u)]
+                    s_step(s, qa, ka)
+                    kn = (2 * p2 + 2) * 4          # the last pair loads the rows' pad (columns d … d+3), never used
+                    for r in range(TR):
+                        for u in range(4):
+                            qa[r * 4 + u] = sm[uint64(q_row + r * QS + kn + u)]
+                    for c in range(TC):
+                        for u in range(4):
+                            ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + kn + u)]
+                    s_step(s, qb, kbuf)
+                if NK4 % 2 == 1:
+                    s_step(s, qa, ka)
+            else:
+                for k4 in range(0, d, 4):
+                    for r in range(TR):
+                        for u in range(4):
+                            qa[r * 4 + u] = sm[uint64(Q_OFF + (ty * TR + r) * QS + k4 + u)]
+                    for c in range(TC):
+                        for u in range(4):
+                            ka[c * 4 + u] = sm[uint64(K_OFF + (tx + NX * c) * KS + k4 + u)]
+                    for r in range(TR):
+                        for c in range(TC):
+                            acc = s[r * TC + c]
+                            for u in range(4):
+                                acc += qa[r * 4 + u] * ka[c * 4 + u]
+                            s[r * TC + c] = acc
             # Mask (only tiles that need it): columns past N_k, and keys after the causal diagonal, get −inf.
             if col0 + B_c > N_k or (causal and col0 + B_c - 1 > my_row0 + offset):
                 for r in range(TR):
@@ -362,17 +471,32 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                 # its own K: a clamped index instead of a branch).
                 fetch_k(Kf, kv_base * d, min(j + 1, T_c - 1) * B_c, N_k, t, kreg)
             # Alg. 1 line 10 (second half): Õ_i += P̃_i^(j) V_j, 4 columns of P̃ at a time.
-            for c4 in range(0, B_c, 4):
+            if fragments:
+                # Row c of V_j goes to buffer c % 2 while buffer (c-1) % 2 feeds the FFMAs; the 4 columns of P̃
+                # of group g+1 are loaded into the other P̃ buffer when group g starts.
                 for r in range(TR):
                     for u in range(4):
-                        pa[r * 4 + u] = sm[uint64(P_OFF + (ty * TR + r) * PS + c4 + u)]
-                for u in range(4):
-                    for q in range(TQ):
-                        for e in range(4):
-                            va[q * 4 + e] = sm[uint64(V_OFF + (c4 + u) * VS + 4 * tx + 4 * NX * q + e)]
+                        pp[r * 4 + u] = sm[uint64(p_row + r * PS + u)] + ZERO      # (+0.0: as above)
+                for q in range(TQ):
+                    for e in range(4):
+                        va[q * 4 + e] = sm[uint64(v_col + 4 * NX * q + e)] + ZERO
+                for g2 in range(NC4 // 2):
+                    pv_group(sm, o, pp, va, 0, 2 * g2, p_row, v_col)
+                    pv_group(sm, o, pp, va, 1, 2 * g2 + 1, p_row, v_col)
+                if NC4 % 2 == 1:
+                    pv_group(sm, o, pp, va, 0, NC4 - 1, p_row, v_col)
+            else:
+                for c4 in range(0, B_c, 4):
                     for r in range(TR):
-                        for x in range(TD):
-                            o[r * TD + x] += pa[r * 4 + u] * va[x]
+                        for u in range(4):
+                            pa[r * 4 + u] = sm[uint64(P_OFF + (ty * TR + r) * PS + c4 + u)]
+                    for u in range(4):
+                        for q in range(TQ):
+                            for e in range(4):
+                                va[q * 4 + e] = sm[uint64(V_OFF + (c4 + u) * VS + 4 * tx + 4 * NX * q + e)]
+                        for r in range(TR):
+                            for x in range(TD):
+                                o[r * TD + x] += pa[r * 4 + u] * va[x]
             if pipeline:
                 # K_j is no longer read by anyone (they all passed the barrier after S_j): K_{j+1} replaces it.
                 store_k(sm, kreg, t, K_OFF, KS)
@@ -425,25 +549,32 @@ def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
 
 
 def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None,
-                pipeline: bool = False, max_registers: int | None = None) -> Flash2Forward:
+                pipeline: bool = False, max_registers: int | None = None, storage: str = "float32",
+                fragments: bool = False) -> Flash2Forward:
     """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``.
-    ``max_registers``: None (no cap) or a positive int, the ptxas cap on registers per thread."""
+    ``max_registers``: None (no cap) or a positive int, the ptxas cap on registers per thread.
+    ``storage``: ``"float32"``, or ``"float16"``: Q, K, V stored as float16 (NumPy inputs cast; device inputs must
+    be float16), O returned as float16, L as float32; arithmetic float32 either way. Global bytes per (batch, head):
+    reads 2(Nd + 2Nd·T_r) instead of 4(…), writes 2Nd + 4N instead of 4Nd + 4N."""
+    rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
                                       or not 16 <= max_registers <= 255):
         raise ValueError(f"max_registers must be None or an int in [16, 255], got {max_registers!r}")
-    layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
+    layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     d, d_v = layout_.d, layout_.d_v
     simulator = rt.simulator_in_use()
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline), max_registers)
-    size = layout(tiling, d, d_v, bool(shuffle))["size"]
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline), max_registers,
+                          bool(fragments))
+    size = layout(tiling, d, d_v, bool(shuffle), bool(fragments))["size"]
     if 4 * size > MAX_DYNAMIC_BYTES:
         raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
                          f"{MAX_DYNAMIC_BYTES}: choose a smaller tiling")
     dynamic = 4 * size if size > STATIC_FLOATS else 0
-    O = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q, d_v))
-    L = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q))
-    # Kf, Vf: flat views of K, V (contiguous), read by the pipelined loads only.
-    args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal), K4.reshape(-1), V4.reshape(-1))
+    O = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q, d_v), storage=storage)
+    L = rt.device_empty((layout_.Z, layout_.H_q, layout_.N_q))              # the log-sum-exp stays float32
+    # Qf, Kf, Vf: flat views of Q, K, V (contiguous), read by the pipelined loads only.
+    args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal), K4.reshape(-1), V4.reshape(-1),
+            Q4.reshape(-1))
     if dynamic and not simulator:
         _allow_dynamic_shared(kernel, args, dynamic)
     grid = (rt.grid_size(layout_.N_q, tiling.B_r), layout_.Z, layout_.H_q)
@@ -452,12 +583,15 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
 
 
 def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False,
-              max_registers: int | None = None) -> dict:
-    """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared."""
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers)
+              max_registers: int | None = None, storage: str | None = None, fragments: bool = False) -> dict:
+    """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared.
+    ``storage``: the report of the kernel compiled for that storage dtype (None: the last one compiled)."""
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers, bool(fragments))
     out = {}
-    for compiled in kernel.overloads.values():
+    for argtypes, compiled in kernel.overloads.items():
+        if storage is not None and np.dtype(str(argtypes[0].dtype)) != rt.storage_dtype(storage):
+            continue
         out = dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
                    static_shared_bytes=compiled.shared_mem_per_block,
-                   shared_floats=layout(tiling, d, d_v, shuffle)["size"])
+                   shared_floats=layout(tiling, d, d_v, shuffle, fragments)["size"])
     return out
