@@ -132,6 +132,35 @@ def _xor_shuffle_sim(scratch, t, value, lane_mask):
     return other
 
 
+# -- v6: 2^x as one MUFU.EX2 instruction --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _ex2_ftz_gpu():
+    """``ex2.approx.ftz.f32``: 2^x with ~2 ulp error, results below 2^-126 flushed to 0 (one ``MUFU.EX2``; numba's
+    ``math.exp2`` is libdevice's, which adds a range test and two multiplies to keep subnormal results). Built on
+    first use: the simulator has no NVVM intrinsics."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def ex2_ftz(typingctx, x):
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.nvvm.ex2.approx.ftz.f"),
+                                args)
+        return types.float32(types.float32), codegen
+    return ex2_ftz
+
+
+@cuda.jit(device=True)
+def _ex2_ftz_sim(x):
+    """The simulator's stand-in for :func:`_ex2_ftz_gpu`: exact 2^x, flushed to 0 below 2^-126 as the GPU does."""
+    y = float32(math.exp2(x))
+    return y if y >= float32(1.1754943508222875e-38) else float32(0.0)
+
+
 # -- v4: the move of K_j, V_j from global to shared memory, split so that it overlaps arithmetic ---------------
 
 @functools.lru_cache(maxsize=None)
@@ -231,6 +260,9 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     STATIC = SIZE if SIZE <= STATIC_FLOATS else 0      # 0: numba's dynamic shared array (size set at launch)
     SCRATCH = T if (shuffle and simulator) else 1
     xor_shuffle = _xor_shuffle_sim if simulator else _xor_shuffle_gpu
+    # 2^x for the softmax: v6 uses the bare MUFU.EX2 (flushing results below 2^-126 to 0, as the simulator's
+    # emulation does), v1-v5 libdevice's exp2f (which also scales subnormal results: 3 more instructions).
+    exp2 = (_ex2_ftz_sim if simulator else _ex2_ftz_gpu()) if fragments else math.exp2
     NEG_INF = float32(-math.inf)
     ZERO = float32(0.0)
     jit = cuda.jit(max_registers=max_registers) if (max_registers and not simulator) else cuda.jit
@@ -451,18 +483,20 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                 m_new = qa[r]
                 # Guard m = −inf (every key so far masked): subtract 0 instead, so every exponential is exactly 0.
                 m_use = float32(0.0) if m_new == NEG_INF else m_new
-                alpha = math.exp2(m[r] - m_use)         # e^{m_old − m_new}; 0 while m_old = −inf
+                alpha = exp2(m[r] - m_use)              # e^{m_old − m_new}; 0 while m_old = −inf
                 # Alg. 1 line 9: P̃ = exp(S − m_new), ℓ = e^{m_old − m_new} ℓ + rowsum(P̃) (own columns only).
                 ls = float32(0.0)
                 for c in range(TC):
-                    p = math.exp2(s[r * TC + c] - m_use)
+                    p = exp2(s[r * TC + c] - m_use)
                     ls += p
                     sm[P_OFF + (ty * TR + r) * PS + tx + NX * c] = p
                 l[r] = alpha * l[r] + ls
                 m[r] = m_new
-                # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i.
-                for x in range(TD):
-                    o[r * TD + x] *= alpha
+                # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i (v6: skipped when the maximum did
+                # not move, α = 1 exactly, as it mostly does once a row has seen many keys).
+                if not fragments or alpha != 1.0:
+                    for x in range(TD):
+                        o[r * TD + x] *= alpha
             if pipeline:
                 store_v(sm, vreg, t, V_OFF, VS)         # V_j arrived during S_j: to shared memory
             cuda.syncthreads()                          # P̃ (and V_j) complete before any thread reads other columns
