@@ -84,6 +84,19 @@ def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
         grads = backward(Q, K, V, np.asarray(O), np.asarray(L), dO, causal=causal)
         for name, g, e in zip(("dQ", "dK", "dV"), grads, grads_ref):
             _check(f"fast backward {version} {name}", g, e)
+        # float16 storage (fp32 arithmetic): the same kernels compiled for float16 arguments
+        grads16 = backward(Q, K, V, np.asarray(O), np.asarray(L), dO, causal=causal, storage="float16")
+        for name, g, e in zip(("dQ", "dK", "dV"), grads16, grads_ref):
+            _check(f"fast backward {version} {name} (float16 storage)", np.asarray(g, np.float32), e, tol=3e-2)
+    newest = list(VERSIONS)[-1]
+    O16, L16 = VERSIONS[newest](Q, K, V, causal=causal, storage="float16")
+    _check(f"fast {newest} O (float16 storage)", np.asarray(O16, np.float32), O_ref, tol=1e-2)
+    # d = 128: the newest version's own tiling there (more threads per row, dynamic shared memory)
+    Q2, K2, V2 = (rng.standard_normal(x.shape[:-1] + (128,)).astype(np.float32) for x in (Q, K, V))
+    O2_ref, L2_ref = attention_reference(Q2, K2, V2, causal=causal)
+    O2, L2 = VERSIONS[newest](Q2, K2, V2, causal=causal)
+    _check(f"fast {newest} O (d = 128)", O2, O2_ref)
+    _check(f"fast {newest} L (d = 128)", L2, L2_ref)
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,9 @@ What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any til
 * fully masked rows (causal with N_q > N_k) give exactly O = 0 and L = +inf, never NaN;
 * the dynamic shared-memory path (tiles above 48 KiB) computes the same thing as the static one;
 * tile shapes the kernel cannot run are refused with a ValueError naming the tiling;
-* v5's per-head-dimension defaults (tiling and register cap) are tilings the kernel accepts, within the shared
+* v6 (operands double-buffered in registers, Q_i moved like the K/V tiles, the bare ``ex2`` emulated with its
+  flush to zero, the Õ rescale skipped when α = 1) on even and odd step counts of both inner loops;
+* v5's and v6's per-head-dimension defaults (tiling and register cap) are tilings the kernel accepts, within the shared
   memory the GPU allows, and a bad register cap is refused with a ValueError naming ``max_registers``.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
@@ -68,6 +71,15 @@ CASES = [  # (version, tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causa
     # arithmetic through v5's entry point, with and without a cap)
     ("v5", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, True),
     ("v5", Tiling(8, 1, 2, 4), 2, 2, 2, 9, 21, 4, False),
+    # v6: double-buffered operands. d/4 steps even and odd (the odd one ends on the first buffer), B_c/4 groups even
+    # and odd (likewise for P̃'s buffers), the Q_i move in several passes (B_r·d > 32·T), the prefetch past the tile
+    # reading the padding, the general tile move (T % d ≠ 0), several K/V tiles, GQA, fully masked rows
+    ("v6", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, True),
+    ("v6", Tiling(8, 1, 2, 4), 2, 2, 2, 9, 21, 12, False),
+    ("v6", Tiling(2, 2, 2, 6), 1, 2, 2, 7, 30, 24, True),
+    ("v6", Tiling(2, 1, 2, 12), 1, 1, 1, 5, 29, 20, False),
+    ("v6", Tiling(2, 4, 3, 1), 1, 2, 1, 10, 19, 16, True),
+    ("v6", Tiling(4, 1, 1, 4), 1, 2, 2, 6, 9, 4, True),
 ]
 
 
@@ -127,10 +139,27 @@ def test_v5_register_cap_is_passed_and_checked():
             VERSIONS["v5"](Q, K, V, tiling=Tiling(4, 2, 2, 2), max_registers=bad)
 
 
+@pytest.mark.parametrize("version", ["v5", "v6"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_v5_defaults_are_runnable_tilings(d):
-    from kernels_gpu.fast import flash2_forward_v5 as v5
-    tiling, cap = v5.default_tiling(d), v5.default_max_registers(d)
+def test_defaults_are_runnable_tilings(version, d):
+    import importlib
+    module = importlib.import_module(f"kernels_gpu.fast.flash2_forward_{version}")
+    tiling, cap = module.default_tiling(d), module.default_max_registers(d)
     tiled.check_tiling(tiling, d, d)                                   # raises on a tiling the kernel cannot run
-    assert 4 * tiled.layout(tiling, d, d, v5.SHUFFLE)["size"] <= tiled.MAX_DYNAMIC_BYTES
+    size = tiled.layout(tiling, d, d, module.SHUFFLE, getattr(module, "FRAGMENTS", False))["size"]
+    assert 4 * size <= tiled.MAX_DYNAMIC_BYTES
     assert cap is None or 16 <= cap <= 255
+
+
+def test_v6_ex2_emulation_flushes_subnormal_results_to_zero():
+    """The simulator's stand-in for ``ex2.approx.ftz``: 2^x exactly where the result is normal, 0 below 2^-126."""
+    @cuda.jit
+    def probe(x, out):
+        i = cuda.threadIdx.x
+        if i < x.shape[0]:
+            out[i] = tiled._ex2_ftz_sim(x[i])
+    x = np.array([0.0, -1.5, 3.25, -126.0, -126.5, -149.0, -np.inf], np.float32)
+    out = np.full_like(x, np.nan)
+    probe[1, 8](x, out)
+    np.testing.assert_array_equal(out[:4], np.exp2(x[:4]))
+    np.testing.assert_array_equal(out[4:], 0.0)

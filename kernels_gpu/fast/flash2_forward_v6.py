@@ -39,7 +39,7 @@ SHUFFLE = True
 PIPELINE = True
 FRAGMENTS = True
 #: tiling per head dimension (d ≤ 64 → the first, otherwise the second)
-TILINGS = {64: Tiling(16, 8, 4, 4), 128: Tiling(32, 8, 4, 8)}
+TILINGS = {64: Tiling(16, 8, 4, 4), 128: Tiling(16, 16, 8, 4)}
 #: ptxas's cap on registers per thread for the default tiling of each head dimension (None: no cap)
 MAX_REGISTERS = {64: 168, 128: None}
 

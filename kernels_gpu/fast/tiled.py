@@ -241,9 +241,9 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     fetch_k, store_k = _tile_io(T, B_c, d, simulator)
     fetch_v, store_v = _tile_io(T, B_c, d_v, simulator)
     NK, NV = -(-B_c * d // T), -(-B_c * d_v // T)
-    # Q_i moves in passes of QROWS rows, at most 16 values per thread each (more would spill at d = 128).
+    # Q_i moves in passes of QROWS rows, at most 32 values per thread each (all of Q_i at once spills at d = 128).
     QROWS = B_r
-    while QROWS * d > 16 * T and QROWS % 2 == 0:
+    while QROWS * d > 32 * T and QROWS % 2 == 0:
         QROWS //= 2
     fetch_q, store_q = _tile_io(T, QROWS, d, simulator)
     NQ = -(-QROWS * d // T) if fragments else 1
@@ -339,8 +339,11 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
 
         # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
         # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
+        kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
         if fragments:
-            # (v6) every load issued before any is stored, as the K/V tiles are moved (see _tile_io).
+            # (v6) K_0's loads go first (Alg. 1 line 7, stored below), then Q_i's in passes of QROWS rows, each
+            # pass's loads all issued before its stores, as the K/V tiles are moved (see _tile_io).
+            fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
             qreg = cuda.local.array(NQ, float32)
             for qc in range(B_r // QROWS):
                 fetch_q(Qf, (z * Q.shape[1] + h) * N_q * d, row0 + qc * QROWS, N_q, t, qreg)
@@ -373,10 +376,10 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         k_row = K_OFF + tx * KS
         p_row = P_OFF + ty * TR * PS
         v_col = V_OFF + 4 * tx
-        kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
         if pipeline and T_c > 0:
             # Alg. 1 line 7 (K_0 only): every load issued before the first store, then K_0 to shared memory.
-            fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
+            if not fragments:
+                fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
             store_k(sm, kreg, t, K_OFF, KS)
         # Alg. 1 line 6: stream K_j, V_j through shared memory.
         for j in range(T_c):
