@@ -1,4 +1,4 @@
-"""fp16 storage against fp32 storage for the fast FA2 kernels (forward v5, backward v1), timed in one GPU run.
+"""fp16 storage against fp32 storage for the fast FA2 kernels (``impls.FP16_FORWARD``, ``FP16_BACKWARD``), one GPU run.
 
     python -m benchmarks.fp16_check --out $OUT/fast_fp16.json          # the grid below, about 5 minutes
     python -m benchmarks.fp16_check --d 64 --N 4096 --causal 0 --passes forward
@@ -6,7 +6,7 @@
 What it measures. ``storage="float16"`` keeps Q, K, V (and O, dO) in HBM as float16 and computes in float32
 (:mod:`kernels_gpu.fast.tiled`); the kernels are compute-bound, so the prediction in their headers is "little time
 changes". For d in (64, 128), N in (1024, 4096), causal and not, batch × N = ``--tokens`` (16k) and
-heads = ``--hidden`` // d (2048 // d), this times forward v5 and backward v1 (``impls.FP16_FORWARD``,
+heads = ``--hidden`` // d (2048 // d), this times the fast forward and backward (``impls.FP16_FORWARD``,
 ``FP16_BACKWARD``) with each storage, through the harness's builder (``impls._kg_flash2_fast``: the float16 rows
 are ``kg_flash2_fast_fp16``) and protocol (``fast_kernels.measure_and_record``: ``timing.measure``, outputs
 poisoned on the checked call, CUDA events, median, inputs rotated past the L2 cache, TF32 off). Every row is first
@@ -15,7 +15,7 @@ float32 inputs) with the harness's tolerance for its dtype (``impls.TOLERANCE``:
 Before timing, :func:`check_shapes` runs the float16 path on small ragged GQA shapes (N_q ≠ N_k, fully masked
 rows) against fa2edu's oracle (``--check-only`` stops there; also a ``compute-sanitizer`` entry point).
 
-Output: records like the other ``fast_*.json`` files (``impl`` = ``fast_v5_fp32``, ``fast_v5_fp16``,
+Output: records like the other ``fast_*.json`` files (``impl`` = e.g. ``fast_v6_fp32``, ``fast_v6_fp16``,
 ``fast_v1_fp32``, ``fast_v1_fp16``; ``dtype`` the storage), each with ``model_bytes``: the global-memory bytes
 the kernel moves by its own count (non-causal rows only; ``null`` on causal ones), the resource report of each
 kernel in the header, and a summary pairing fp16 with fp32 (time ratio, both errors), printed last.
@@ -112,13 +112,21 @@ def model_bytes(pass_, storage, N, d, B_r, B_c):
 
 
 def _block_sizes(pass_, d):
-    """(B_r, B_c) of the default tiling of forward v5 / backward v1 at head dimension d."""
+    """(B_r, B_c) of the default tiling of the fp16 forward / backward versions at head dimension d."""
     if pass_ == "forward":
-        from kernels_gpu.fast import flash2_forward_v5 as module
+        module = _forward_module()
     else:
         from kernels_gpu.fast import flash2_backward_v1 as module
     tiling = module.default_tiling(d)
     return tiling.B_r, tiling.B_c
+
+
+def _forward_module():
+    """The module of the forward version timed with fp16 storage (``impls.FP16_FORWARD``)."""
+    import importlib
+
+    from benchmarks import impls
+    return importlib.import_module(f"kernels_gpu.fast.flash2_forward_{impls.FP16_FORWARD}")
 
 
 def specs(passes):
@@ -143,10 +151,13 @@ def _resources(fast, d):
     """The compiler's report (registers, spills, shared memory) of the kernel for this pass and storage."""
     pass_, storage = fast
     if pass_ == "forward":
-        from kernels_gpu.fast import flash2_forward_v5 as v5
         from kernels_gpu.fast import tiled
-        tiling, cap = v5.default_tiling(d), v5.default_max_registers(d)
-        report = tiled.resources(tiling, d, d, v5.SHUFFLE, v5.PIPELINE, cap, storage=storage)
+        module = _forward_module()
+        tiling, cap = module.default_tiling(d), module.default_max_registers(d)
+        if hasattr(module, "resources"):              # v6+: the version says how its kernel is compiled
+            report = module.resources(tiling, d, cap, storage=storage)
+        else:
+            report = tiled.resources(tiling, d, d, module.SHUFFLE, module.PIPELINE, cap, storage=storage)
     else:
         from kernels_gpu.fast import flash2_backward_v1 as v1
         tiling, cap = v1.default_tiling(d), v1.MAX_REGISTERS.get(64 if d <= 64 else 128)
@@ -195,7 +206,7 @@ SHAPES = [(1, 4, 2, 100, 77, 64, True), (1, 4, 2, 77, 100, 128, False), (2, 2, 1
 
 
 def check_shapes(seed=0, tolerance=4e-3, shapes=None):
-    """Forward v5 and backward v1 with float16 storage on small ragged GQA shapes (NumPy in and out), against
+    """The fp16 forward and backward versions with float16 storage on small ragged GQA shapes (NumPy in and out), against
     fa2edu's float64 oracle on the float16-rounded inputs: max |error| / max(1, max |reference|) per output, which
     float16 output rounding puts near 2^-11 ≈ 5e-4 (``tolerance`` leaves room for the float16 O in D's pass).
     Also whether O and L are bit for bit the float32 kernel's on the same values (O rounded once): the arithmetic
@@ -206,7 +217,8 @@ def check_shapes(seed=0, tolerance=4e-3, shapes=None):
     from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
 
     rng = np.random.default_rng(seed)
-    forward, backward = VERSIONS["v5"], BACKWARD_VERSIONS["v1"]
+    from benchmarks import impls
+    forward, backward = VERSIONS[impls.FP16_FORWARD], BACKWARD_VERSIONS[impls.FP16_BACKWARD]
     out = []
     for Z, H_q, H_kv, N_q, N_k, d, causal in (SHAPES if shapes is None else shapes):
         Q = rng.standard_normal((Z, H_q, N_q, d)).astype(np.float16)
