@@ -206,7 +206,7 @@ SHAPES = [(1, 4, 2, 100, 77, 64, True), (1, 4, 2, 77, 100, 128, False), (2, 2, 1
 
 
 def check_shapes(seed=0, tolerance=4e-3, shapes=None):
-    """The fp16 forward and backward versions with float16 storage on small ragged GQA shapes (NumPy in and out), against
+    """The fp16 forward and backward versions, float16 storage, on small ragged GQA shapes (NumPy in and out), against
     fa2edu's float64 oracle on the float16-rounded inputs: max |error| / max(1, max |reference|) per output, which
     float16 output rounding puts near 2^-11 ≈ 5e-4 (``tolerance`` leaves room for the float16 O in D's pass).
     Also whether O and L are bit for bit the float32 kernel's on the same values (O rounded once): the arithmetic
