@@ -1,6 +1,6 @@
 """Check issue 5's speed targets against one results file of the benchmark harness.
 
-    python -m benchmarks.check_targets benchmarks/results/nvidia-h200/final.json
+    python -m benchmarks.check_targets benchmarks/results/nvidia-h200/final.json    # the final run
     python -m benchmarks.check_targets RESULTS --impl kg_flash2_fast --eager torch_eager --standard kg_standard
 
 The file must come from one run holding the fast FA2 kernels and the baselines side by side (``bench_attention

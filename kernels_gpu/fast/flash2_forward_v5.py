@@ -39,8 +39,9 @@ configuration checked against the float64 oracle on the GPU first, relative erro
   stays open: what is left is the inner loops' instruction mix, not occupancy.
 * d = 64: (16, 8, 4, 4) r128 (128 registers, 8 bytes of spills, 4 blocks of 4 warps) 32.15 / 32.35 against v4's
   31.54 / 31.76 in the same call (+1.9 %): v5's d = 64 default.
-* final run (``final.json``, ``kg_flash2_fast`` = v5 forward): d = 64 non-causal 31.4-32.4 (N = 1024-16384),
-  causal 27.8-31.2; d = 128 non-causal 28.8-32.0, causal 22.8-30.3 (v4's figures, as expected).
+* final run (``final_v5.json``, the final run before v6, ``kg_flash2_fast`` = v5 forward): d = 64 non-causal
+  31.4-32.4 (N = 1024-16384), causal 27.8-31.2; d = 128 non-causal 28.8-32.0, causal 22.8-30.3 (v4's figures, as
+  expected).
 
 **fp16 storage** (``storage="float16"``; the same kernel source, compiled for float16 arguments): Q, K, V are stored
 in HBM as float16 (NumPy inputs are cast on the way in; device inputs, e.g. torch fp16 tensors, are used in place
