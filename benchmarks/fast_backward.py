@@ -21,7 +21,6 @@ with today's default, ``--d 64 --N 4096,8192,16384 --impls v1,torch_eager,sdpa_e
 """
 
 import argparse
-import sys
 
 
 def _parse_tiling(text):
@@ -147,11 +146,9 @@ def sanitize():
 
 def main(argv=None):
     from benchmarks import impls
-    from benchmarks.bench_attention import cuda_setup, package_versions
-    from benchmarks.fast_kernels import _table, measure_and_record
+    from benchmarks.fast_kernels import _table, measure_and_record, start_run
     from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import default_results_path, utc_now, write_results
-    from benchmarks.timing import Protocol
+    from benchmarks.results_io import write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,4096,8192,16384")
@@ -168,21 +165,12 @@ def main(argv=None):
     p.add_argument("--check-only", action="store_true", help="only the ragged-shape oracle check")
     args = p.parse_args(argv)
 
-    device, allocator = cuda_setup()
-    import torch
-    device_name = torch.cuda.get_device_name()
-    out_path = args.out or str(default_results_path(device_name, f"fast_{args.name}"))
-    protocol = Protocol(target_ms=args.target_ms, max_repeats=30)
-    header = {"device": device_name, "date": utc_now(), "versions": package_versions(), "numba_allocator": allocator,
-              "settings": {"tokens": args.tokens, "hidden": args.hidden, "protocol": protocol.as_dict(),
-                           "pass": "backward", "command": " ".join(sys.argv)}, "resources": {}}
+    run, out_path = start_run(args, **{"pass": "backward"})
+    header, records = run["header"], run["records"]
     chosen = [_parse_impl(n.strip()) for n in args.impls.split(",") if n.strip()]
     header["shape_check"] = check_shapes(chosen, args.seed)
     if args.check_only:
         return
-    records = []
-    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=records,
-               device_name=device_name, seed=args.seed)
     for d in (int(v) for v in args.d.split(",")):
         heads = args.hidden // d
         for causal in (bool(int(v)) for v in args.causal.split(",")):

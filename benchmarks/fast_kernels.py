@@ -81,6 +81,28 @@ def _resources(fast, d):
     return report
 
 
+def start_run(args, **settings):
+    """What every fast-kernel driver starts with: the CUDA device (``bench_attention.cuda_setup``), the protocol,
+    the results header (device, date, package versions, allocator, settings: ``args.tokens``, ``args.hidden``, the
+    protocol, ``settings``, the command line) and an empty record list. Returns ``(run, out_path)``: ``run`` as
+    :func:`measure_and_record` takes it, ``out_path`` ``args.out`` or ``results/<device>/fast_<args.name>.json``."""
+    from benchmarks.bench_attention import cuda_setup, package_versions
+    from benchmarks.results_io import default_results_path, utc_now
+    from benchmarks.timing import Protocol
+
+    device, allocator = cuda_setup()
+    import torch
+    device_name = torch.cuda.get_device_name()
+    out_path = args.out or str(default_results_path(device_name, f"fast_{args.name}"))
+    protocol = Protocol(target_ms=args.target_ms, max_repeats=30)
+    header = {"device": device_name, "date": utc_now(), "versions": package_versions(), "numba_allocator": allocator,
+              "settings": {"tokens": args.tokens, "hidden": args.hidden, "protocol": protocol.as_dict(), **settings,
+                           "command": " ".join(sys.argv)}, "resources": {}}
+    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=[],
+               device_name=device_name, seed=args.seed)
+    return run, out_path
+
+
 def measure_and_record(run, label, spec, fast, pass_, check, flops, config, resources):
     """Time one implementation at one configuration and append its record to ``run["records"]``, printing a line.
 
@@ -124,10 +146,8 @@ def measure_and_record(run, label, spec, fast, pass_, check, flops, config, reso
 
 def main(argv=None):
     from benchmarks import impls
-    from benchmarks.bench_attention import cuda_setup, package_versions
     from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import default_results_path, utc_now, write_results
-    from benchmarks.timing import Protocol
+    from benchmarks.results_io import write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,2048,4096,8192,16384")
@@ -142,18 +162,9 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    device, allocator = cuda_setup()
-    import torch
-    device_name = torch.cuda.get_device_name()
-    out_path = args.out or str(default_results_path(device_name, f"fast_{args.name}"))
-    protocol = Protocol(target_ms=args.target_ms, max_repeats=30)
-    header = {"device": device_name, "date": utc_now(), "versions": package_versions(), "numba_allocator": allocator,
-              "settings": {"tokens": args.tokens, "hidden": args.hidden, "protocol": protocol.as_dict(),
-                           "command": " ".join(sys.argv)}, "resources": {}}
+    run, out_path = start_run(args)
+    header, records = run["header"], run["records"]
     chosen = [_parse_impl(n.strip()) for n in args.impls.split(",") if n.strip()]
-    records = []
-    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=records,
-               device_name=device_name, seed=args.seed)
     for d in (int(v) for v in args.d.split(",")):
         heads = args.hidden // d
         for causal in (bool(int(v)) for v in args.causal.split(",")):

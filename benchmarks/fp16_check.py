@@ -23,7 +23,6 @@ kernel in the header, and a summary pairing fp16 with fp32 (time ratio, both err
 
 import argparse
 import math
-import sys
 import time
 
 STORAGES = ("float32", "float16")
@@ -252,31 +251,19 @@ def check_shapes(seed=0, tolerance=4e-3, shapes=None):
 def main(argv=None):
     args = parse_args(argv)
     from benchmarks import impls
-    from benchmarks.bench_attention import cuda_setup, package_versions
-    from benchmarks.fast_kernels import measure_and_record
+    from benchmarks.fast_kernels import measure_and_record, start_run
     from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
-    from benchmarks.timing import Protocol
+    from benchmarks.results_io import make_record, write_results
 
-    device, allocator = cuda_setup()
-    import torch
-    device_name = torch.cuda.get_device_name()
-    out_path = args.out or str(default_results_path(device_name, f"fast_{args.name}"))
-    protocol = Protocol(target_ms=args.target_ms, max_repeats=30)
-    header = {"device": device_name, "date": utc_now(), "versions": package_versions(), "numba_allocator": allocator,
-              "settings": {"tokens": args.tokens, "hidden": args.hidden, "protocol": protocol.as_dict(),
-                           "versions": {"forward": impls.FP16_FORWARD, "backward": impls.FP16_BACKWARD},
-                           "tolerance": {f"{k[0]}/{k[1]}": v for k, v in impls.TOLERANCE.items()},
-                           "command": " ".join(sys.argv)}, "resources": {}}
+    run, out_path = start_run(args, versions={"forward": impls.FP16_FORWARD, "backward": impls.FP16_BACKWARD},
+                              tolerance={f"{k[0]}/{k[1]}": v for k, v in impls.TOLERANCE.items()})
+    header, records, device_name = run["header"], run["records"], run["device_name"]
     header["shape_check"] = check_shapes(args.seed)
     if args.check_only:
         write_results(out_path, header, [])
         print(f"results: {out_path}")
         return
     chosen = specs(args.passes)
-    records = []
-    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=records,
-               device_name=device_name, seed=args.seed)
     t_start = time.perf_counter()
     for c in plan(args):
         d, causal, N, batch, heads = c["d"], c["causal"], c["N"], c["batch"], c["heads"]
@@ -305,7 +292,7 @@ def main(argv=None):
             records[-1]["model_bytes"] = (None if causal else
                                           batch * heads * model_bytes(pass_, storage, N, d, *_block_sizes(pass_, d)))
         del reference, O_ref, L_ref
-        torch.cuda.empty_cache()
+        run["device"].empty_cache()
         write_results(out_path, header, records, {"fp16_vs_fp32": summarize(records)})
     rows = summarize(records)
     write_results(out_path, header, records, {"fp16_vs_fp32": rows})

@@ -270,6 +270,17 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
 
     @dev
+    def load_qk(sm, qx, kx, q_row, k_row, k):
+        """Columns k … k+3 of this thread's TR rows of Q_i and TC rows of K_j into one operand buffer, one 16-byte
+        shared load per row."""
+        for r in range(TR):
+            for u in range(4):
+                qx[r * 4 + u] = sm[uint64(q_row + r * QS + k + u)]
+        for c in range(TC):
+            for u in range(4):
+                kx[c * 4 + u] = sm[uint64(k_row + NX * c * KS + k + u)]
+
+    @dev
     def s_step(s, qx, kx):
         """S += Q_i[rows, 4k:4k+4] K_j[cols, 4k:4k+4]ᵀ for this thread's TR × TC, from one buffer of operands: four
         outer products, so that consecutive FFMAs share an operand (each element still sums u = 0 … 3 in order)."""
@@ -421,21 +432,10 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                     for u in range(4):
                         ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + u)] + ZERO
                 for p2 in range(NK4 // 2):
-                    kb = (2 * p2 + 1) * 4
-                    for r in range(TR):
-                        for u in range(4):
-                            qb[r * 4 + u] = sm[uint64(q_row + r * QS + kb + u)]
-                    for c in range(TC):
-                        for u in range(4):
-                            kbuf[c * 4 + u] = sm[uint64(k_row + NX * c * KS + kb + u)]
+                    load_qk(sm, qb, kbuf, q_row, k_row, (2 * p2 + 1) * 4)
                     s_step(s, qa, ka)
-                    kn = (2 * p2 + 2) * 4          # the last pair loads the rows' pad (columns d … d+3), never used
-                    for r in range(TR):
-                        for u in range(4):
-                            qa[r * 4 + u] = sm[uint64(q_row + r * QS + kn + u)]
-                    for c in range(TC):
-                        for u in range(4):
-                            ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + kn + u)]
+                    # (the last pair loads the rows' pad, columns d … d+3, never used)
+                    load_qk(sm, qa, ka, q_row, k_row, (2 * p2 + 2) * 4)
                     s_step(s, qb, kbuf)
                 if NK4 % 2 == 1:
                     s_step(s, qa, ka)
