@@ -73,12 +73,19 @@ with the harness's protocol; every configuration checked against the float64 ref
   ahead at four N, **behind by 1 % at N = 2048**, and within 0.4 % / 0.6 % at N = 1024 / 16384; causal 32.0-37.0
   (eager 13.7-15.5); d = 64 34.9-35.4 non-causal (eager 24.4-30.0), causal 31.6-34.4.
 
-What limits v6: at d = 128 one block of 8 warps per SM (255 registers, 169 KiB of shared memory), so two warps per
-scheduler and 30 % of issue slots idle; 82 % of the instructions are FFMAs (the inner loops 88-90 %, their 16-byte
-shared loads ~8 %); and the benchmark's 2048 blocks are 15.52 waves of 132 SMs at every N (batch × N is fixed), so
-the last wave leaves half the SMs idle (~3 %). Not tried here: persistent blocks that start the next row block's
-loads during the last tile of the current one; an asynchronous global-to-shared copy, which would free the 32
-staging registers (numba exposes no ``cp.async``).
+What limits v6 (Nsight Compute on the final version, d = 128, N = 2048: ``ncu_v6_final_d128_details.csv`` and the
+summary of its source counters, ``ncu_v6_final_d128_stalls.txt``): one block of 8 warps per SM (255 registers,
+169 KiB of shared memory), so two warps per scheduler, 1.35 of them eligible on average, and 30 % of issue slots
+idle. Of the warps' sampled states 36 % issue and 32 % wait while the other warp issues; the losses are dispatch
+stalls (16 %, three quarters on FFMAs, most likely register-bank conflicts between their operands), waits on shared
+loads (7 %) and fixed latencies (5 %); barriers, the softmax's MUFU and global loads are about 1 % each, and shared
+memory serves its wavefronts with no bank conflicts (1.016 of the ideal count). 83 % of the executed instructions
+are FFMAs (the 16-byte shared loads 7 %). Besides, the benchmark's 2048 blocks are 15.52 waves of 132 SMs at every
+N (batch × N is fixed), so the last wave leaves half the SMs idle (~3 %), and each block pays its Q_i/K_0 loads
+and its epilogue once (about a third of a K/V tile: ~1 % at N = 2048, 32 tiles per block). Not tried here:
+persistent blocks that start the next row block's loads during the last tile of the current one, with the last
+wave's row blocks split along the keys (FA2's split-K, merged by the (m, ℓ) rule) to fill it; an asynchronous
+global-to-shared copy, which would free the 32 staging registers (numba exposes no ``cp.async``).
 
 **fp16 storage** (``storage="float16"``, as v5): measured with this version and backward v1 in one run
 (``fast_fp16.json``, ``python -m benchmarks.fp16_check``; d = 64 and 128, N = 1024 and 4096, causal and not): the
