@@ -97,6 +97,12 @@ def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
     O2, L2 = VERSIONS[newest](Q2, K2, V2, causal=causal)
     _check(f"fast {newest} O (d = 128)", O2, O2_ref)
     _check(f"fast {newest} L (d = 128)", L2, L2_ref)
+    # v7's split launch (pieces over ranges of K/V tiles, then the merge), forced by planning for 3 resident blocks
+    Kl, Vl = (rng.standard_normal((1, 2, 4 * N_k, 64)).astype(np.float32) for _ in range(2))
+    Ol_ref, Ll_ref = attention_reference(Q, Kl, Vl)
+    Ol, Ll = VERSIONS["v7"](Q, Kl, Vl, slots=3)
+    _check("fast v7 O (split launch)", Ol, Ol_ref)
+    _check("fast v7 L (split launch)", Ll, Ll_ref)
 
 
 def main(argv=None) -> int:

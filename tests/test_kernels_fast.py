@@ -80,6 +80,9 @@ CASES = [  # (version, tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causa
     ("v6", Tiling(2, 1, 2, 12), 1, 1, 1, 5, 29, 20, False),
     ("v6", Tiling(2, 4, 3, 1), 1, 2, 1, 10, 19, 16, True),
     ("v6", Tiling(4, 1, 1, 4), 1, 2, 2, 6, 9, 4, True),
+    # v7 through its default launch (the simulator counts one resident block: whole items only, 1-D grid)
+    ("v7", Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, True),
+    ("v7", Tiling(2, 4, 3, 1), 2, 2, 1, 10, 19, 16, False),
 ]
 
 
@@ -139,7 +142,7 @@ def test_v5_register_cap_is_passed_and_checked():
             VERSIONS["v5"](Q, K, V, tiling=Tiling(4, 2, 2, 2), max_registers=bad)
 
 
-@pytest.mark.parametrize("version", ["v5", "v6"])
+@pytest.mark.parametrize("version", ["v5", "v6", "v7"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_defaults_are_runnable_tilings(version, d):
     import importlib
@@ -163,3 +166,48 @@ def test_v6_ex2_emulation_flushes_subnormal_results_to_zero():
     probe[1, 8](x, out)
     np.testing.assert_array_equal(out[:4], np.exp2(x[:4]))
     np.testing.assert_array_equal(out[4:], 0.0)
+
+
+# -- v7: the last wave split along the keys ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("items, T_c, slots, causal, expected", [
+    # the benchmark at d = 128 on 132 SMs: 15 waves, then 68 items; in 7 pieces the last wave is 4 rounds of
+    # 32/7 + 0.35 tiles = 19.7 tiles (2 pieces: 2 rounds of 16.35 = 32.7, no better than 32.35 unsplit)
+    (2048, 32, 132, False, (1980, 68, 7)),
+    (2048, 16, 132, False, (1980, 68, 7)),     # 4 × (16/7 + 0.35) = 10.6 tiles; 5 pieces: 3 × 3.55 = 10.65
+    (1980, 32, 132, False, (1980, 0, 1)),      # whole waves: nothing to split
+    (2048, 32, 132, True, (2048, 0, 1)),       # causal items differ in cost: never split
+    (100, 32, 132, False, (100, 0, 1)),        # less than one wave
+    (2048, 3, 132, False, (2048, 0, 1)),       # too few tiles to cut
+    (8192, 64, 396, False, (7920, 272, 7)),    # d = 64, 3 blocks per SM: 5 × (64/7 + 0.35) = 47.5 tiles, not 64.35
+])
+def test_split_plan(items, T_c, slots, causal, expected):
+    n_full, n_split, S = tiled.split_plan(items, T_c, slots, causal)
+    assert (n_full, n_split, S) == expected
+    assert n_full + n_split == items and n_full % slots == 0 or n_split == 0
+
+
+@pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, slots", [
+    (Tiling(4, 2, 2, 2), 2, 3, 1, 13, 41, 8, 5),   # 12 items on 5 slots: 10 whole, 2 split in 5 pieces; ragged N
+    (Tiling(2, 1, 2, 4), 1, 2, 2, 9, 37, 4, 4),    # 6 items on 4 slots: 4 whole, 2 split in 2 pieces
+])
+def test_v7_split_items_match_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
+    """The split path: pieces over ranges of K/V tiles, merged by the (m, ℓ) rule, give O and L within the float32
+    rule; causal calls (never split) too. Outputs are poisoned, so a row neither launch wrote shows as NaN."""
+    T_r, T_c = -(-N_q // tiling.B_r), -(-N_k // tiling.B_c)
+    assert tiled.split_plan(T_r * Z * H_q, T_c, slots, False)[1] > 0          # the case really splits
+    Q, K, V = _problem(7, Z, H_q, H_kv, N_q, N_k, d)
+    for causal in (False, True):
+        O, L = VERSIONS["v7"](Q, K, V, causal=causal, tiling=tiling, slots=slots)
+        O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal)
+        base = fa2edu.standard_attention(Q, K, V, causal=causal).O
+        assert_close_to_oracle(O, O_ref, "O", dtype=np.float32, baseline=baseline_error(base, O_ref))
+        L_size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
+        assert_close_to_oracle(L, L_ref, "L", dtype=np.float32, baseline=1e-6 * max(1.0, L_size))
+
+
+def test_v7_bad_slots_are_refused():
+    Q, K, V = _problem(3, 1, 1, 1, 5, 9, 8)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="slots"):
+            VERSIONS["v7"](Q, K, V, tiling=Tiling(4, 2, 2, 2), slots=bad)

@@ -53,7 +53,7 @@ from numba import cuda, float32, uint64
 from fa2edu.flash2 import Flash2Forward
 from kernels_gpu import runtime as rt
 
-__all__ = ["Tiling", "make_forward", "run_forward", "resources", "STATIC_FLOATS"]
+__all__ = ["Tiling", "make_forward", "run_forward", "resources", "split_plan", "STATIC_FLOATS"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -228,12 +228,14 @@ def _tile_io(T: int, B_c: int, width: int, simulator: bool):
 
 @functools.lru_cache(maxsize=None)
 def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False,
-                 max_registers: int | None = None, fragments: bool = False):
+                 max_registers: int | None = None, fragments: bool = False, split: bool = False):
     """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima,
     whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`), and a cap on registers per
     thread for ptxas (``max_registers``, v5+; ignored by the simulator), which trades registers for resident
     blocks per SM, and whether the shared-memory operands of the two inner loops are double-buffered in registers
-    and Q_i is moved like the K/V tiles (``fragments``, v6+: see :mod:`kernels_gpu.fast.flash2_forward_v6`)."""
+    and Q_i is moved like the K/V tiles (``fragments``, v6+: see :mod:`kernels_gpu.fast.flash2_forward_v6`), and
+    whether blocks take their (row block, batch, head) from a 1-D grid and may cover only part of the keys
+    (``split``, v7: see :func:`run_forward` and :mod:`kernels_gpu.fast.flash2_forward_v7`)."""
     check_tiling(tiling, d, d_v)
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
@@ -316,15 +318,32 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         pv_row(sm, o, pp, va, cur, 3, 4 * g + 4, v_col)
 
     @jit
-    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf, Qf):
-        i = cuda.blockIdx.x
-        z = cuda.blockIdx.y
-        h = cuda.blockIdx.z
+    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf, Qf, item0, S, Opart, Lpart):
+        N_q = Q.shape[2]
+        N_k = K.shape[2]
+        if split:
+            # (v7) a 1-D grid: block b is piece b % S of item item0 + b // S, item = (z·H_q + h)·T_r + i; piece p of
+            # S covers K/V tiles [p·T_c/S, (p+1)·T_c/S) (S = 1: all of them).
+            b = cuda.blockIdx.x
+            item = item0 + b // S
+            piece = b - (b // S) * S
+            T_r = (N_q + B_r - 1) // B_r
+            i = item % T_r
+            h = (item // T_r) % Q.shape[1]
+            z = item // (T_r * Q.shape[1])
+            T_all = (N_k + B_c - 1) // B_c
+            j_lo = piece * T_all // S
+            j_hi = (piece + 1) * T_all // S
+        else:
+            i = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+            h = cuda.blockIdx.z
+            b = 0
+            j_lo = 0
+            j_hi = 0
         t = cuda.threadIdx.x
         tx = t % NX
         ty = t // NX
-        N_q = Q.shape[2]
-        N_k = K.shape[2]
         h_kv = h // (Q.shape[1] // K.shape[1])        # GQA: query head h reads K/V head h // G
         row0 = i * B_r
         offset = N_k - N_q                              # causal, bottom-right: row sees col iff col <= row + offset
@@ -354,7 +373,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         if fragments:
             # (v6) K_0's loads go first (Alg. 1 line 7, stored below), then Q_i's in passes of QROWS rows, each
             # pass's loads all issued before its stores, as the K/V tiles are moved (see _tile_io).
-            fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
+            fetch_k(Kf, kv_base * d, j_lo * B_c, N_k, t, kreg)
             qreg = cuda.local.array(NQ, float32)
             for qc in range(B_r // QROWS):
                 fetch_q(Qf, (z * Q.shape[1] + h) * N_q * d, row0 + qc * QROWS, N_q, t, qreg)
@@ -382,6 +401,8 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         if causal:
             last_row = min(row0 + B_r, N_q) - 1
             T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
+        if split:
+            T_c = j_hi                                  # (v7: the host splits non-causal calls only)
         my_row0 = row0 + ty * TR
         q_row = Q_OFF + ty * TR * QS                     # this thread's first row of Q_i, K_j, P̃ and column of V_j
         k_row = K_OFF + tx * KS
@@ -393,7 +414,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                 fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
             store_k(sm, kreg, t, K_OFF, KS)
         # Alg. 1 line 6: stream K_j, V_j through shared memory.
-        for j in range(T_c):
+        for j in range(j_lo, T_c):
             col0 = j * B_c
             cuda.syncthreads()                          # everyone is done with the previous K_j, V_j, P̃
             if pipeline:
@@ -557,19 +578,31 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                 for u in range(NX):
                     acc += sm[RED_OFF + (ty * TR + r) * NX + u]
                 qa[r] = acc
-        for r in range(TR):
-            row = my_row0 + r
-            if row < N_q:
-                l_i = qa[r]
-                # Alg. 1 line 12: O_i = diag(ℓ_i)^{-1} Õ_i; guard ℓ = 0 (a row that saw no key): O_i = 0.
-                inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
-                # Alg. 1 line 14: write O_i, once, 4 consecutive columns per chunk.
-                for q in range(TQ):
-                    for e in range(4):
-                        O[z, h, row, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
-                # Alg. 1 lines 13, 15: L_i = m_i + log ℓ_i in natural units (m is in log2 units); +inf if ℓ = 0.
-                if tx == 0:
-                    L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
+        if split and S > 1:
+            # (v7) a piece of the keys: its own O and L (Alg. 1 lines 12-13 on its tiles), for merge_pieces
+            for r in range(TR):
+                if my_row0 + r < N_q:
+                    l_i = qa[r]
+                    inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
+                    for q in range(TQ):
+                        for e in range(4):
+                            Opart[b, ty * TR + r, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
+                    if tx == 0:
+                        Lpart[b, ty * TR + r] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
+        else:
+            for r in range(TR):
+                row = my_row0 + r
+                if row < N_q:
+                    l_i = qa[r]
+                    # Alg. 1 line 12: O_i = diag(ℓ_i)^{-1} Õ_i; guard ℓ = 0 (a row that saw no key): O_i = 0.
+                    inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
+                    # Alg. 1 line 14: write O_i, once, 4 consecutive columns per chunk.
+                    for q in range(TQ):
+                        for e in range(4):
+                            O[z, h, row, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
+                    # Alg. 1 lines 13, 15: L_i = m_i + log ℓ_i in natural units (m in log2 units); +inf if ℓ = 0.
+                    if tx == 0:
+                        L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
 
     return flash2_forward_fast
 
@@ -585,23 +618,95 @@ def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
     driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
 
 
+def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int = 8,
+               overhead_tiles: float = 0.35) -> tuple[int, int, int]:
+    """(v7) How to launch ``items`` equal blocks of ``T_c`` K/V tiles each on ``slots`` resident blocks (SMs ×
+    blocks per SM) so that the last wave is not half empty: ``(n_full, n_split, S)``.
+
+    The first ``n_full`` items (a whole number of waves) run as usual; each of the remaining ``n_split`` is cut into
+    S pieces along the keys (FA2's split-K: S blocks, each a contiguous range of ~T_c/S tiles, merged afterwards by
+    the (m, ℓ) rule), so the last wave is ⌈n_split·S / slots⌉ rounds of T_c/S tiles instead of one round of T_c. S
+    (2 … ``max_pieces``, at least 2 tiles a piece) minimises that time, counting ``overhead_tiles`` per block for
+    its prologue and epilogue; ``(items, 0, 1)``, no split, when nothing is gained, when the items fill whole
+    waves, or when ``causal`` (causal items differ in cost, so equal pieces do not balance them)."""
+    if causal or slots < 1 or items <= slots:
+        return items, 0, 1
+    waves, rest = divmod(items, slots)
+    if rest == 0:
+        return items, 0, 1
+    best_S, best = 1, T_c + overhead_tiles
+    for S in range(2, max_pieces + 1):
+        if T_c < 2 * S:
+            break
+        cost = -(-rest * S // slots) * (T_c / S + overhead_tiles)
+        if cost < best:
+            best_S, best = S, cost
+    if best_S == 1:
+        return items, 0, 1
+    return waves * slots, rest, best_S
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_kernel(B_r: int, d_v: int):
+    """(v7) O, L of the split items from their pieces' (O_p, L_p): L = log Σ_p e^{L_p}, O = Σ_p e^{L_p − L} O_p,
+    which is FA2's (m, ℓ) merge (Alg. 1 lines 9-12 applied to whole pieces) written with log-sum-exps. One block
+    per split item; reads S·B_r·(d_v + 1) floats of partials, writes its B_r rows of O and L."""
+
+    @cuda.jit
+    def merge_pieces(Opart, Lpart, O, L, item0, S, T_r):
+        g = cuda.blockIdx.x
+        item = item0 + g
+        i = item % T_r
+        h = (item // T_r) % O.shape[1]
+        z = item // (T_r * O.shape[1])
+        N_q = O.shape[2]
+        for e in range(cuda.threadIdx.x, B_r * d_v, cuda.blockDim.x):
+            r = e // d_v
+            c = e - r * d_v
+            row = i * B_r + r
+            if row < N_q:
+                mx = float32(-math.inf)
+                for p in range(S):
+                    mx = max(mx, Lpart[g * S + p, r])
+                tot = float32(0.0)
+                acc = float32(0.0)
+                for p in range(S):
+                    w = math.exp(Lpart[g * S + p, r] - mx)
+                    tot += w
+                    acc += w * Opart[g * S + p, r, c]
+                O[z, h, row, c] = acc / tot
+                if c == 0:
+                    L[z, h, row] = mx + math.log(tot)
+    return merge_pieces
+
+
+def _no_parts():
+    """The (unused) piece arrays of an unsplit launch: the kernel's signature always has them."""
+    return cuda.device_array((1, 1, 1), dtype=np.float32), cuda.device_array((1, 1), dtype=np.float32)
+
+
 def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None,
                 pipeline: bool = False, max_registers: int | None = None, storage: str = "float32",
-                fragments: bool = False) -> Flash2Forward:
+                fragments: bool = False, split: bool = False, slots: int | None = None) -> Flash2Forward:
     """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``.
     ``max_registers``: None (no cap) or a positive int, the ptxas cap on registers per thread.
     ``storage``: ``"float32"``, or ``"float16"``: Q, K, V stored as float16 (NumPy inputs cast; device inputs must
     be float16), O returned as float16, L as float32; arithmetic float32 either way. Global bytes per (batch, head):
-    reads 2(Nd + 2Nd·T_r) instead of 4(…), writes 2Nd + 4N instead of 4Nd + 4N."""
+    reads 2(Nd + 2Nd·T_r) instead of 4(…), writes 2Nd + 4N instead of 4Nd + 4N.
+    ``split`` (v7): launch over a 1-D grid planned by :func:`split_plan` for ``slots`` resident blocks (None: the
+    GPU's own count from the occupancy calculator; the simulator counts 1, so tests pass it); the split items cost
+    their pieces' partial O, L (S·B_r·(d_v + 1) floats each, written and read once) and one more launch."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
                                       or not 16 <= max_registers <= 255):
         raise ValueError(f"max_registers must be None or an int in [16, 255], got {max_registers!r}")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ValueError(f"slots must be None or a positive int, got {slots!r}")
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     d, d_v = layout_.d, layout_.d_v
     simulator = rt.simulator_in_use()
     kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline), max_registers,
-                          bool(fragments))
+                          bool(fragments), bool(split))
     size = layout(tiling, d, d_v, bool(shuffle), bool(fragments))["size"]
     if 4 * size > MAX_DYNAMIC_BYTES:
         raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
@@ -612,18 +717,37 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     # Qf, Kf, Vf: flat views of Q, K, V (contiguous), read by the pipelined loads only.
     args = (Q4, K4, V4, O, L, np.float32(float(tau) * LOG2E), bool(causal), K4.reshape(-1), V4.reshape(-1),
             Q4.reshape(-1))
+    whole = args + (0, 1) + _no_parts()
     if dynamic and not simulator:
-        _allow_dynamic_shared(kernel, args, dynamic)
-    grid = (rt.grid_size(layout_.N_q, tiling.B_r), layout_.Z, layout_.H_q)
-    kernel[grid, tiling.threads, 0, dynamic](*args)
+        _allow_dynamic_shared(kernel, whole, dynamic)
+    T_r = rt.grid_size(layout_.N_q, tiling.B_r)
+    if not split:
+        kernel[(T_r, layout_.Z, layout_.H_q), tiling.threads, 0, dynamic](*whole)
+    else:
+        items = T_r * layout_.Z * layout_.H_q
+        if slots is None and simulator:
+            slots = 1                                   # (the simulator runs one block at a time)
+        elif slots is None:
+            compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in whole))
+            slots = max(1, compiled.max_cooperative_grid_blocks(tiling.threads, dynamic))
+        n_full, n_split, S = split_plan(items, rt.grid_size(layout_.N_k, tiling.B_c), slots, bool(causal))
+        if n_full:
+            kernel[n_full, tiling.threads, 0, dynamic](*whole)
+        if n_split:
+            Opart = rt.device_empty((n_split * S, tiling.B_r, d_v))
+            Lpart = rt.device_empty((n_split * S, tiling.B_r))
+            kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart)
+            _merge_kernel(tiling.B_r, d_v)[n_split, 128](Opart, Lpart, O, L, n_full, S, T_r)
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
 
 
 def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False,
-              max_registers: int | None = None, storage: str | None = None, fragments: bool = False) -> dict:
+              max_registers: int | None = None, storage: str | None = None, fragments: bool = False,
+              split: bool = False) -> dict:
     """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared.
     ``storage``: the report of the kernel compiled for that storage dtype (None: the last one compiled)."""
-    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers, bool(fragments))
+    kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers, bool(fragments),
+                          bool(split))
     out = {}
     for argtypes, compiled in kernel.overloads.items():
         if storage is not None and np.dtype(str(argtypes[0].dtype)) != rt.storage_dtype(storage):
