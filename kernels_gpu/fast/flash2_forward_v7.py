@@ -26,6 +26,26 @@ waves) and 68 items in S = 7 pieces: the last wave shrinks from 32 tiles to 4 ro
 per-block overheads, ~2.4 % of the run; so +2 % at every N of the benchmark (v6: 38.2-39.0 TFLOP/s → 39-40),
 ahead of PyTorch eager (38.0-39.0) at every N. d = 64 (396 slots, 8192 items, 272 left): +1 % at most. Causal:
 unchanged.
+
+**Measured** (H200, 2026-11-22, fp32, forward, non-causal, batch × N = 16k, hidden 2048, v6 and v7 in the same call,
+``fast_v7_explore_d128.json`` / ``_d64.json``; every configuration checked against the float64 reference first,
+relative error ≤ 2.3e-6). The occupancy calculator gave the planned slots (132 at d = 128, 396 at d = 64) and the
+plans (1980 + 68 items in 7 pieces; 7920 + 272 in 7). TFLOP/s at N = 1024 / 2048 / 4096 / 16384:
+
+* d = 128: v7 34.9 / 37.0 / 38.1 / 39.0 against v6 38.1 / 38.5 / 38.7 / 38.9;
+* d = 64 (N = 1024 / 4096 / 16384): v7 33.8 / 35.0 / 35.4 against v6 34.8 / 35.3 / 35.4.
+
+**The prediction failed**: v7 is slower by 2-8 % up to N = 4096 and level (+0.1 %) at N = 16384, where the model
+promised +2.4 %. Not established (no device time was left to profile it); the candidates are (a) each piece pays
+a whole block's fixed costs — Q_i and K_0 loads, epilogue, a block launch — on 2-5 K/V tiles instead of 16-256, so
+the 0.35 tile per block of the model is too little; (b) the pieces' launch starts only when the whole-wave launch
+has drained, and the merge only after the pieces: two more launch boundaries, each exposing the tail of the one
+before; (c) at N = 1024 (3.6 ms calls) the host work of three launches and the occupancy query per call may no
+longer hide behind the queue. That N = 16384 gained nothing says the half-empty last wave does not cost what the
+wave count suggests, or that (a) and (b) eat it exactly. v7 stays in the book as a measured failure;
+``kg_flash2_fast`` keeps v6. Correctness on the GPU: ``tests/gpu/test_kernels_fast_gpu.py`` (the split path runs
+at its sizes) 64 passed (``gpu_tests_fast_v7.log``); compute-sanitizer memcheck and racecheck clean on a forced
+split launch (``sanitizer_v7.log``).
 """
 
 from kernels_gpu.fast.flash2_forward_v6 import MAX_REGISTERS, TILINGS, default_max_registers, default_tiling
