@@ -117,7 +117,7 @@ FORWARD_CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal
 ]
 
 
-@pytest.mark.parametrize("version", ["v5", "v6"])
+@pytest.mark.parametrize("version", ["v5", "v6", "v7"])
 @pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", FORWARD_CASES)
 def test_forward_fp16_storage(version, tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
     Q, K, V, _ = _problem(hash((N_q, N_k, d)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
