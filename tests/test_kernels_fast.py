@@ -24,7 +24,7 @@ from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast import VERSIONS, Tiling, tiled
+from kernels_gpu.fast import VERSIONS, Tiling, split, tiled
 
 if not rt.simulator_in_use():  # pragma: no cover
     pytest.skip("simulator tests: NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
@@ -182,7 +182,7 @@ def test_v6_ex2_emulation_flushes_subnormal_results_to_zero():
     (8192, 64, 396, False, (7920, 272, 7)),    # d = 64, 3 blocks per SM: 5 × (64/7 + 0.35) = 47.5 tiles, not 64.35
 ])
 def test_split_plan(items, T_c, slots, causal, expected):
-    n_full, n_split, S = tiled.split_plan(items, T_c, slots, causal)
+    n_full, n_split, S = split.split_plan(items, T_c, slots, causal)
     assert (n_full, n_split, S) == expected
     assert n_full + n_split == items and n_full % slots == 0 or n_split == 0
 
@@ -195,7 +195,7 @@ def test_v7_split_items_match_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
     """The split path: pieces over ranges of K/V tiles, merged by the (m, ℓ) rule, give O and L within the float32
     rule; causal calls (never split) too. Outputs are poisoned, so a row neither launch wrote shows as NaN."""
     T_r, T_c = -(-N_q // tiling.B_r), -(-N_k // tiling.B_c)
-    assert tiled.split_plan(T_r * Z * H_q, T_c, slots, False)[1] > 0          # the case really splits
+    assert split.split_plan(T_r * Z * H_q, T_c, slots, False)[1] > 0          # the case really splits
     Q, K, V = _problem(7, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
         O, L = VERSIONS["v7"](Q, K, V, causal=causal, tiling=tiling, slots=slots)

@@ -8,7 +8,7 @@ wait, about 3 % of the run. Tuning the block cannot remove that; only the shape 
 **What changed** (``tiled.run_forward(..., split=True)``; the kernel is v6's, compiled with ``split=True``):
 
 * blocks take their (row block, batch, head) from a 1-D grid, so a launch can cover any range of items;
-* :func:`kernels_gpu.fast.tiled.split_plan` asks the occupancy calculator how many blocks are resident at once
+* :func:`kernels_gpu.fast.split.split_plan` asks the occupancy calculator how many blocks are resident at once
   (``slots``: 132 at d = 128, 396 at d = 64 on an H200) and launches the whole waves as usual; each item of the
   remainder is cut into S pieces along the keys (FA2 Section 3.2's split over the sequence, as in decoding kernels),
   each piece a block running Alg. 1 over its range of K/V tiles and writing its own O_p and L_p; S is the number of
