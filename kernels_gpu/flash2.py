@@ -166,7 +166,8 @@ def flash2_forward(Q, K, V, block_sizes=None, causal=False, scale=None) -> Flash
 
 @functools.lru_cache(maxsize=None)
 def preprocess_kernel(B: int, d_v: int):
-    """FA2 Alg. 2 line 4, D = rowsum(dO ∘ O): one thread per row, B rows per block."""
+    """FA2 Alg. 2 line 4, D = rowsum(dO ∘ O): one thread per row, B rows per block. Loads are converted to float32,
+    so the fast kernels' float16 storage (``kernels_gpu.fast``) gets a float32 product, not a float16 one."""
 
     @cuda.jit
     def flash2_backward_preprocess_kernel(O, dO, D):
@@ -177,7 +178,7 @@ def preprocess_kernel(B: int, d_v: int):
             # Alg. 2 line 4: read dO_i and O_i, write D_i = rowsum(dO_i ∘ O_i) (D ∈ R^N: erratum 5 prints R^d).
             acc = float32(0.0)
             for k in range(d_v):
-                acc += dO[z, h, row, k] * O[z, h, row, k]
+                acc += float32(dO[z, h, row, k]) * float32(O[z, h, row, k])
             D[z, h, row] = acc
 
     return flash2_backward_preprocess_kernel

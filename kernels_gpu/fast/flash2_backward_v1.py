@@ -18,8 +18,9 @@
 * Masking: columns past N_k and keys after the causal diagonal give P = 0 (only in tiles that need it); rows past
   N_q read L = +inf, so P = 0 and dS = 0. Fully masked rows (L = +inf from the forward) give P = 0: their dQ is 0
   and they add nothing to dK, dV.
-* D = rowsum(dO ∘ O) (Alg. 2 line 4) is a preprocessing launch, one thread per row (the teaching kernel's, with
-  its loads converted to float32 so that float16 storage multiplies in float32).
+* D = rowsum(dO ∘ O) (Alg. 2 line 4) is a preprocessing launch, one thread per row: the teaching kernel's
+  (:func:`kernels_gpu.flash2.preprocess_kernel`), whose loads convert to float32, so that float16 storage
+  multiplies in float32.
 
 Cost per (batch, head), N_q = N_k = N, not causal: 10·N²·d FLOPs by the FA2 paper's model (this kernel does
 8·N²·d in its four products plus the dQ product's 2·N²·d: exactly that); global reads 2Nd (K, V) + T_c·(2Nd + 2N)
@@ -94,9 +95,10 @@ from numba import cuda, float32, uint64
 from fa2edu.flash2 import Flash2Backward
 from kernels_gpu import runtime as rt
 from kernels_gpu.fast import tiled
+from kernels_gpu.flash2 import preprocess_kernel
 
 __all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS",
-           "preprocess_kernel", "cast_kernel"]
+           "cast_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -386,26 +388,6 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                         dV[z, h_kv, col, 4 * tx + 4 * NX * q + e] = dv[c * TDV + q * 4 + e]
 
     return flash2_backward_fast
-
-
-@functools.lru_cache(maxsize=None)
-def preprocess_kernel(B: int, d_v: int):
-    """FA2 Alg. 2 line 4, D = rowsum(dO ∘ O): one thread per row, B rows per block; loads converted to float32
-    (with float16 storage, ``dO[…] * O[…]`` would otherwise be a float16 product). Reads 2Nd, writes N."""
-
-    @cuda.jit
-    def flash2_backward_fast_preprocess(O, dO, D):
-        z = cuda.blockIdx.y
-        h = cuda.blockIdx.z
-        row = cuda.blockIdx.x * B + cuda.threadIdx.x
-        if row < O.shape[2]:
-            # Alg. 2 line 4: read dO_i and O_i, write D_i = rowsum(dO_i ∘ O_i), accumulated in float32.
-            acc = float32(0.0)
-            for k in range(d_v):
-                acc += float32(dO[z, h, row, k]) * float32(O[z, h, row, k])
-            D[z, h, row] = acc
-
-    return flash2_backward_fast_preprocess
 
 
 @functools.lru_cache(maxsize=None)
