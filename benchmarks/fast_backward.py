@@ -146,7 +146,7 @@ def sanitize():
 
 def main(argv=None):
     from benchmarks import impls
-    from benchmarks.fast_kernels import _table, measure_and_record, start_run
+    from benchmarks.fast_kernels import _table, add_run_arguments, measure_and_record, start_run
     from benchmarks.flop_model import model_flops
     from benchmarks.results_io import write_results
 
@@ -156,12 +156,7 @@ def main(argv=None):
     p.add_argument("--causal", default="0,1")
     p.add_argument("--impls", default="v1,kg_flash2,torch_eager,sdpa_efficient")
     p.add_argument("--teaching-max-N", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--target-ms", type=float, default=150.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name", default="backward_v1")
-    p.add_argument("--out", default=None)
+    add_run_arguments(p, name="backward_v1", target_ms=150.0)
     p.add_argument("--check-only", action="store_true", help="only the ragged-shape oracle check")
     args = p.parse_args(argv)
 

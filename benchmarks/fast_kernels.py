@@ -81,6 +81,16 @@ def _resources(fast, d):
     return report
 
 
+def add_run_arguments(p, *, name: str, target_ms: float) -> None:
+    """The command-line arguments :func:`start_run` reads, with the fast-kernel drivers' defaults."""
+    p.add_argument("--tokens", type=int, default=16384, help="batch × N (FA2 paper: 16k)")
+    p.add_argument("--hidden", type=int, default=2048, help="heads × d (FA2 paper: 2048)")
+    p.add_argument("--target-ms", type=float, default=target_ms, help="timed work per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=name, help=f"results file fast_<name>.json (default fast_{name}.json)")
+    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>/fast_<name>.json)")
+
+
 def start_run(args, **settings):
     """What every fast-kernel driver starts with: the CUDA device (``bench_attention.cuda_setup``), the protocol,
     the results header (device, date, package versions, allocator, settings: ``args.tokens``, ``args.hidden``, the
@@ -154,12 +164,7 @@ def main(argv=None):
     p.add_argument("--d", default="64,128")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--impls", default="v1,v2,torch_eager,sdpa_efficient")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--target-ms", type=float, default=150.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name", default="forward")
-    p.add_argument("--out", default=None)
+    add_run_arguments(p, name="forward", target_ms=150.0)
     args = p.parse_args(argv)
 
     run, out_path = start_run(args)

@@ -55,19 +55,15 @@ def _passes(text):
 
 
 def parse_args(argv=None):
+    from benchmarks.fast_kernels import add_run_arguments
     p = argparse.ArgumentParser(prog="python -m benchmarks.fp16_check", description=__doc__.splitlines()[0])
     p.add_argument("--d", type=_ints, default=(64, 128), help="head dimensions (default 64,128)")
     p.add_argument("--N", type=_ints, default=(1024, 4096), help="sequence lengths (default 1024,4096)")
     p.add_argument("--causal", type=_bools, default=(False, True), help="0, 1 or 0,1 (default both)")
     p.add_argument("--passes", type=_passes, default=PASSES, help="forward, backward or both (default both)")
-    p.add_argument("--tokens", type=int, default=16384, help="batch × N (FA2 paper: 16k)")
-    p.add_argument("--hidden", type=int, default=2048, help="heads × d (FA2 paper: 2048)")
-    p.add_argument("--target-ms", type=float, default=100.0, help="timed work per configuration")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no configuration after this many seconds (default 480: one 10-minute device call)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name", default="fp16", help="results file fast_<name>.json (default fast_fp16.json)")
-    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>/fast_<name>.json)")
+    add_run_arguments(p, name="fp16", target_ms=100.0)
     p.add_argument("--check-only", action="store_true", help="only the ragged-shape check against fa2edu's oracle")
     args = p.parse_args(argv)
     bad = [d for d in args.d if args.hidden % d or d % 4]
