@@ -91,12 +91,12 @@ def _rounding_bound(got, ref, base32, extra=0.0):
     assert worst <= 1.0, f"error exceeds the float16-rounding bound by a factor {worst:.3g}"
 
 
-def _check_forward(Q, K, V, causal, tiling, version="v5"):
+def _check_forward(Q, K, V, causal, tiling, version="v5", **options):
     """The float16-storage forward against (a) the float32 kernel on the same values, bit for bit, and (b) the
-    float64 oracle on those values, within :func:`_rounding_bound`."""
-    O, L = VERSIONS[version](Q, K, V, causal=causal, tiling=tiling, storage="float16")
+    float64 oracle on those values, within :func:`_rounding_bound`. ``options``: the version's own (``slots``)."""
+    O, L = VERSIONS[version](Q, K, V, causal=causal, tiling=tiling, storage="float16", **options)
     assert O.dtype == np.float16 and L.dtype == np.float32
-    O32, L32 = VERSIONS[version](*_f32(Q, K, V), causal=causal, tiling=tiling)
+    O32, L32 = VERSIONS[version](*_f32(Q, K, V), causal=causal, tiling=tiling, **options)
     np.testing.assert_array_equal(O, O32.astype(np.float16))      # only the final store is rounded
     np.testing.assert_array_equal(L, L32)                          # L is never rounded to float16
     O_ref, L_ref = fa2edu.attention_reference(*_f64(Q, K, V), causal=causal)
@@ -117,11 +117,19 @@ FORWARD_CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal
 ]
 
 
-@pytest.mark.parametrize("version", ["v5", "v6", "v7"])
+@pytest.mark.parametrize("version", ["v5", "v6", "v7", "v8"])
 @pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", FORWARD_CASES)
 def test_forward_fp16_storage(version, tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
     Q, K, V, _ = _problem(hash((N_q, N_k, d)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
     _check_forward(Q, K, V, causal, tiling, version=version)
+
+
+def test_forward_fp16_storage_through_split_launches():
+    """v7's split last wave and v8's stream-K pieces: the merge writes float16 O from float32 sums, rounded once,
+    as the float32 launch's merge does (4 slots: v7 splits 2 of 18 items in 2 pieces, v8 splits 2)."""
+    Q, K, V, _ = _problem(12, 2, 3, 1, 9, 37, 8)
+    for version in ("v7", "v8"):
+        _check_forward(Q, K, V, False, Tiling(2, 2, 2, 4), version=version, slots=4)
 
 
 def test_forward_v4_takes_the_storage_option_too():

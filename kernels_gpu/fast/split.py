@@ -6,6 +6,13 @@ and cuts each remaining row block into S pieces, each a contiguous range of K/V 
 the sequence, as decoding kernels do); :func:`merge_kernel` combines the pieces' outputs with the (m, ℓ) rule.
 The kernel side (a 1-D grid, a key range per block, partial outputs) is ``tiled.make_forward(..., split=True)``.
 Measured on an H200 it did not pay: see :mod:`kernels_gpu.fast.flash2_forward_v7`.
+
+v8's plan, stream-K: no waves at all. The grid is the P blocks the GPU holds at once; the W = items · T_c steps of
+the call (one step: one K/V tile of one row block) are cut into P equal ranges (:func:`step_bound`), and each block
+walks its range: whole items, plus at either end a piece of an item that it shares with its neighbour. Every
+boundary between two blocks that falls inside an item splits that item; :func:`stream_pieces` lists the pieces
+(host side, for tests and the book) and :func:`stream_merge_kernel` merges them. The kernel side is
+``tiled.make_forward(..., stream=True)``; see :mod:`kernels_gpu.fast.flash2_forward_v8`.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import math
 
 from numba import cuda, float32
 
-__all__ = ["split_plan", "merge_kernel"]
+__all__ = ["split_plan", "merge_kernel", "step_bound", "stream_pieces", "stream_merge_kernel"]
 
 
 def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int = 8,
@@ -46,35 +53,97 @@ def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int =
     return waves * slots, rest, best_S
 
 
+def step_bound(b, W, P):
+    """(v8) The first of block b's steps when W steps are cut into P ranges as evenly as integers allow: block b
+    takes steps [step_bound(b), step_bound(b + 1)), between ⌊W/P⌋ and ⌈W/P⌉ of them. (Compiled as a device
+    function by the kernel and the merge, called as it is by the host.)"""
+    return b * W // P
+
+
+def stream_pieces(items: int, T_c: int, P: int) -> list[tuple[int, int, int, int, int]]:
+    """(v8) What each block of a stream-K launch computes: ``(block, item, j_lo, j_hi, slot)`` in order, the K/V
+    tiles [j_lo, j_hi) of an item; ``slot`` is −1 for a whole item (written straight to O, L), else the row of
+    Opart/Lpart its partial result goes to (2·block for a piece of the block's first item, 2·block + 1 for one of
+    its last). The kernel and :func:`stream_merge_kernel` compute the same thing on the GPU; this is their
+    specification, used by the tests."""
+    W = items * T_c
+    out = []
+    for b in range(P):
+        it, hi = step_bound(b, W, P), step_bound(b + 1, W, P)
+        first = it // T_c
+        while it < hi:
+            item = it // T_c
+            j_lo = it - item * T_c
+            j_hi = min(T_c, j_lo + hi - it)
+            whole = j_lo == 0 and j_hi == T_c
+            out.append((b, item, j_lo, j_hi, -1 if whole else 2 * b + (0 if item == first else 1)))
+            it += j_hi - j_lo
+    return out
+
+
+@cuda.jit(device=True)
+def _merge_item(Opart, Lpart, O, L, item, T_r, n, s_first, s_next, stride):
+    """O, L of one item (row block) from its n pieces' (O_p, L_p), which sit in Opart/Lpart rows s_first, then
+    s_next, s_next + stride, …: L = log Σ_p e^{L_p}, O = Σ_p e^{L_p − L} O_p, FA2's (m, ℓ) merge (Alg. 1 lines
+    9-12 applied to whole pieces) written with log-sum-exps. Called by every thread of the block."""
+    B_r = Opart.shape[1]
+    d_v = Opart.shape[2]
+    i = item % T_r
+    h = (item // T_r) % O.shape[1]
+    z = item // (T_r * O.shape[1])
+    N_q = O.shape[2]
+    for e in range(cuda.threadIdx.x, B_r * d_v, cuda.blockDim.x):
+        r = e // d_v
+        c = e - r * d_v
+        row = i * B_r + r
+        if row < N_q:
+            mx = float32(-math.inf)
+            for p in range(n):
+                mx = max(mx, Lpart[s_first if p == 0 else s_next + (p - 1) * stride, r])
+            tot = float32(0.0)
+            acc = float32(0.0)
+            for p in range(n):
+                s = s_first if p == 0 else s_next + (p - 1) * stride
+                w = math.exp(Lpart[s, r] - mx)
+                tot += w
+                acc += w * Opart[s, r, c]
+            O[z, h, row, c] = acc / tot
+            if c == 0:
+                L[z, h, row] = mx + math.log(tot)
+
+
 @functools.lru_cache(maxsize=None)
 def merge_kernel(B_r: int, d_v: int):
-    """(v7) O, L of the split items from their pieces' (O_p, L_p): L = log Σ_p e^{L_p}, O = Σ_p e^{L_p − L} O_p,
-    which is FA2's (m, ℓ) merge (Alg. 1 lines 9-12 applied to whole pieces) written with log-sum-exps. One block
-    per split item; reads S·B_r·(d_v + 1) floats of partials, writes its B_r rows of O and L."""
+    """(v7) O, L of the split items from their pieces' (O_p, L_p): the S pieces of split item g (item item0 + g)
+    sit in rows g·S … g·S + S − 1 of Opart/Lpart. One block per split item; reads S·B_r·(d_v + 1) floats of
+    partials, writes its B_r rows of O and L."""
 
     @cuda.jit
     def merge_pieces(Opart, Lpart, O, L, item0, S, T_r):
         g = cuda.blockIdx.x
-        item = item0 + g
-        i = item % T_r
-        h = (item // T_r) % O.shape[1]
-        z = item // (T_r * O.shape[1])
-        N_q = O.shape[2]
-        for e in range(cuda.threadIdx.x, B_r * d_v, cuda.blockDim.x):
-            r = e // d_v
-            c = e - r * d_v
-            row = i * B_r + r
-            if row < N_q:
-                mx = float32(-math.inf)
-                for p in range(S):
-                    mx = max(mx, Lpart[g * S + p, r])
-                tot = float32(0.0)
-                acc = float32(0.0)
-                for p in range(S):
-                    w = math.exp(Lpart[g * S + p, r] - mx)
-                    tot += w
-                    acc += w * Opart[g * S + p, r, c]
-                O[z, h, row, c] = acc / tot
-                if c == 0:
-                    L[z, h, row] = mx + math.log(tot)
+        _merge_item(Opart, Lpart, O, L, item0 + g, T_r, S, g * S, g * S + 1, 1)
     return merge_pieces
+
+
+@functools.lru_cache(maxsize=None)
+def stream_merge_kernel():
+    """(v8) O, L of the items that a stream-K launch of P blocks split, from their pieces (slots as in
+    :func:`stream_pieces`). Block g looks at the boundary between blocks g and g + 1: if it falls inside an item X
+    and no earlier boundary does, it merges X's pieces — from block g (slot 2g if X is g's first item, else
+    2g + 1) and each later block that starts inside X (slot 2b). P − 1 blocks, most of which have nothing to do."""
+    bound = cuda.jit(device=True)(step_bound)
+
+    @cuda.jit
+    def merge_stream(Opart, Lpart, O, L, T_r, T_c, P):
+        g = cuda.blockIdx.x
+        W = T_r * O.shape[0] * O.shape[1] * T_c
+        edge = bound(g + 1, W, P)
+        X = edge // T_c
+        start = bound(g, W, P)
+        if edge - X * T_c == 0 or start > X * T_c:
+            return                                      # no item split here, or an earlier boundary merges it
+        n = 1
+        while g + n < P and bound(g + n, W, P) < (X + 1) * T_c:
+            n += 1
+        _merge_item(Opart, Lpart, O, L, X, T_r, n, 2 * g + (0 if start == X * T_c else 1), 2 * g + 2, 2)
+    return merge_stream

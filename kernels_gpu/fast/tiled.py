@@ -52,7 +52,7 @@ from numba import cuda, float32, uint64
 
 from fa2edu.flash2 import Flash2Forward
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast.split import merge_kernel, split_plan
+from kernels_gpu.fast.split import merge_kernel, split_plan, step_bound, stream_merge_kernel
 
 __all__ = ["Tiling", "make_forward", "run_forward", "resources", "STATIC_FLOATS"]
 
@@ -229,14 +229,17 @@ def _tile_io(T: int, B_c: int, width: int, simulator: bool):
 
 @functools.lru_cache(maxsize=None)
 def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: bool, pipeline: bool = False,
-                 max_registers: int | None = None, fragments: bool = False, split: bool = False):
+                 max_registers: int | None = None, fragments: bool = False, split: bool = False,
+                 stream: bool = False):
     """Compile-time specialisation of the kernel: tile shape, head sizes, how rows exchange their maxima,
     whether the K_j/V_j loads are pipelined (``pipeline``, v4+: see :func:`_tile_io`), and a cap on registers per
     thread for ptxas (``max_registers``, v5+; ignored by the simulator), which trades registers for resident
     blocks per SM, and whether the shared-memory operands of the two inner loops are double-buffered in registers
     and Q_i is moved like the K/V tiles (``fragments``, v6+: see :mod:`kernels_gpu.fast.flash2_forward_v6`), and
     whether blocks take their (row block, batch, head) from a 1-D grid and may cover only part of the keys
-    (``split``, v7: see :func:`run_forward` and :mod:`kernels_gpu.fast.flash2_forward_v7`)."""
+    (``split``, v7: see :func:`run_forward` and :mod:`kernels_gpu.fast.flash2_forward_v7`), or from a range of
+    (item, K/V tile) steps, looping over the items and pieces in it (``stream``, v8: stream-K, see
+    :mod:`kernels_gpu.fast.split` and :mod:`kernels_gpu.fast.flash2_forward_v8`)."""
     check_tiling(tiling, d, d_v)
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
@@ -271,6 +274,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
     jit = cuda.jit(max_registers=max_registers) if (max_registers and not simulator) else cuda.jit
 
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+    stream_bound = dev(step_bound)
 
     @dev
     def load_qk(sm, qx, kx, q_row, k_row, k):
@@ -335,6 +339,20 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
             T_all = (N_k + B_c - 1) // B_c
             j_lo = piece * T_all // S
             j_hi = (piece + 1) * T_all // S
+            it = hi = first_item = 0
+        elif stream:
+            # (v8) stream-K: the grid is the P blocks the GPU holds at once; the W = items · T_c (row block, K/V
+            # tile) steps of the whole call are cut into P equal ranges, block b takes [b·W/P, (b+1)·W/P) in
+            # order: whole items, and at either end a piece of one (written to Opart slot 2b or 2b + 1).
+            b = cuda.blockIdx.x
+            T_r = (N_q + B_r - 1) // B_r
+            T_all = (N_k + B_c - 1) // B_c
+            it = stream_bound(b, T_r * Q.shape[0] * Q.shape[1] * T_all, cuda.gridDim.x)
+            hi = stream_bound(b + 1, T_r * Q.shape[0] * Q.shape[1] * T_all, cuda.gridDim.x)
+            first_item = it // T_all
+            if it >= hi:
+                return                                  # (more blocks than steps: nothing to do)
+            item = i = z = h = j_lo = j_hi = 0
         else:
             i = cuda.blockIdx.x
             z = cuda.blockIdx.y
@@ -342,268 +360,288 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
             b = 0
             j_lo = 0
             j_hi = 0
+            item = it = hi = first_item = T_all = 0
         t = cuda.threadIdx.x
         tx = t % NX
         ty = t // NX
-        h_kv = h // (Q.shape[1] // K.shape[1])        # GQA: query head h reads K/V head h // G
-        row0 = i * B_r
-        offset = N_k - N_q                              # causal, bottom-right: row sees col iff col <= row + offset
-        if simulator:
-            sm = cuda.shared.array(STATIC, float32)                    # (the simulator refuses `alignment`)
-        else:
-            sm = cuda.shared.array(STATIC, float32, alignment=16)      # 16-byte rows for 4-float loads
-        scratch = cuda.shared.array(SCRATCH, float32)   # the simulator's shuffle emulation only
-
-        s = cuda.local.array(S_REGS, float32)          # S_i^(j), then P̃_i^(j): this thread's TR × TC sub-tile
-        o = cuda.local.array(O_REGS, float32)          # Õ_i: TR × TD
-        m = cuda.local.array(TR, float32)               # m_i (log2 units), shared by the row's NX threads
-        l = cuda.local.array(TR, float32)               # ℓ_i: this thread's partial sum over its own columns
-        qa = cuda.local.array(QA_REGS, float32)
-        ka = cuda.local.array(KA_REGS, float32)
-        va = cuda.local.array(VA_REGS, float32)
-        pa = cuda.local.array(QA_REGS, float32)
-        qb = cuda.local.array(QB_REGS, float32)         # fragments: the second buffer of Q_i's and K_j's 4 columns
-        kbuf = cuda.local.array(KB_REGS, float32)
-        pp = cuda.local.array(PP_REGS, float32)         # fragments: two buffers of P̃'s 4 columns
-        kreg = cuda.local.array(NK, float32)           # pipeline: K_{j+1} in flight (registers) during P̃_j V_j
-        vreg = cuda.local.array(NV, float32)           # pipeline: V_j in flight during S_j = Q_i K_jᵀ
-
-        # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
-        # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
-        kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
-        if fragments:
-            # (v6) K_0's loads go first (Alg. 1 line 7, stored below), then Q_i's in passes of QROWS rows, each
-            # pass's loads all issued before its stores, as the K/V tiles are moved (see _tile_io).
-            fetch_k(Kf, kv_base * d, j_lo * B_c, N_k, t, kreg)
-            qreg = cuda.local.array(NQ, float32)
-            for qc in range(B_r // QROWS):
-                fetch_q(Qf, (z * Q.shape[1] + h) * N_q * d, row0 + qc * QROWS, N_q, t, qreg)
-                for u in range(NQ):
-                    qreg[u] *= scale2
-                store_q(sm, qreg, t, Q_OFF + qc * QROWS * QS, QS)
-        else:
-            for e in range(t, B_r * d, T):
-                r = e // d
-                k = e - r * d
-                x = float32(0.0)
-                if row0 + r < N_q:
-                    x = float32(Q[z, h, row0 + r, k]) * scale2
-                sm[Q_OFF + r * QS + k] = x
-        # Alg. 1 line 5: Õ_i = 0, ℓ_i = 0, m_i = −inf, in registers.
-        for x in range(TR * TD):
-            o[x] = 0.0
-        for r in range(TR):
-            m[r] = NEG_INF
-            l[r] = 0.0
-
-        # FA2 Section 3.1 (causal): tiles entirely above the diagonal are all past the one holding column
-        # last_row + offset, so the loop stops there (nothing of them is loaded).
-        T_c = (N_k + B_c - 1) // B_c
-        if causal:
-            last_row = min(row0 + B_r, N_q) - 1
-            T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
-        if split:
-            T_c = j_hi                                  # (v7: the host splits non-causal calls only)
-        my_row0 = row0 + ty * TR
-        q_row = Q_OFF + ty * TR * QS                     # this thread's first row of Q_i, K_j, P̃ and column of V_j
-        k_row = K_OFF + tx * KS
-        p_row = P_OFF + ty * TR * PS
-        v_col = V_OFF + 4 * tx
-        if pipeline and T_c > 0:
-            # Alg. 1 line 7 (K_0 only): every load issued before the first store, then K_0 to shared memory.
-            if not fragments:
-                fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
-            store_k(sm, kreg, t, K_OFF, KS)
-        # Alg. 1 line 6: stream K_j, V_j through shared memory.
-        for j in range(j_lo, T_c):
-            col0 = j * B_c
-            cuda.syncthreads()                          # everyone is done with the previous K_j, V_j, P̃
-            if pipeline:
-                # Alg. 1 line 7 (V_j): issue the loads now; they land while S_j is computed, stored after it.
-                fetch_v(Vf, kv_base * d_v, col0, N_k, t, vreg)
+        while True:                                     # (v8: one pass per item or piece; v1-v7: one pass)
+            if stream:
+                # this pass: item = (z·H_q + h)·T_r + i, its K/V tiles [j_lo, j_hi)
+                item = it // T_all
+                j_lo = it - item * T_all
+                j_hi = min(T_all, j_lo + hi - it)
+                i = item % T_r
+                h = (item // T_r) % Q.shape[1]
+                z = item // (T_r * Q.shape[1])
+            h_kv = h // (Q.shape[1] // K.shape[1])        # GQA: query head h reads K/V head h // G
+            row0 = i * B_r
+            offset = N_k - N_q                              # causal, bottom-right: row sees col iff col <= row + offset
+            if simulator:
+                sm = cuda.shared.array(STATIC, float32)                    # (the simulator refuses `alignment`)
             else:
-                # Alg. 1 line 7: load K_j, V_j (zero past N_k, so padding never makes NaN).
-                for e in range(t, B_c * d, T):
-                    c = e // d
-                    k = e - c * d
-                    x = float32(0.0)
-                    if col0 + c < N_k:
-                        x = float32(K[z, h_kv, col0 + c, k])
-                    sm[K_OFF + c * KS + k] = x
-                for e in range(t, B_c * d_v, T):
-                    c = e // d_v
-                    k = e - c * d_v
-                    x = float32(0.0)
-                    if col0 + c < N_k:
-                        x = float32(V[z, h_kv, col0 + c, k])
-                    sm[V_OFF + c * VS + k] = x
-                cuda.syncthreads()
+                sm = cuda.shared.array(STATIC, float32, alignment=16)      # 16-byte rows for 4-float loads
+            scratch = cuda.shared.array(SCRATCH, float32)   # the simulator's shuffle emulation only
 
-            # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ, this thread's TR × TC sub-tile, 4 values of d at a time.
-            for x in range(TR * TC):
-                s[x] = 0.0
+            s = cuda.local.array(S_REGS, float32)          # S_i^(j), then P̃_i^(j): this thread's TR × TC sub-tile
+            o = cuda.local.array(O_REGS, float32)          # Õ_i: TR × TD
+            m = cuda.local.array(TR, float32)               # m_i (log2 units), shared by the row's NX threads
+            l = cuda.local.array(TR, float32)               # ℓ_i: this thread's partial sum over its own columns
+            qa = cuda.local.array(QA_REGS, float32)
+            ka = cuda.local.array(KA_REGS, float32)
+            va = cuda.local.array(VA_REGS, float32)
+            pa = cuda.local.array(QA_REGS, float32)
+            qb = cuda.local.array(QB_REGS, float32)         # fragments: the second buffer of Q_i's and K_j's 4 columns
+            kbuf = cuda.local.array(KB_REGS, float32)
+            pp = cuda.local.array(PP_REGS, float32)         # fragments: two buffers of P̃'s 4 columns
+            kreg = cuda.local.array(NK, float32)           # pipeline: K_{j+1} in flight (registers) during P̃_j V_j
+            vreg = cuda.local.array(NV, float32)           # pipeline: V_j in flight during S_j = Q_i K_jᵀ
+
+            # Alg. 1 line 4: load Q_i to shared memory, scaled by τ·log2(e) (the softmax then uses exp2); coalesced:
+            # consecutive threads read consecutive elements of a row. Rows past N_q are zero (never written out).
+            kv_base = (z * K.shape[1] + h_kv) * N_k          # pipeline: the head's first row in the flat Kf, Vf
             if fragments:
-                # Step k reads Q_i[:, 4k:4k+4] and K_j[:, 4k:4k+4] into buffer k % 2 while buffer (k-1) % 2 feeds
-                # the FFMAs: the shared loads of step k+1 are in flight during the 16·TR·TC/4 FFMAs of step k.
-                # (+0.0: an exact no-op that keeps LLVM from merging these loads with the loop's last prefetch
-                # into one load at the top of the loop, which would undo the prefetch.)
-                for r in range(TR):
-                    for u in range(4):
-                        qa[r * 4 + u] = sm[uint64(q_row + r * QS + u)] + ZERO
-                for c in range(TC):
-                    for u in range(4):
-                        ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + u)] + ZERO
-                for p2 in range(NK4 // 2):
-                    load_qk(sm, qb, kbuf, q_row, k_row, (2 * p2 + 1) * 4)
-                    s_step(s, qa, ka)
-                    # (the last pair loads the rows' pad, columns d … d+3, never used)
-                    load_qk(sm, qa, ka, q_row, k_row, (2 * p2 + 2) * 4)
-                    s_step(s, qb, kbuf)
-                if NK4 % 2 == 1:
-                    s_step(s, qa, ka)
+                # (v6) K_0's loads go first (Alg. 1 line 7, stored below), then Q_i's in passes of QROWS rows, each
+                # pass's loads all issued before its stores, as the K/V tiles are moved (see _tile_io).
+                fetch_k(Kf, kv_base * d, j_lo * B_c, N_k, t, kreg)
+                qreg = cuda.local.array(NQ, float32)
+                for qc in range(B_r // QROWS):
+                    fetch_q(Qf, (z * Q.shape[1] + h) * N_q * d, row0 + qc * QROWS, N_q, t, qreg)
+                    for u in range(NQ):
+                        qreg[u] *= scale2
+                    store_q(sm, qreg, t, Q_OFF + qc * QROWS * QS, QS)
             else:
-                for k4 in range(0, d, 4):
+                for e in range(t, B_r * d, T):
+                    r = e // d
+                    k = e - r * d
+                    x = float32(0.0)
+                    if row0 + r < N_q:
+                        x = float32(Q[z, h, row0 + r, k]) * scale2
+                    sm[Q_OFF + r * QS + k] = x
+            # Alg. 1 line 5: Õ_i = 0, ℓ_i = 0, m_i = −inf, in registers.
+            for x in range(TR * TD):
+                o[x] = 0.0
+            for r in range(TR):
+                m[r] = NEG_INF
+                l[r] = 0.0
+
+            # FA2 Section 3.1 (causal): tiles entirely above the diagonal are all past the one holding column
+            # last_row + offset, so the loop stops there (nothing of them is loaded).
+            T_c = (N_k + B_c - 1) // B_c
+            if causal:
+                last_row = min(row0 + B_r, N_q) - 1
+                T_c = max(0, min(T_c, (last_row + offset + B_c) // B_c))
+            if split or stream:
+                T_c = j_hi                                  # (v7, v8: the host splits non-causal calls only)
+            my_row0 = row0 + ty * TR
+            q_row = Q_OFF + ty * TR * QS                     # this thread's first row of Q_i, K_j, P̃ and column of V_j
+            k_row = K_OFF + tx * KS
+            p_row = P_OFF + ty * TR * PS
+            v_col = V_OFF + 4 * tx
+            if pipeline and T_c > 0:
+                # Alg. 1 line 7 (K_0 only): every load issued before the first store, then K_0 to shared memory.
+                if not fragments:
+                    fetch_k(Kf, kv_base * d, 0, N_k, t, kreg)
+                store_k(sm, kreg, t, K_OFF, KS)
+            # Alg. 1 line 6: stream K_j, V_j through shared memory.
+            for j in range(j_lo, T_c):
+                col0 = j * B_c
+                cuda.syncthreads()                          # everyone is done with the previous K_j, V_j, P̃
+                if pipeline:
+                    # Alg. 1 line 7 (V_j): issue the loads now; they land while S_j is computed, stored after it.
+                    fetch_v(Vf, kv_base * d_v, col0, N_k, t, vreg)
+                else:
+                    # Alg. 1 line 7: load K_j, V_j (zero past N_k, so padding never makes NaN).
+                    for e in range(t, B_c * d, T):
+                        c = e // d
+                        k = e - c * d
+                        x = float32(0.0)
+                        if col0 + c < N_k:
+                            x = float32(K[z, h_kv, col0 + c, k])
+                        sm[K_OFF + c * KS + k] = x
+                    for e in range(t, B_c * d_v, T):
+                        c = e // d_v
+                        k = e - c * d_v
+                        x = float32(0.0)
+                        if col0 + c < N_k:
+                            x = float32(V[z, h_kv, col0 + c, k])
+                        sm[V_OFF + c * VS + k] = x
+                    cuda.syncthreads()
+
+                # Alg. 1 line 8: S_i^(j) = τ Q_i K_jᵀ, this thread's TR × TC sub-tile, 4 values of d at a time.
+                for x in range(TR * TC):
+                    s[x] = 0.0
+                if fragments:
+                    # Step k reads Q_i[:, 4k:4k+4] and K_j[:, 4k:4k+4] into buffer k % 2 while buffer (k-1) % 2 feeds
+                    # the FFMAs: the shared loads of step k+1 are in flight during the 16·TR·TC/4 FFMAs of step k.
+                    # (+0.0: an exact no-op that keeps LLVM from merging these loads with the loop's last prefetch
+                    # into one load at the top of the loop, which would undo the prefetch.)
                     for r in range(TR):
                         for u in range(4):
-                            qa[r * 4 + u] = sm[uint64(Q_OFF + (ty * TR + r) * QS + k4 + u)]
+                            qa[r * 4 + u] = sm[uint64(q_row + r * QS + u)] + ZERO
                     for c in range(TC):
                         for u in range(4):
-                            ka[c * 4 + u] = sm[uint64(K_OFF + (tx + NX * c) * KS + k4 + u)]
+                            ka[c * 4 + u] = sm[uint64(k_row + NX * c * KS + u)] + ZERO
+                    for p2 in range(NK4 // 2):
+                        load_qk(sm, qb, kbuf, q_row, k_row, (2 * p2 + 1) * 4)
+                        s_step(s, qa, ka)
+                        # (the last pair loads the rows' pad, columns d … d+3, never used)
+                        load_qk(sm, qa, ka, q_row, k_row, (2 * p2 + 2) * 4)
+                        s_step(s, qb, kbuf)
+                    if NK4 % 2 == 1:
+                        s_step(s, qa, ka)
+                else:
+                    for k4 in range(0, d, 4):
+                        for r in range(TR):
+                            for u in range(4):
+                                qa[r * 4 + u] = sm[uint64(Q_OFF + (ty * TR + r) * QS + k4 + u)]
+                        for c in range(TC):
+                            for u in range(4):
+                                ka[c * 4 + u] = sm[uint64(K_OFF + (tx + NX * c) * KS + k4 + u)]
+                        for r in range(TR):
+                            for c in range(TC):
+                                acc = s[r * TC + c]
+                                for u in range(4):
+                                    acc += qa[r * 4 + u] * ka[c * 4 + u]
+                                s[r * TC + c] = acc
+                # Mask (only tiles that need it): columns past N_k, and keys after the causal diagonal, get −inf.
+                if col0 + B_c > N_k or (causal and col0 + B_c - 1 > my_row0 + offset):
                     for r in range(TR):
                         for c in range(TC):
-                            acc = s[r * TC + c]
-                            for u in range(4):
-                                acc += qa[r * 4 + u] * ka[c * 4 + u]
-                            s[r * TC + c] = acc
-            # Mask (only tiles that need it): columns past N_k, and keys after the causal diagonal, get −inf.
-            if col0 + B_c > N_k or (causal and col0 + B_c - 1 > my_row0 + offset):
-                for r in range(TR):
-                    for c in range(TC):
-                        col = col0 + tx + NX * c
-                        if col >= N_k or (causal and col > my_row0 + r + offset):
-                            s[r * TC + c] = NEG_INF
+                            col = col0 + tx + NX * c
+                            if col >= N_k or (causal and col > my_row0 + r + offset):
+                                s[r * TC + c] = NEG_INF
 
-            # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))): own columns, then the row's NX threads.
+                # Alg. 1 line 9: m_i^(j) = max(m_i^(j−1), rowmax(S_i^(j))): own columns, then the row's NX threads.
+                for r in range(TR):
+                    mx = m[r]
+                    for c in range(TC):
+                        mx = max(mx, s[r * TC + c])
+                    qa[r] = mx                              # (qa is free until the next k4 loop: reuse it)
+                if shuffle:
+                    lane = 1
+                    while lane < NX:                        # butterfly over the NX consecutive lanes of the row
+                        for r in range(TR):
+                            qa[r] = max(qa[r], xor_shuffle(scratch, t, qa[r], lane))
+                        lane *= 2
+                else:
+                    for r in range(TR):
+                        sm[RED_OFF + (ty * TR + r) * NX + tx] = qa[r]
+                    cuda.syncthreads()
+                    for r in range(TR):
+                        mx = qa[r]
+                        for u in range(NX):
+                            mx = max(mx, sm[RED_OFF + (ty * TR + r) * NX + u])
+                        qa[r] = mx
+                for r in range(TR):
+                    m_new = qa[r]
+                    # Guard m = −inf (every key so far masked): subtract 0 instead, so every exponential is exactly 0.
+                    m_use = float32(0.0) if m_new == NEG_INF else m_new
+                    alpha = exp2(m[r] - m_use)              # e^{m_old − m_new}; 0 while m_old = −inf
+                    # Alg. 1 line 9: P̃ = exp(S − m_new), ℓ = e^{m_old − m_new} ℓ + rowsum(P̃) (own columns only).
+                    ls = float32(0.0)
+                    for c in range(TC):
+                        p = exp2(s[r * TC + c] - m_use)
+                        ls += p
+                        sm[P_OFF + (ty * TR + r) * PS + tx + NX * c] = p
+                    l[r] = alpha * l[r] + ls
+                    m[r] = m_new
+                    # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i (v6: skipped when the maximum did
+                    # not move, α = 1 exactly, as it mostly does once a row has seen many keys).
+                    if not fragments or alpha != 1.0:
+                        for x in range(TD):
+                            o[r * TD + x] *= alpha
+                if pipeline:
+                    store_v(sm, vreg, t, V_OFF, VS)         # V_j arrived during S_j: to shared memory
+                cuda.syncthreads()                          # P̃ (and V_j) complete before any thread reads other columns
+                if pipeline:
+                    # Alg. 1 line 7 (K_{j+1}): issue the loads now, in flight during P̃_j V_j (the last tile reloads
+                    # its own K: a clamped index instead of a branch).
+                    fetch_k(Kf, kv_base * d, min(j + 1, T_c - 1) * B_c, N_k, t, kreg)
+                # Alg. 1 line 10 (second half): Õ_i += P̃_i^(j) V_j, 4 columns of P̃ at a time.
+                if fragments:
+                    # Row c of V_j goes to buffer c % 2 while buffer (c-1) % 2 feeds the FFMAs; the 4 columns of P̃
+                    # of group g+1 are loaded into the other P̃ buffer when group g starts.
+                    for r in range(TR):
+                        for u in range(4):
+                            pp[r * 4 + u] = sm[uint64(p_row + r * PS + u)] + ZERO      # (+0.0: as above)
+                    for q in range(TQ):
+                        for e in range(4):
+                            va[q * 4 + e] = sm[uint64(v_col + 4 * NX * q + e)] + ZERO
+                    for g2 in range(NC4 // 2):
+                        pv_group(sm, o, pp, va, 0, 2 * g2, p_row, v_col)
+                        pv_group(sm, o, pp, va, 1, 2 * g2 + 1, p_row, v_col)
+                    if NC4 % 2 == 1:
+                        pv_group(sm, o, pp, va, 0, NC4 - 1, p_row, v_col)
+                else:
+                    for c4 in range(0, B_c, 4):
+                        for r in range(TR):
+                            for u in range(4):
+                                pa[r * 4 + u] = sm[uint64(P_OFF + (ty * TR + r) * PS + c4 + u)]
+                        for u in range(4):
+                            for q in range(TQ):
+                                for e in range(4):
+                                    va[q * 4 + e] = sm[uint64(V_OFF + (c4 + u) * VS + 4 * tx + 4 * NX * q + e)]
+                            for r in range(TR):
+                                for x in range(TD):
+                                    o[r * TD + x] += pa[r * 4 + u] * va[x]
+                if pipeline:
+                    # K_j is no longer read by anyone (they all passed the barrier after S_j): K_{j+1} replaces it.
+                    store_k(sm, kreg, t, K_OFF, KS)
+
+            # Alg. 1 line 12: ℓ_i = the sum of the row's NX partial sums (once, after the loop).
             for r in range(TR):
-                mx = m[r]
-                for c in range(TC):
-                    mx = max(mx, s[r * TC + c])
-                qa[r] = mx                              # (qa is free until the next k4 loop: reuse it)
+                qa[r] = l[r]
             if shuffle:
                 lane = 1
-                while lane < NX:                        # butterfly over the NX consecutive lanes of the row
+                while lane < NX:
                     for r in range(TR):
-                        qa[r] = max(qa[r], xor_shuffle(scratch, t, qa[r], lane))
+                        qa[r] += xor_shuffle(scratch, t, qa[r], lane)
                     lane *= 2
             else:
+                cuda.syncthreads()                          # the last max exchange is read by everyone
                 for r in range(TR):
                     sm[RED_OFF + (ty * TR + r) * NX + tx] = qa[r]
                 cuda.syncthreads()
                 for r in range(TR):
-                    mx = qa[r]
+                    acc = float32(0.0)
                     for u in range(NX):
-                        mx = max(mx, sm[RED_OFF + (ty * TR + r) * NX + u])
-                    qa[r] = mx
-            for r in range(TR):
-                m_new = qa[r]
-                # Guard m = −inf (every key so far masked): subtract 0 instead, so every exponential is exactly 0.
-                m_use = float32(0.0) if m_new == NEG_INF else m_new
-                alpha = exp2(m[r] - m_use)              # e^{m_old − m_new}; 0 while m_old = −inf
-                # Alg. 1 line 9: P̃ = exp(S − m_new), ℓ = e^{m_old − m_new} ℓ + rowsum(P̃) (own columns only).
-                ls = float32(0.0)
-                for c in range(TC):
-                    p = exp2(s[r * TC + c] - m_use)
-                    ls += p
-                    sm[P_OFF + (ty * TR + r) * PS + tx + NX * c] = p
-                l[r] = alpha * l[r] + ls
-                m[r] = m_new
-                # Alg. 1 line 10 (first half): Õ_i = diag(e^{m_old − m_new}) Õ_i (v6: skipped when the maximum did
-                # not move, α = 1 exactly, as it mostly does once a row has seen many keys).
-                if not fragments or alpha != 1.0:
-                    for x in range(TD):
-                        o[r * TD + x] *= alpha
-            if pipeline:
-                store_v(sm, vreg, t, V_OFF, VS)         # V_j arrived during S_j: to shared memory
-            cuda.syncthreads()                          # P̃ (and V_j) complete before any thread reads other columns
-            if pipeline:
-                # Alg. 1 line 7 (K_{j+1}): issue the loads now, in flight during P̃_j V_j (the last tile reloads
-                # its own K: a clamped index instead of a branch).
-                fetch_k(Kf, kv_base * d, min(j + 1, T_c - 1) * B_c, N_k, t, kreg)
-            # Alg. 1 line 10 (second half): Õ_i += P̃_i^(j) V_j, 4 columns of P̃ at a time.
-            if fragments:
-                # Row c of V_j goes to buffer c % 2 while buffer (c-1) % 2 feeds the FFMAs; the 4 columns of P̃
-                # of group g+1 are loaded into the other P̃ buffer when group g starts.
+                        acc += sm[RED_OFF + (ty * TR + r) * NX + u]
+                    qa[r] = acc
+            if (split and S > 1) or (stream and (j_lo > 0 or j_hi < T_all)):
+                # (v7, v8) a piece of the keys: its own O and L (Alg. 1 lines 12-13 on its tiles), for the merge;
+                # v8: slot 2b for the piece of the block's first item, 2b + 1 for that of its last
+                slot = b
+                if stream:
+                    slot = 2 * b + (0 if item == first_item else 1)
                 for r in range(TR):
-                    for u in range(4):
-                        pp[r * 4 + u] = sm[uint64(p_row + r * PS + u)] + ZERO      # (+0.0: as above)
-                for q in range(TQ):
-                    for e in range(4):
-                        va[q * 4 + e] = sm[uint64(v_col + 4 * NX * q + e)] + ZERO
-                for g2 in range(NC4 // 2):
-                    pv_group(sm, o, pp, va, 0, 2 * g2, p_row, v_col)
-                    pv_group(sm, o, pp, va, 1, 2 * g2 + 1, p_row, v_col)
-                if NC4 % 2 == 1:
-                    pv_group(sm, o, pp, va, 0, NC4 - 1, p_row, v_col)
-            else:
-                for c4 in range(0, B_c, 4):
-                    for r in range(TR):
-                        for u in range(4):
-                            pa[r * 4 + u] = sm[uint64(P_OFF + (ty * TR + r) * PS + c4 + u)]
-                    for u in range(4):
+                    if my_row0 + r < N_q:
+                        l_i = qa[r]
+                        inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
                         for q in range(TQ):
                             for e in range(4):
-                                va[q * 4 + e] = sm[uint64(V_OFF + (c4 + u) * VS + 4 * tx + 4 * NX * q + e)]
-                        for r in range(TR):
-                            for x in range(TD):
-                                o[r * TD + x] += pa[r * 4 + u] * va[x]
-            if pipeline:
-                # K_j is no longer read by anyone (they all passed the barrier after S_j): K_{j+1} replaces it.
-                store_k(sm, kreg, t, K_OFF, KS)
-
-        # Alg. 1 line 12: ℓ_i = the sum of the row's NX partial sums (once, after the loop).
-        for r in range(TR):
-            qa[r] = l[r]
-        if shuffle:
-            lane = 1
-            while lane < NX:
+                                Opart[slot, ty * TR + r, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
+                        if tx == 0:
+                            Lpart[slot, ty * TR + r] = (math.inf if l_i == 0.0
+                                                        else float32(LN2) * (m[r] + math.log2(l_i)))
+            else:
                 for r in range(TR):
-                    qa[r] += xor_shuffle(scratch, t, qa[r], lane)
-                lane *= 2
-        else:
-            cuda.syncthreads()                          # the last max exchange is read by everyone
-            for r in range(TR):
-                sm[RED_OFF + (ty * TR + r) * NX + tx] = qa[r]
-            cuda.syncthreads()
-            for r in range(TR):
-                acc = float32(0.0)
-                for u in range(NX):
-                    acc += sm[RED_OFF + (ty * TR + r) * NX + u]
-                qa[r] = acc
-        if split and S > 1:
-            # (v7) a piece of the keys: its own O and L (Alg. 1 lines 12-13 on its tiles), for merge_pieces
-            for r in range(TR):
-                if my_row0 + r < N_q:
-                    l_i = qa[r]
-                    inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
-                    for q in range(TQ):
-                        for e in range(4):
-                            Opart[b, ty * TR + r, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
-                    if tx == 0:
-                        Lpart[b, ty * TR + r] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
-        else:
-            for r in range(TR):
-                row = my_row0 + r
-                if row < N_q:
-                    l_i = qa[r]
-                    # Alg. 1 line 12: O_i = diag(ℓ_i)^{-1} Õ_i; guard ℓ = 0 (a row that saw no key): O_i = 0.
-                    inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
-                    # Alg. 1 line 14: write O_i, once, 4 consecutive columns per chunk.
-                    for q in range(TQ):
-                        for e in range(4):
-                            O[z, h, row, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
-                    # Alg. 1 lines 13, 15: L_i = m_i + log ℓ_i in natural units (m in log2 units); +inf if ℓ = 0.
-                    if tx == 0:
-                        L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
+                    row = my_row0 + r
+                    if row < N_q:
+                        l_i = qa[r]
+                        # Alg. 1 line 12: O_i = diag(ℓ_i)^{-1} Õ_i; guard ℓ = 0 (a row that saw no key): O_i = 0.
+                        inv_l = float32(0.0) if l_i == 0.0 else float32(1.0) / l_i
+                        # Alg. 1 line 14: write O_i, once, 4 consecutive columns per chunk.
+                        for q in range(TQ):
+                            for e in range(4):
+                                O[z, h, row, 4 * tx + 4 * NX * q + e] = o[r * TD + q * 4 + e] * inv_l
+                        # Alg. 1 lines 13, 15: L_i = m_i + log ℓ_i in natural units (m in log2 units); +inf if ℓ = 0.
+                        if tx == 0:
+                            L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
+            if not stream:
+                break
+            it += j_hi - j_lo                           # (v8) the next item or piece of this block's range
+            if it >= hi:
+                break
 
     return flash2_forward_fast
 
@@ -624,9 +662,23 @@ def _no_parts():
     return cuda.device_array((1, 1, 1), dtype=np.float32), cuda.device_array((1, 1), dtype=np.float32)
 
 
+_RESIDENT: dict = {}
+
+
+def _resident_blocks(kernel, args, threads: int, dynamic: int) -> int:
+    """How many blocks of the kernel compiled for ``args`` the GPU holds at once (SMs × blocks per SM, the
+    occupancy calculator's answer), asked once per kernel and launch shape."""
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    key = (kernel, argtypes, threads, dynamic)
+    if key not in _RESIDENT:
+        _RESIDENT[key] = max(1, kernel.compile(argtypes).max_cooperative_grid_blocks(threads, dynamic))
+    return _RESIDENT[key]
+
+
 def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=None,
                 pipeline: bool = False, max_registers: int | None = None, storage: str = "float32",
-                fragments: bool = False, split: bool = False, slots: int | None = None) -> Flash2Forward:
+                fragments: bool = False, split: bool = False, slots: int | None = None,
+                stream: bool = False) -> Flash2Forward:
     """Check inputs (as :func:`kernels_gpu.flash2_forward` does), launch the tiled kernel, return ``(O, L)``.
     ``max_registers``: None (no cap) or a positive int, the ptxas cap on registers per thread.
     ``storage``: ``"float32"``, or ``"float16"``: Q, K, V stored as float16 (NumPy inputs cast; device inputs must
@@ -634,7 +686,11 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     reads 2(Nd + 2Nd·T_r) instead of 4(…), writes 2Nd + 4N instead of 4Nd + 4N.
     ``split`` (v7): launch over a 1-D grid planned by :func:`split_plan` for ``slots`` resident blocks (None: the
     GPU's own count from the occupancy calculator; the simulator counts 1, so tests pass it); the split items cost
-    their pieces' partial O, L (S·B_r·(d_v + 1) floats each, written and read once) and one more launch."""
+    their pieces' partial O, L (S·B_r·(d_v + 1) floats each, written and read once) and one more launch.
+    ``stream`` (v8): stream-K, a grid of P = min(``slots``, W) blocks sharing the W (item, K/V tile) steps equally
+    (:func:`kernels_gpu.fast.split.stream_pieces`); the items split at the P − 1 boundaries between blocks cost
+    their pieces' partial O, L (2P·B_r·(d_v + 1) floats at most, written and read once) and one more launch.
+    Causal calls run v6's grid (their items differ in cost)."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
                                       or not 16 <= max_registers <= 255):
@@ -644,8 +700,9 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     d, d_v = layout_.d, layout_.d_v
     simulator = rt.simulator_in_use()
+    stream = bool(stream) and not causal
     kernel = make_forward(tiling, d, d_v, bool(shuffle), simulator, bool(pipeline), max_registers,
-                          bool(fragments), bool(split))
+                          bool(fragments), bool(split), stream)
     size = layout(tiling, d, d_v, bool(shuffle), bool(fragments))["size"]
     if 4 * size > MAX_DYNAMIC_BYTES:
         raise ValueError(f"tiling {tiling} needs {4 * size} bytes of shared memory at d = {d}; the GPU allows "
@@ -660,16 +717,22 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     if dynamic and not simulator:
         _allow_dynamic_shared(kernel, whole, dynamic)
     T_r = rt.grid_size(layout_.N_q, tiling.B_r)
-    if not split:
+    T_c = rt.grid_size(layout_.N_k, tiling.B_c)
+    items = T_r * layout_.Z * layout_.H_q
+    if (split or stream) and slots is None:
+        # the simulator runs one block at a time; the GPU: what the occupancy calculator says fits at once
+        slots = 1 if simulator else _resident_blocks(kernel, whole, tiling.threads, dynamic)
+    if stream:
+        P = min(slots, items * T_c)
+        Opart = rt.device_empty((2 * P, tiling.B_r, d_v))
+        Lpart = rt.device_empty((2 * P, tiling.B_r))
+        kernel[P, tiling.threads, 0, dynamic](*args, 0, 1, Opart, Lpart)
+        if P > 1 and (np.arange(1, P) * (items * T_c) // P % T_c).any():     # some boundary splits an item
+            stream_merge_kernel()[P - 1, 128](Opart, Lpart, O, L, T_r, T_c, P)
+    elif not split:
         kernel[(T_r, layout_.Z, layout_.H_q), tiling.threads, 0, dynamic](*whole)
     else:
-        items = T_r * layout_.Z * layout_.H_q
-        if slots is None and simulator:
-            slots = 1                                   # (the simulator runs one block at a time)
-        elif slots is None:
-            compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in whole))
-            slots = max(1, compiled.max_cooperative_grid_blocks(tiling.threads, dynamic))
-        n_full, n_split, S = split_plan(items, rt.grid_size(layout_.N_k, tiling.B_c), slots, bool(causal))
+        n_full, n_split, S = split_plan(items, T_c, slots, bool(causal))
         if n_full:
             kernel[n_full, tiling.threads, 0, dynamic](*whole)
         if n_split:
@@ -682,11 +745,11 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
 
 def resources(tiling: Tiling, d: int, d_v: int, shuffle: bool, pipeline: bool = False,
               max_registers: int | None = None, storage: str | None = None, fragments: bool = False,
-              split: bool = False) -> dict:
+              split: bool = False, stream: bool = False) -> dict:
     """The compiler's resource report for a compiled kernel (GPU only): registers, local memory (spills), shared.
     ``storage``: the report of the kernel compiled for that storage dtype (None: the last one compiled)."""
     kernel = make_forward(tiling, d, d_v, bool(shuffle), False, bool(pipeline), max_registers, bool(fragments),
-                          bool(split))
+                          bool(split), bool(stream))
     out = {}
     for argtypes, compiled in kernel.overloads.items():
         if storage is not None and np.dtype(str(argtypes[0].dtype)) != rt.storage_dtype(storage):
