@@ -103,7 +103,7 @@ def run_fast(N_q: int, N_k: int, causal: bool, seed: int = 1) -> None:
     Ol, Ll = VERSIONS["v7"](Q, Kl, Vl, slots=3)
     _check("fast v7 O (split launch)", Ol, Ol_ref)
     _check("fast v7 L (split launch)", Ll, Ll_ref)
-    # v8's stream-K launch on 3 blocks (80 steps: 26, 27, 27; two items split) and on 7 (six items split)
+    # v8 planned for 3 resident blocks (6 whole items, 2 in 3 ranges) and for 7 (7 whole, 1 in 7 ranges)
     for slots in (3, 7):
         Ol, Ll = VERSIONS["v8"](Q, Kl, Vl, slots=slots)
         _check(f"fast v8 O (stream-K on {slots} blocks)", Ol, Ol_ref)

@@ -11,8 +11,9 @@ What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any til
 * tile shapes the kernel cannot run are refused with a ValueError naming the tiling;
 * v6 (operands double-buffered in registers, Q_i moved like the K/V tiles, the bare ``ex2`` emulated with its
   flush to zero, the Õ rescale skipped when α = 1) on even and odd step counts of both inner loops;
-* v7 (the last wave split along the keys) and v8 (stream-K: equal ranges of (item, tile) steps per block, the
-  split items merged) on launches that really split, the plans checked against their specification;
+* v7 (the last wave split along the keys) and v8 (work units from a counter: whole items, then the last items'
+  steps in equal stream-K ranges, the split items merged) on launches that really split, the plans checked
+  against their specification;
 * v5's and v6's per-head-dimension defaults (tiling and register cap) are tilings the kernel accepts, within the shared
   memory the GPU allows, and a bad register cap is refused with a ValueError naming ``max_registers``.
 """
@@ -220,51 +221,55 @@ def test_v7_bad_slots_are_refused():
 
 # -- v8: stream-K ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("items, T_c, P", [(2048, 32, 132), (2048, 16, 132), (8192, 64, 396), (12, 6, 5),
-                                           (3, 7, 8), (5, 4, 20), (1, 9, 1), (6, 1, 4)])
-def test_stream_pieces_cover_every_step_once_in_equal_ranges(items, T_c, P):
-    """The stream-K plan (the specification the kernel and the merge follow): the pieces tile every (item, K/V
-    tile) step exactly once; each block gets ⌊W/P⌋ or ⌈W/P⌉ steps, in order; a piece is whole (slot −1) exactly
-    when it covers its item's T_c tiles; every partial piece has its own slot, 2b or 2b + 1 of its block b, and a
-    split item's pieces come from consecutive blocks."""
-    W = items * T_c
-    pieces = split.stream_pieces(items, T_c, P)
+@pytest.mark.parametrize("items, T_c, slots", [(2048, 32, 132), (2048, 16, 132), (8192, 64, 396), (12, 6, 5),
+                                               (3, 7, 8), (5, 4, 20), (1, 9, 1), (6, 1, 4), (1980, 32, 132)])
+def test_stream_pieces_cover_every_step_once(items, T_c, slots):
+    """v8's plan (the specification the kernel and the merge follow): whole items for whole waves of ``slots``
+    blocks, then the rest cut into R equal ranges of steps; the pieces tile every (item, K/V tile) step exactly
+    once; a piece is whole (slot −1) exactly when it covers its item's T_c tiles; every partial piece has its own
+    slot, 2r or 2r + 1 of its range r; a split item's pieces come from consecutive ranges, and an item is split
+    exactly where a boundary between ranges falls inside it."""
+    n_whole, R = split.stream_plan(items, T_c, slots)
+    assert n_whole % slots == 0 and 0 <= items - n_whole < slots and R == min(slots, (items - n_whole) * T_c)
+    pieces = split.stream_pieces(items, T_c, slots)
     covered = np.zeros((items, T_c), int)
-    per_block = np.zeros(P, int)
-    for b, item, j_lo, j_hi, slot in pieces:
+    per_unit = np.zeros(n_whole + R, int)
+    for unit, item, j_lo, j_hi, slot in pieces:
         covered[item, j_lo:j_hi] += 1
-        per_block[b] += j_hi - j_lo
+        per_unit[unit] += j_hi - j_lo
         assert (slot == -1) == (j_lo == 0 and j_hi == T_c)
-        assert slot in (-1, 2 * b, 2 * b + 1)
+        assert unit >= n_whole or (item == unit and slot == -1)
+        assert slot in (-1, 2 * (unit - n_whole), 2 * (unit - n_whole) + 1)
     assert np.all(covered == 1)
-    assert per_block.sum() == W and per_block.max() - per_block.min() <= 1
-    slots = [p[4] for p in pieces if p[4] >= 0]
-    assert len(slots) == len(set(slots))
+    ranges = per_unit[n_whole:]
+    assert ranges.sum() == (items - n_whole) * T_c and (R == 0 or ranges.max() - ranges.min() <= 1)
+    slots_used = [p[4] for p in pieces if p[4] >= 0]
+    assert len(slots_used) == len(set(slots_used))
     for item in {p[1] for p in pieces if p[4] >= 0}:
-        blocks = [p[0] for p in pieces if p[1] == item]
-        assert len(blocks) >= 2 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-    # an item is split exactly where a boundary between blocks falls strictly inside it
-    inside = {split.step_bound(b, W, P) // T_c for b in range(1, P) if split.step_bound(b, W, P) % T_c}
+        units = [p[0] for p in pieces if p[1] == item]
+        assert len(units) >= 2 and units == list(range(units[0], units[0] + len(units)))
+    W, base = (items - n_whole) * T_c, n_whole * T_c
+    inside = {(base + split.step_bound(r, W, R)) // T_c for r in range(1, R) if split.step_bound(r, W, R) % T_c}
     assert {p[1] for p in pieces if p[4] >= 0} == inside
-    if P == 132 and items == 2048 and T_c == 32:
-        # the benchmark at d = 128: 496 or 497 tiles a block; 124 of the 131 boundaries fall inside an item
-        # (each splitting it in two), 7 on an item's edge
-        assert per_block.min() == 496 and len(inside) == 124 and len(slots) == 248
+    if (items, T_c, slots) == (2048, 32, 132):
+        # the benchmark at d = 128: 15 waves of whole items, then 68 items (2176 steps) in 132 ranges of 16 or 17
+        assert n_whole == 1980 and R == 132 and ranges.min() == 16 and ranges.max() == 17
 
 
 @pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, slots", [
-    (Tiling(4, 2, 2, 2), 2, 3, 1, 13, 41, 8, 5),   # 12 items × 6 tiles on 5 blocks: 14 or 15 steps each; ragged N
-    (Tiling(2, 1, 2, 4), 1, 2, 2, 9, 37, 4, 4),    # 6 items × 10 tiles on 4 blocks: 15 steps each
-    (Tiling(4, 2, 2, 2), 1, 1, 1, 7, 47, 8, 3),    # 1 item × 6 tiles on 3 blocks: one item in three pieces
-    (Tiling(2, 2, 2, 2), 1, 2, 1, 6, 9, 8, 40),    # more slots than steps (6 × 3 = 18): 18 blocks of 1 step
+    (Tiling(4, 2, 2, 2), 2, 3, 1, 13, 41, 8, 5),   # 12 items × 6 tiles, 5 slots: 10 whole, 2 items in 5 ranges
+    (Tiling(2, 1, 2, 4), 1, 2, 2, 9, 37, 4, 4),    # 6 items × 10 tiles, 4 slots: 4 whole, 2 items in 4 ranges
+    (Tiling(4, 2, 2, 2), 1, 1, 1, 7, 47, 8, 3),    # 1 item × 6 tiles on 3 slots: one item in three pieces
+    (Tiling(2, 2, 2, 2), 1, 2, 1, 6, 9, 8, 40),    # more slots than steps (6 × 3 = 18): 18 ranges of 1 step
+    (Tiling(2, 2, 2, 2), 2, 2, 2, 12, 20, 8, 7),   # 24 items × 5 tiles, 7 slots: 21 whole, 3 items in 7 ranges
 ])
 def test_v8_stream_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
-    """Stream-K: blocks walking equal step ranges across item boundaries, the split items merged by the (m, ℓ)
-    rule, give O and L within the float32 rule; causal calls (v6's grid) too. Outputs are poisoned, so a row that
-    neither launch wrote shows as NaN."""
+    """Work units from a counter (whole items, then equal ranges of the last items' steps, across item
+    boundaries), the split items merged by the (m, ℓ) rule: O and L within the float32 rule; causal calls (v6's
+    grid) too. Outputs are poisoned, so a row that neither launch wrote shows as NaN."""
     T_r, T_c = -(-N_q // tiling.B_r), -(-N_k // tiling.B_c)
     items = T_r * Z * H_q
-    assert any(p[4] >= 0 for p in split.stream_pieces(items, T_c, min(slots, items * T_c)))   # really splits
+    assert any(p[4] >= 0 for p in split.stream_pieces(items, T_c, slots))         # the case really splits
     Q, K, V = _problem(11, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
         O, L = VERSIONS["v8"](Q, K, V, causal=causal, tiling=tiling, slots=slots)

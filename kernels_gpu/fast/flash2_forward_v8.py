@@ -1,5 +1,5 @@
-"""Fast FA2 forward, version 8: v6's kernel run stream-K: one block per resident slot, the call's work cut into
-equal ranges of (row block, K/V tile) steps.
+"""Fast FA2 forward, version 8: v6's kernel on a grid of exactly the blocks the GPU holds, taking work from a
+counter: whole row blocks for whole waves, then the leftover row blocks' K/V tiles shared out evenly (stream-K).
 
 **What limited v6, measured** (H200, 2026-11-22, ``fast_waves_h{123,128,132}.json``: v6 at d = 128, N = 2048,
 batch 1, the heads varied so that the block count crosses a wave boundary; 132 slots, one block of 8 warps per SM):
@@ -15,31 +15,48 @@ heads     blocks  waves  v6 (ms)    TFLOP/s
 The 64 blocks that fill the 16th wave cost 0.018 ms (0.25 %), while the 80 blocks of it that 123 heads leave out
 save 0.44 ms (6 %): the time is counted in whole waves, so the benchmark's 15.52 waves (2048 blocks at every N, since
 batch × N is fixed) pay for 16, and 3 % of v6's run is SMs waiting for the last 68 blocks. v7 tried to fill that
-wave by splitting its blocks into 7 pieces, in two more launches, and lost 2-8 % (its header); the wave count alone
-was therefore not the whole story of v7, but the table shows that the wave is really paid for.
+wave by splitting its blocks into 7 pieces, in two more launches, and lost 2-8 % (its header); the table shows that
+the wave is really paid for, so the idea stands and v7's way of doing it did not.
 
-**What changed** (``tiled.run_forward(..., stream=True)``; the kernel is v6's, compiled with ``stream=True``):
+**What changed** (``tiled.run_forward(..., stream=True)``; the kernel is v6's, compiled with ``stream=True``: its
+inner loops are v6's instruction for instruction, 254 registers at d = 128, and at d = 64 one 4-byte spill in the
+per-item prologue under the 168-register cap):
 
-* the grid is P blocks, P = the number the GPU holds at once (the occupancy calculator's answer, asked once:
-  132 at d = 128, 396 at d = 64 on an H200), or the number of steps if that is smaller;
-* the call's W = items · T_c steps (a step: one K/V tile of one row block, item = (z·H_q + h)·T_r + i) are cut
-  into P ranges of ⌊W/P⌋ or ⌈W/P⌉ steps (:func:`kernels_gpu.fast.split.step_bound`); block b walks its range in
-  order, running Alg. 1 lines 4-15 once per item it meets — whole items straight to O and L, and, at either end,
-  a piece of an item it shares with its neighbour, whose O_p and L_p go to slot 2b or 2b + 1 of a partials array.
-  One launch for all of it: no wave, no second launch of pieces (v7's);
-* a small second launch merges each split item's pieces by the (m, ℓ) rule
-  (:func:`kernels_gpu.fast.split.stream_merge_kernel`): at most P − 1 items, 2 pieces each when W/P ≥ T_c;
+* the grid is P blocks, P = the number the GPU holds at once (the occupancy calculator's answer, asked once per
+  kernel: 132 at d = 128, 396 at d = 64 on an H200);
+* the blocks take work units from a global counter (one atomic per unit, by one thread, handed to the block through
+  shared memory), in order (:func:`kernels_gpu.fast.split.stream_plan`): first the whole items (row blocks, item
+  = (z·H_q + h)·T_r + i, in v6's block order) that fill whole waves, 1980 of the benchmark's 2048 at d = 128; then
+  the steps of the remaining items (a step: one K/V tile of one item), cut into R ≤ P ranges of ⌊W/R⌋ or ⌈W/R⌉
+  steps (:func:`kernels_gpu.fast.split.step_bound`): 68 items × 32 tiles in 132 ranges of 16-17 tiles at
+  N = 2048. A range runs Alg. 1 lines 4-15 once per item it touches; a piece of an item (a range begins or ends
+  inside it) writes its own O_p and L_p to slot 2r or 2r + 1 of a partials array. Whoever is free takes the next
+  unit, so an SM that runs slower takes fewer;
+* a second, small launch merges the split items' pieces by the (m, ℓ) rule
+  (:func:`kernels_gpu.fast.split.stream_merge_kernel`), and a one-thread launch zeroes the counter before;
 * causal calls keep v6's grid (their row blocks differ in cost, so equal step counts are not equal work).
 
-Cost: v6's FLOPs plus ~2·d_v per split row for the merge; extra global traffic at most 2P·B_r·(d_v + 1) floats
-written and read (d = 128: 264 pieces × 128 × 129 × 4 bytes ≈ 17 MB each way, ~7 µs at HBM speed), and each
-split item's Q_i and K_0 read once more.
+Cost: v6's FLOPs plus ~2·d_v per split row for the merge; extra global traffic at most 2R·B_r·(d_v + 1) floats
+written and read (d = 128: ≤ 264 pieces × 128 × 129 × 4 bytes ≈ 17 MB each way, ~7 µs at HBM speed), and each
+split item's Q_i and K_0 read once per piece.
 
-**Prediction** (written before the device run): the table's own numbers: v6's time × 15.52 / 16 plus the pieces'
-extra prologues (one per block: ~1/3 of a K/V tile against 496 tiles a block at N = 2048, 0.1 %), the partials
-(0.1 %) and the merge launch (~10 µs, 0.1 %): d = 128 non-causal +2.5 % at every N of the benchmark (v6 38.2-39.0
-→ 39.2-40.0 TFLOP/s, ahead of PyTorch eager's 38.0-39.0 by 1-3 %); d = 64 (8192 items, 20.69 waves of 396) +1 %;
-causal unchanged.
+**The first form, measured: a failure** (``fast_v8a_explore_d128.json``, ``_d64.json``; commit "Forward v8, first
+form"). Pure stream-K: block b took the steps [b·W/P, (b+1)·W/P) of the whole call, W = items · T_c, so ~15.5
+consecutive items each. Predicted (from the table: v6's time × 15.52 / 16, plus ~0.3 % for pieces and merge):
++2.5 % at d = 128, +1 % at d = 64. Measured against v6 in the same run (TFLOP/s at N = 1024 / 2048 / 4096 / 8192 /
+16384): d = 128 36.7 / 38.2 / 38.8 / 39.2 / 39.4 against 38.1 / 38.6 / 38.8 / 38.9 / 39.0 (−3.7 % … +1.2 %);
+d = 64 33.8 / 34.3 / 34.6 / 34.7 / 34.8 against 34.9 / 35.1 / 35.3 / 35.3 / 35.4 (−2 … −3 %). Losses that
+shrink as N grows are a cost per item; the likely ones: 132 blocks that each stay on their own head for ~15 items
+read 132 different heads' K and V at once (v6's concurrent blocks are neighbouring row blocks of a few heads,
+which share every K/V tile through the L2 cache), and a static split cannot let a faster SM take more (v6's
+dynamic block scheduling does). The second form above keeps v6's order and dynamic assignment for the whole waves
+and shares out only the leftover items.
+
+**Prediction for the second form** (written before its device run): v6's time × 15.52 / 16 plus the pieces'
+extra prologues (≤ 2 per range of 16-17 tiles, ~0.35 tile each against a call of ~32 tiles per SM-wave: ~0.2 %),
+the atomics (one per unit, ~1 µs against a unit of ~450 µs) and the merge (~10 µs): d = 128 non-causal +2.5 % at
+every N (v6 38.1-39.0 → 39.1-40.0 TFLOP/s, ahead of PyTorch eager's 38.0-39.0); d = 64 (8192 items, 20.69 waves
+of 396) +1 %; causal unchanged.
 """
 
 from kernels_gpu.fast.flash2_forward_v6 import MAX_REGISTERS, TILINGS, default_max_registers, default_tiling
@@ -62,9 +79,10 @@ def resources(tiling: Tiling, d: int, max_registers=None, storage=None) -> dict:
 
 def flash2_forward(Q, K, V, causal=False, scale=None, tiling=None, max_registers=None, storage="float32",
                    slots=None):
-    """FA2 forward (Alg. 1), fast version 8 (v6 run stream-K): ``Flash2Forward(O, L)``; same inputs and outputs
-    as :func:`kernels_gpu.flash2_forward`, d % 4 == 0 and d_v % (4·NX) == 0. ``slots``: resident blocks to plan
-    for, the grid of a non-causal call (None: asked of the GPU). Cost: 4·N_q·N_k·d FLOPs per (batch, head), plus
+    """FA2 forward (Alg. 1), fast version 8 (v6's kernel taking whole items, then stream-K ranges of the leftover
+    items, from a counter): ``Flash2Forward(O, L)``; same inputs and outputs as :func:`kernels_gpu.flash2_forward`,
+    d % 4 == 0 and d_v % (4·NX) == 0. ``slots``: resident blocks to plan for, the grid of a non-causal call
+    (None: asked of the GPU). Cost: 4·N_q·N_k·d FLOPs per (batch, head), plus
     the merge of the split items (see the module header); global reads Nd + 2Nd·T_r, writes Nd + N, elements, plus
     the pieces' partials. ``storage`` as v6."""
     d_v = tuple(V.shape)[-1]        # (the simulator's device-array shapes refuse negative indices)

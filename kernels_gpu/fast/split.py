@@ -7,13 +7,13 @@ the sequence, as decoding kernels do); :func:`merge_kernel` combines the pieces'
 The kernel side (a 1-D grid, a key range per block, partial outputs) is ``tiled.make_forward(..., split=True)``.
 Measured on an H200 it did not pay: see :mod:`kernels_gpu.fast.flash2_forward_v7`.
 
-v8's plan, stream-K: no waves at all. The grid is the P blocks the GPU holds at once; the W = items · T_c steps of
-the call (one step: one K/V tile of one row block) are cut into P equal ranges (:func:`step_bound`), and each block
-walks its range: whole items, plus at either end a piece of an item that it shares with its neighbour. Every
-boundary between two blocks that falls inside an item splits that item; :func:`stream_pieces` lists the pieces
-(host side, for tests and the book) and :func:`stream_merge_kernel` merges them. The kernel side is
-``tiled.make_forward(..., stream=True)``; see :mod:`kernels_gpu.fast.flash2_forward_v8`.
-"""
+v8's plan: a grid of exactly the blocks the GPU holds at once (P), which take work units from a counter in order.
+The first units are whole items, as many as fill whole waves (:func:`stream_plan`); the items left over, which in
+v6 make up the half-empty last wave, are treated stream-K: their steps (one step: one K/V tile of one row block)
+are cut into R ≤ P equal ranges (:func:`step_bound`), one unit each, so that the blocks finish together. A range
+may begin or end inside an item; :func:`stream_pieces` lists every unit's pieces (host side: the specification,
+used by the tests and the book) and :func:`stream_merge_kernel` merges the split items. The kernel side is
+``tiled.make_forward(..., stream=True)``; see :mod:`kernels_gpu.fast.flash2_forward_v8"""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import math
 
 from numba import cuda, float32
 
-__all__ = ["split_plan", "merge_kernel", "step_bound", "stream_pieces", "stream_merge_kernel"]
+__all__ = ["split_plan", "merge_kernel", "step_bound", "stream_plan", "stream_pieces", "stream_merge_kernel",
+           "zero_counter"]
 
 
 def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int = 8,
@@ -53,32 +54,46 @@ def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int =
     return waves * slots, rest, best_S
 
 
-def step_bound(b, W, P):
-    """(v8) The first of block b's steps when W steps are cut into P ranges as evenly as integers allow: block b
-    takes steps [step_bound(b), step_bound(b + 1)), between ⌊W/P⌋ and ⌈W/P⌉ of them. (Compiled as a device
-    function by the kernel and the merge, called as it is by the host.)"""
-    return b * W // P
+def step_bound(r, W, R):
+    """(v8) The first of range r's steps when W steps are cut into R ranges as evenly as integers allow: range r
+    is steps [step_bound(r), step_bound(r + 1)), between ⌊W/R⌋ and ⌈W/R⌉ of them. (Compiled as a device function
+    by the kernel and the merge, called as it is by the host.)"""
+    return r * W // R
 
 
-def stream_pieces(items: int, T_c: int, P: int) -> list[tuple[int, int, int, int, int]]:
-    """(v8) What each block of a stream-K launch computes: ``(block, item, j_lo, j_hi, slot)`` in order, the K/V
-    tiles [j_lo, j_hi) of an item; ``slot`` is −1 for a whole item (written straight to O, L), else the row of
-    Opart/Lpart its partial result goes to (2·block for a piece of the block's first item, 2·block + 1 for one of
-    its last). The kernel and :func:`stream_merge_kernel` compute the same thing on the GPU; this is their
-    specification, used by the tests."""
-    W = items * T_c
-    out = []
-    for b in range(P):
-        it, hi = step_bound(b, W, P), step_bound(b + 1, W, P)
+def stream_plan(items: int, T_c: int, slots: int) -> tuple[int, int]:
+    """(v8) ``(n_whole, R)``: the first ``n_whole`` items are units of their own (a whole number of waves of
+    ``slots`` blocks), the other ``items − n_whole`` (fewer than ``slots``) are cut into R = min(slots, their
+    steps) equal ranges of steps, one unit each. Every item is a stream-K one when there are fewer than ``slots``."""
+    rest = items % slots
+    return items - rest, min(slots, rest * T_c)
+
+
+def stream_pieces(items: int, T_c: int, slots: int) -> list[tuple[int, int, int, int, int]]:
+    """(v8) Every work unit's pieces, in unit order: ``(unit, item, j_lo, j_hi, slot)``, the K/V tiles [j_lo, j_hi)
+    of an item; ``slot`` is −1 for a whole item (written straight to O, L), else the row of Opart/Lpart its
+    partial result goes to (range r: 2r for a piece of its first item, 2r + 1 for one of its last). The kernel
+    and :func:`stream_merge_kernel` compute the same thing on the GPU; this is their specification."""
+    n_whole, R = stream_plan(items, T_c, slots)
+    out = [(u, u, 0, T_c, -1) for u in range(n_whole)]
+    base, W = n_whole * T_c, (items - n_whole) * T_c
+    for r in range(R):
+        it, hi = base + step_bound(r, W, R), base + step_bound(r + 1, W, R)
         first = it // T_c
         while it < hi:
             item = it // T_c
             j_lo = it - item * T_c
             j_hi = min(T_c, j_lo + hi - it)
             whole = j_lo == 0 and j_hi == T_c
-            out.append((b, item, j_lo, j_hi, -1 if whole else 2 * b + (0 if item == first else 1)))
+            out.append((n_whole + r, item, j_lo, j_hi, -1 if whole else 2 * r + (0 if item == first else 1)))
             it += j_hi - j_lo
     return out
+
+
+@cuda.jit
+def zero_counter(counter):
+    """(v8) The work-unit counter back to 0 before a launch (one thread)."""
+    counter[0] = 0
 
 
 @cuda.jit(device=True)
@@ -127,23 +142,25 @@ def merge_kernel(B_r: int, d_v: int):
 
 @functools.lru_cache(maxsize=None)
 def stream_merge_kernel():
-    """(v8) O, L of the items that a stream-K launch of P blocks split, from their pieces (slots as in
-    :func:`stream_pieces`). Block g looks at the boundary between blocks g and g + 1: if it falls inside an item X
-    and no earlier boundary does, it merges X's pieces — from block g (slot 2g if X is g's first item, else
-    2g + 1) and each later block that starts inside X (slot 2b). P − 1 blocks, most of which have nothing to do."""
+    """(v8) O, L of the items that the R stream-K ranges split, from their pieces (slots as in
+    :func:`stream_pieces`; the ranges cover the steps of items item0 … on). Block g looks at the boundary between
+    ranges g and g + 1: if it falls inside an item X and no earlier boundary does, it merges X's pieces — from
+    range g (slot 2g if X is its first item, else 2g + 1) and each later range that starts inside X (slot 2r).
+    R − 1 blocks, most of which have nothing to do."""
     bound = cuda.jit(device=True)(step_bound)
 
     @cuda.jit
-    def merge_stream(Opart, Lpart, O, L, T_r, T_c, P):
+    def merge_stream(Opart, Lpart, O, L, T_r, T_c, R, item0):
         g = cuda.blockIdx.x
-        W = T_r * O.shape[0] * O.shape[1] * T_c
-        edge = bound(g + 1, W, P)
+        W = (T_r * O.shape[0] * O.shape[1] - item0) * T_c
+        base = item0 * T_c
+        edge = base + bound(g + 1, W, R)
         X = edge // T_c
-        start = bound(g, W, P)
+        start = base + bound(g, W, R)
         if edge - X * T_c == 0 or start > X * T_c:
             return                                      # no item split here, or an earlier boundary merges it
         n = 1
-        while g + n < P and bound(g + n, W, P) < (X + 1) * T_c:
+        while g + n < R and base + bound(g + n, W, R) < (X + 1) * T_c:
             n += 1
         _merge_item(Opart, Lpart, O, L, X, T_r, n, 2 * g + (0 if start == X * T_c else 1), 2 * g + 2, 2)
     return merge_stream

@@ -48,11 +48,12 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, int64, uint64
 
 from fa2edu.flash2 import Flash2Forward
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast.split import merge_kernel, split_plan, step_bound, stream_merge_kernel
+from kernels_gpu.fast.split import (merge_kernel, split_plan, step_bound, stream_merge_kernel, stream_plan,
+                                    zero_counter)
 
 __all__ = ["Tiling", "make_forward", "run_forward", "resources", "STATIC_FLOATS"]
 
@@ -323,7 +324,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         pv_row(sm, o, pp, va, cur, 3, 4 * g + 4, v_col)
 
     @jit
-    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf, Qf, item0, S, Opart, Lpart):
+    def flash2_forward_fast(Q, K, V, O, L, scale2, causal, Kf, Vf, Qf, item0, S, Opart, Lpart, counter):
         N_q = Q.shape[2]
         N_k = K.shape[2]
         if split:
@@ -341,17 +342,14 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
             j_hi = (piece + 1) * T_all // S
             it = hi = first_item = 0
         elif stream:
-            # (v8) stream-K: the grid is the P blocks the GPU holds at once; the W = items · T_c (row block, K/V
-            # tile) steps of the whole call are cut into P equal ranges, block b takes [b·W/P, (b+1)·W/P) in
-            # order: whole items, and at either end a piece of one (written to Opart slot 2b or 2b + 1).
-            b = cuda.blockIdx.x
+            # (v8) the grid is the P blocks the GPU holds at once; each takes work units from a counter, in order:
+            # unit u < item0 is the whole item u (as v6's block u), unit item0 + r is range r of the S equal
+            # ranges of the last items' (items − item0)·T_c steps (stream-K), a range holding a piece of an item
+            # at either end (written to Opart slot 2r or 2r + 1) and whole items between.
             T_r = (N_q + B_r - 1) // B_r
             T_all = (N_k + B_c - 1) // B_c
-            it = stream_bound(b, T_r * Q.shape[0] * Q.shape[1] * T_all, cuda.gridDim.x)
-            hi = stream_bound(b + 1, T_r * Q.shape[0] * Q.shape[1] * T_all, cuda.gridDim.x)
-            first_item = it // T_all
-            if it >= hi:
-                return                                  # (more blocks than steps: nothing to do)
+            W = (T_r * Q.shape[0] * Q.shape[1] - item0) * T_all
+            b = it = hi = first_item = 0
             item = i = z = h = j_lo = j_hi = 0
         else:
             i = cuda.blockIdx.x
@@ -364,8 +362,25 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         t = cuda.threadIdx.x
         tx = t % NX
         ty = t // NX
+        ticket = cuda.shared.array(1, int64)           # (v8) the block's current work unit
         while True:                                     # (v8: one pass per item or piece; v1-v7: one pass)
             if stream:
+                if it >= hi:
+                    # the unit is done (or none taken yet): take the next one, one atomic for the block
+                    if t == 0:
+                        ticket[0] = cuda.atomic.add(counter, 0, 1)
+                    cuda.syncthreads()
+                    u = ticket[0]
+                    if u >= item0 + S:
+                        break                           # every unit is taken
+                    if u < item0:
+                        it = u * T_all
+                        hi = it + T_all
+                    else:
+                        b = u - item0
+                        it = item0 * T_all + stream_bound(b, W, S)
+                        hi = item0 * T_all + stream_bound(b + 1, W, S)
+                    first_item = it // T_all
                 # this pass: item = (z·H_q + h)·T_r + i, its K/V tiles [j_lo, j_hi)
                 item = it // T_all
                 j_lo = it - item * T_all
@@ -609,7 +624,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                     qa[r] = acc
             if (split and S > 1) or (stream and (j_lo > 0 or j_hi < T_all)):
                 # (v7, v8) a piece of the keys: its own O and L (Alg. 1 lines 12-13 on its tiles), for the merge;
-                # v8: slot 2b for the piece of the block's first item, 2b + 1 for that of its last
+                # v8: slot 2r for the piece of range r's first item, 2r + 1 for that of its last
                 slot = b
                 if stream:
                     slot = 2 * b + (0 if item == first_item else 1)
@@ -639,9 +654,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                             L[z, h, row] = math.inf if l_i == 0.0 else float32(LN2) * (m[r] + math.log2(l_i))
             if not stream:
                 break
-            it += j_hi - j_lo                           # (v8) the next item or piece of this block's range
-            if it >= hi:
-                break
+            it += j_hi - j_lo                           # (v8) the next item or piece of this unit, if any
 
     return flash2_forward_fast
 
@@ -658,8 +671,9 @@ def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
 
 
 def _no_parts():
-    """The (unused) piece arrays of an unsplit launch: the kernel's signature always has them."""
-    return cuda.device_array((1, 1, 1), dtype=np.float32), cuda.device_array((1, 1), dtype=np.float32)
+    """The (unused) piece arrays and counter of an unsplit launch: the kernel's signature always has them."""
+    return (cuda.device_array((1, 1, 1), dtype=np.float32), cuda.device_array((1, 1), dtype=np.float32),
+            cuda.device_array(1, dtype=np.int64))
 
 
 _RESIDENT: dict = {}
@@ -723,12 +737,15 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
         # the simulator runs one block at a time; the GPU: what the occupancy calculator says fits at once
         slots = 1 if simulator else _resident_blocks(kernel, whole, tiling.threads, dynamic)
     if stream:
-        P = min(slots, items * T_c)
-        Opart = rt.device_empty((2 * P, tiling.B_r, d_v))
-        Lpart = rt.device_empty((2 * P, tiling.B_r))
-        kernel[P, tiling.threads, 0, dynamic](*args, 0, 1, Opart, Lpart)
-        if P > 1 and (np.arange(1, P) * (items * T_c) // P % T_c).any():     # some boundary splits an item
-            stream_merge_kernel()[P - 1, 128](Opart, Lpart, O, L, T_r, T_c, P)
+        n_whole, R = stream_plan(items, T_c, slots)
+        Opart = rt.device_empty((max(1, 2 * R), tiling.B_r, d_v))
+        Lpart = rt.device_empty((max(1, 2 * R), tiling.B_r))
+        counter = cuda.device_array(1, dtype=np.int64)
+        zero_counter[1, 1](counter)
+        kernel[min(slots, n_whole + R), tiling.threads, 0, dynamic](*args, n_whole, R, Opart, Lpart, counter)
+        W = (items - n_whole) * T_c
+        if R > 1 and (np.arange(1, R) * W // R % T_c).any():         # some boundary between ranges splits an item
+            stream_merge_kernel()[R - 1, 128](Opart, Lpart, O, L, T_r, T_c, R, n_whole)
     elif not split:
         kernel[(T_r, layout_.Z, layout_.H_q), tiling.threads, 0, dynamic](*whole)
     else:
@@ -738,7 +755,7 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
         if n_split:
             Opart = rt.device_empty((n_split * S, tiling.B_r, d_v))
             Lpart = rt.device_empty((n_split * S, tiling.B_r))
-            kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart)
+            kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart, _no_parts()[2])
             merge_kernel(tiling.B_r, d_v)[n_split, 128](Opart, Lpart, O, L, n_full, S, T_r)
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
 
