@@ -22,8 +22,8 @@ import math
 
 from numba import cuda, float32
 
-__all__ = ["split_plan", "merge_kernel", "step_bound", "stream_plan", "stream_pieces", "stream_merge_kernel",
-           "zero_counter"]
+__all__ = ["split_plan", "merge_kernel", "merge_threads", "step_bound", "stream_plan", "stream_pieces",
+           "stream_merge_kernel", "zero_counter"]
 
 
 def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int = 8,
@@ -97,46 +97,49 @@ def zero_counter(counter):
 
 
 @cuda.jit(device=True)
-def _merge_item(Opart, Lpart, O, L, item, T_r, n, s_first, s_next, stride):
-    """O, L of one item (row block) from its n pieces' (O_p, L_p), which sit in Opart/Lpart rows s_first, then
+def _merge_row(Opart, Lpart, O, L, item, T_r, r, n, s_first, s_next, stride):
+    """Row r of one item (row block) from its n pieces' (O_p, L_p), which sit in Opart/Lpart rows s_first, then
     s_next, s_next + stride, …: L = log Σ_p e^{L_p}, O = Σ_p e^{L_p − L} O_p, FA2's (m, ℓ) merge (Alg. 1 lines
-    9-12 applied to whole pieces) written with log-sum-exps. Called by every thread of the block."""
+    9-12 applied to whole pieces) written with log-sum-exps. The block's threads share the row's columns
+    (coalesced); each works out the row's weights itself (n values, read by all)."""
     B_r = Opart.shape[1]
-    d_v = Opart.shape[2]
     i = item % T_r
     h = (item // T_r) % O.shape[1]
     z = item // (T_r * O.shape[1])
-    N_q = O.shape[2]
-    for e in range(cuda.threadIdx.x, B_r * d_v, cuda.blockDim.x):
-        r = e // d_v
-        c = e - r * d_v
-        row = i * B_r + r
-        if row < N_q:
-            mx = float32(-math.inf)
-            for p in range(n):
-                mx = max(mx, Lpart[s_first if p == 0 else s_next + (p - 1) * stride, r])
-            tot = float32(0.0)
-            acc = float32(0.0)
-            for p in range(n):
-                s = s_first if p == 0 else s_next + (p - 1) * stride
-                w = math.exp(Lpart[s, r] - mx)
-                tot += w
-                acc += w * Opart[s, r, c]
-            O[z, h, row, c] = acc / tot
-            if c == 0:
-                L[z, h, row] = mx + math.log(tot)
+    row = i * B_r + r
+    if row >= O.shape[2]:
+        return
+    mx = float32(-math.inf)
+    for p in range(n):
+        mx = max(mx, Lpart[s_first if p == 0 else s_next + (p - 1) * stride, r])
+    tot = float32(0.0)
+    for p in range(n):
+        tot += math.exp(Lpart[s_first if p == 0 else s_next + (p - 1) * stride, r] - mx)
+    for c in range(cuda.threadIdx.x, Opart.shape[2], cuda.blockDim.x):
+        acc = float32(0.0)
+        for p in range(n):
+            s = s_first if p == 0 else s_next + (p - 1) * stride
+            acc += math.exp(Lpart[s, r] - mx) * Opart[s, r, c]
+        O[z, h, row, c] = acc / tot
+    if cuda.threadIdx.x == 0:
+        L[z, h, row] = mx + math.log(tot)
+
+
+def merge_threads(d_v: int) -> int:
+    """Threads per block of the merge launches: one per column of a row, at most 256."""
+    return min(d_v, 256)
 
 
 @functools.lru_cache(maxsize=None)
 def merge_kernel(B_r: int, d_v: int):
     """(v7) O, L of the split items from their pieces' (O_p, L_p): the S pieces of split item g (item item0 + g)
-    sit in rows g·S … g·S + S − 1 of Opart/Lpart. One block per split item; reads S·B_r·(d_v + 1) floats of
-    partials, writes its B_r rows of O and L."""
+    sit in rows g·S … g·S + S − 1 of Opart/Lpart. One block per (split item, row), grid (n_split, B_r), one thread
+    per column (:func:`merge_threads`); reads S·B_r·(d_v + 1) floats of partials per item, writes O and L."""
 
     @cuda.jit
     def merge_pieces(Opart, Lpart, O, L, item0, S, T_r):
         g = cuda.blockIdx.x
-        _merge_item(Opart, Lpart, O, L, item0 + g, T_r, S, g * S, g * S + 1, 1)
+        _merge_row(Opart, Lpart, O, L, item0 + g, T_r, cuda.blockIdx.y, S, g * S, g * S + 1, 1)
     return merge_pieces
 
 
@@ -146,7 +149,7 @@ def stream_merge_kernel():
     :func:`stream_pieces`; the ranges cover the steps of items item0 … on). Block g looks at the boundary between
     ranges g and g + 1: if it falls inside an item X and no earlier boundary does, it merges X's pieces — from
     range g (slot 2g if X is its first item, else 2g + 1) and each later range that starts inside X (slot 2r).
-    R − 1 blocks, most of which have nothing to do."""
+    Grid (R − 1, B_r): one block per (boundary, row), one thread per column; most blocks have nothing to do."""
     bound = cuda.jit(device=True)(step_bound)
 
     @cuda.jit
@@ -162,5 +165,6 @@ def stream_merge_kernel():
         n = 1
         while g + n < R and base + bound(g + n, W, R) < (X + 1) * T_c:
             n += 1
-        _merge_item(Opart, Lpart, O, L, X, T_r, n, 2 * g + (0 if start == X * T_c else 1), 2 * g + 2, 2)
+        _merge_row(Opart, Lpart, O, L, X, T_r, cuda.blockIdx.y, n, 2 * g + (0 if start == X * T_c else 1),
+                   2 * g + 2, 2)
     return merge_stream
