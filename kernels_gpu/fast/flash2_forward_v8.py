@@ -32,11 +32,8 @@ per-item prologue under the 168-register cap):
   N = 2048. A range runs Alg. 1 lines 4-15 once per item it touches; a piece of an item (a range begins or ends
   inside it) writes its own O_p and L_p to slot 2r or 2r + 1 of a partials array. Whoever is free takes the next
   unit, so an SM that runs slower takes fewer;
-* the last piece of a split item to finish merges its pieces, inside the same launch (stream-K's fix-up): each
-  piece publishes O_p, L_p (a memory fence), then counts itself in on a per-item counter; the piece that counts
-  last reads the others' and applies the (m, ℓ) rule in log-sum-exp form, L = log Σ_p e^{L_p},
-  O = Σ_p e^{L_p − L} O_p, pieces outermost so that each thread's TR × TD loads of a piece are in flight together.
-  A one-thread-per-counter launch zeroes the counters before;
+* a second, small launch merges the split items' pieces by the (m, ℓ) rule
+  (:func:`kernels_gpu.fast.split.stream_merge_kernel`), and a one-thread launch zeroes the counter before;
 * causal calls keep v6's grid (their row blocks differ in cost, so equal step counts are not equal work).
 
 Cost: v6's FLOPs plus ~2·d_v per split row for the merge; extra global traffic at most 2R·B_r·(d_v + 1) floats

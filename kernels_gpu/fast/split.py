@@ -23,7 +23,7 @@ import math
 from numba import cuda, float32
 
 __all__ = ["split_plan", "merge_kernel", "merge_threads", "step_bound", "stream_plan", "stream_pieces",
-           "zero_counter"]
+           "stream_merge_kernel", "zero_counter"]
 
 
 def split_plan(items: int, T_c: int, slots: int, causal: bool, max_pieces: int = 8,
@@ -92,10 +92,8 @@ def stream_pieces(items: int, T_c: int, slots: int) -> list[tuple[int, int, int,
 
 @cuda.jit
 def zero_counter(counter):
-    """(v8) The work counters back to 0 before a launch (one thread per element)."""
-    k = cuda.grid(1)
-    if k < counter.shape[0]:
-        counter[k] = 0
+    """(v8) The work-unit counter back to 0 before a launch (one thread)."""
+    counter[0] = 0
 
 
 @cuda.jit(device=True)
@@ -143,3 +141,30 @@ def merge_kernel(B_r: int, d_v: int):
         g = cuda.blockIdx.x
         _merge_row(Opart, Lpart, O, L, item0 + g, T_r, cuda.blockIdx.y, S, g * S, g * S + 1, 1)
     return merge_pieces
+
+
+@functools.lru_cache(maxsize=None)
+def stream_merge_kernel():
+    """(v8) O, L of the items that the R stream-K ranges split, from their pieces (slots as in
+    :func:`stream_pieces`; the ranges cover the steps of items item0 … on). Block g looks at the boundary between
+    ranges g and g + 1: if it falls inside an item X and no earlier boundary does, it merges X's pieces — from
+    range g (slot 2g if X is its first item, else 2g + 1) and each later range that starts inside X (slot 2r).
+    Grid (R − 1, B_r): one block per (boundary, row), one thread per column; most blocks have nothing to do."""
+    bound = cuda.jit(device=True)(step_bound)
+
+    @cuda.jit
+    def merge_stream(Opart, Lpart, O, L, T_r, T_c, R, item0):
+        g = cuda.blockIdx.x
+        W = (T_r * O.shape[0] * O.shape[1] - item0) * T_c
+        base = item0 * T_c
+        edge = base + bound(g + 1, W, R)
+        X = edge // T_c
+        start = base + bound(g, W, R)
+        if edge - X * T_c == 0 or start > X * T_c:
+            return                                      # no item split here, or an earlier boundary merges it
+        n = 1
+        while g + n < R and base + bound(g + n, W, R) < (X + 1) * T_c:
+            n += 1
+        _merge_row(Opart, Lpart, O, L, X, T_r, cuda.blockIdx.y, n, 2 * g + (0 if start == X * T_c else 1),
+                   2 * g + 2, 2)
+    return merge_stream

@@ -57,6 +57,7 @@ from kernels_gpu.fast.split import (
     merge_threads,
     split_plan,
     step_bound,
+    stream_merge_kernel,
     stream_plan,
     zero_counter,
 )
@@ -368,7 +369,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
         t = cuda.threadIdx.x
         tx = t % NX
         ty = t // NX
-        ticket = cuda.shared.array(2, int64)           # (v8) the block's current work unit; a fix-up's count
+        ticket = cuda.shared.array(1, int64)           # (v8) the block's current work unit
         while True:                                     # (v8: one pass per item or piece; v1-v7: one pass)
             if stream:
                 if it >= hi:
@@ -628,11 +629,9 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                     for u in range(NX):
                         acc += sm[RED_OFF + (ty * TR + r) * NX + u]
                     qa[r] = acc
-            whole_item = True
             if (split and S > 1) or (stream and (j_lo > 0 or j_hi < T_all)):
                 # (v7, v8) a piece of the keys: its own O and L (Alg. 1 lines 12-13 on its tiles), for the merge;
                 # v8: slot 2r for the piece of range r's first item, 2r + 1 for that of its last
-                whole_item = False
                 slot = b
                 if stream:
                     slot = 2 * b + (0 if item == first_item else 1)
@@ -646,47 +645,7 @@ def make_forward(tiling: Tiling, d: int, d_v: int, shuffle: bool, simulator: boo
                         if tx == 0:
                             Lpart[slot, ty * TR + r] = (math.inf if l_i == 0.0
                                                         else float32(LN2) * (m[r] + math.log2(l_i)))
-                if stream:
-                    # (v8) stream-K's fix-up: the last of the item's n pieces to finish merges them all. Each piece
-                    # publishes its partials (fence), then counts itself in; the one that counts n − 1 reads the
-                    # others' and merges by the (m, ℓ) rule in log-sum-exp form: L = log Σ_p e^{L_p},
-                    # O = Σ_p e^{L_p − L} O_p. Its pieces are those of ranges r_0 … r_1 (the ranges that hold the
-                    # item's first and last step): slot 2r_0 (+1 unless the item is r_0's first), then 2r.
-                    cuda.threadfence()
-                    cuda.syncthreads()
-                    if t == 0:
-                        ticket[1] = cuda.atomic.add(counter, 1 + item - item0, 1)
-                    cuda.syncthreads()
-                    r_0 = ((item - item0) * T_all * S + S - 1) // W
-                    r_1 = ((item + 1 - item0) * T_all * S - 1) // W
-                    s_0 = 2 * r_0 + (0 if item0 + stream_bound(r_0, W, S) // T_all == item else 1)
-                    if ticket[1] == r_1 - r_0:
-                        whole_item = True
-                        if t == 0:
-                            counter[1 + item - item0] = 0       # ready for the next launch
-                        for r in range(TR):
-                            m[r] = NEG_INF                      # max of the L_p, then Σ_p e^{L_p − max}
-                            l[r] = 0.0
-                        for x in range(TR * TD):
-                            o[x] = 0.0
-                        for p in range(r_1 - r_0 + 1):
-                            sp = s_0 if p == 0 else 2 * (r_0 + p)
-                            for r in range(TR):
-                                m[r] = max(m[r], Lpart[sp, min(ty * TR + r, N_q - 1 - row0)])
-                        for p in range(r_1 - r_0 + 1):
-                            sp = s_0 if p == 0 else 2 * (r_0 + p)
-                            for r in range(TR):
-                                w = math.exp(Lpart[sp, min(ty * TR + r, N_q - 1 - row0)] - m[r])
-                                l[r] += w
-                                for q in range(TQ):
-                                    for e in range(4):
-                                        o[r * TD + q * 4 + e] += w * Opart[sp, min(ty * TR + r, N_q - 1 - row0),
-                                                                           4 * tx + 4 * NX * q + e]
-                        # as a whole item's: O = Õ / ℓ, L = m + log ℓ (m here in natural units: to log2 ones)
-                        for r in range(TR):
-                            qa[r] = l[r]
-                            m[r] = m[r] * float32(LOG2E)
-            if whole_item:
+            else:
                 for r in range(TR):
                     row = my_row0 + r
                     if row < N_q:
@@ -788,10 +747,12 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
         n_whole, R = stream_plan(items, T_c, slots)
         Opart = rt.device_empty((max(1, 2 * R), tiling.B_r, d_v))
         Lpart = rt.device_empty((max(1, 2 * R), tiling.B_r))
-        # counter[0]: the next work unit; counter[1 + k]: pieces of the k-th leftover item done (for the fix-up)
-        counter = cuda.device_array(1 + items - n_whole, dtype=np.int64)
-        zero_counter[-(-counter.shape[0] // 128), 128](counter)
+        counter = cuda.device_array(1, dtype=np.int64)
+        zero_counter[1, 1](counter)
         kernel[min(slots, n_whole + R), tiling.threads, 0, dynamic](*args, n_whole, R, Opart, Lpart, counter)
+        W = (items - n_whole) * T_c
+        if R > 1 and (np.arange(1, R) * W // R % T_c).any():         # some boundary between ranges splits an item
+            stream_merge_kernel()[(R - 1, tiling.B_r), merge_threads(d_v)](Opart, Lpart, O, L, T_r, T_c, R, n_whole)
     elif not split:
         kernel[(T_r, layout_.Z, layout_.H_q), tiling.threads, 0, dynamic](*whole)
     else:
