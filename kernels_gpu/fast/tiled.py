@@ -53,8 +53,9 @@ from numba import cuda, float32, int64, uint64
 from fa2edu.flash2 import Flash2Forward
 from kernels_gpu import runtime as rt
 from kernels_gpu.fast.split import (
+    MERGE_ROWS,
+    MERGE_THREADS,
     merge_kernel,
-    merge_threads,
     split_plan,
     step_bound,
     stream_merge_kernel,
@@ -752,7 +753,8 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
         kernel[min(slots, n_whole + R), tiling.threads, 0, dynamic](*args, n_whole, R, Opart, Lpart, counter)
         W = (items - n_whole) * T_c
         if R > 1 and (np.arange(1, R) * W // R % T_c).any():         # some boundary between ranges splits an item
-            stream_merge_kernel()[(R - 1, tiling.B_r), merge_threads(d_v)](Opart, Lpart, O, L, T_r, T_c, R, n_whole)
+            merger = stream_merge_kernel(tiling.B_r, d_v)
+            merger[-(-(R - 1) * tiling.B_r // MERGE_ROWS), MERGE_THREADS](Opart, Lpart, O, L, T_r, T_c, R, n_whole)
     elif not split:
         kernel[(T_r, layout_.Z, layout_.H_q), tiling.threads, 0, dynamic](*whole)
     else:
@@ -763,7 +765,8 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
             Opart = rt.device_empty((n_split * S, tiling.B_r, d_v))
             Lpart = rt.device_empty((n_split * S, tiling.B_r))
             kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart, _no_parts()[2])
-            merge_kernel(tiling.B_r, d_v)[(n_split, tiling.B_r), merge_threads(d_v)](Opart, Lpart, O, L, n_full, S, T_r)
+            merger = merge_kernel(tiling.B_r, d_v)
+            merger[-(-n_split * tiling.B_r // MERGE_ROWS), MERGE_THREADS](Opart, Lpart, O, L, n_full, S, T_r, n_split)
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
 
 
