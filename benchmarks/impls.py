@@ -104,8 +104,10 @@ def _kg_flash2_det(pass_, x, causal, scale, options):
     return _kg_flash2(pass_, x, causal, scale, options, deterministic=True)
 
 
-#: the fast versions timed as ``kg_flash2_fast`` (kernels_gpu.fast: the fastest measured forward and backward)
-FAST_FORWARD, FAST_BACKWARD = "v6", "v1"
+#: the fast versions timed as ``kg_flash2_fast`` (kernels_gpu.fast: the fastest measured forward, per head
+#: dimension — d ≤ 64 the first entry, else the second — and backward): v8's stream-K pays at d = 128 (one block
+#: per SM) and not at d = 64 (``fast_v8e_explore_d64.json``)
+FAST_FORWARD, FAST_BACKWARD = {64: "v6", 128: "v8"}, "v1"
 #: the fast versions timed as ``kg_flash2_fast_fp16``: the fastest ones that take ``storage="float16"``
 FP16_FORWARD, FP16_BACKWARD = "v6", "v1"
 
@@ -116,6 +118,8 @@ def _kg_flash2_fast(pass_, x, causal, scale, options, storage="float32", version
     ``sdpa_flash``'s are); the kernels then read float16, compute in float32 and write float16 (L float32)."""
     from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
     forward_name, backward_name = versions or (FAST_FORWARD, FAST_BACKWARD)
+    if isinstance(forward_name, dict):                  # one version per head dimension
+        forward_name = forward_name[64 if x["Q"].shape[-1] <= 64 else 128]
     forward, backward = VERSIONS[forward_name], BACKWARD_VERSIONS[backward_name]
     stored = {} if storage == "float32" else {"storage": storage}    # versions without the option still run fp32
     Q, K, V, dO = (x.get(name) for name in ("Q", "K", "V", "dO"))
