@@ -43,7 +43,15 @@ has drained, and the merge only after the pieces: two more launch boundaries, ea
 before; (c) at N = 1024 (3.6 ms calls) the host work of three launches and the occupancy query per call may no
 longer hide behind the queue. That N = 16384 gained nothing says the half-empty last wave does not cost what the
 wave count suggests, or that (a) and (b) eat it exactly. v7 stays in the book as a measured failure;
-``kg_flash2_fast`` keeps v6. Correctness on the GPU: ``tests/gpu/test_kernels_fast_gpu.py`` (the split path runs
+``kg_flash2_fast`` keeps v6.
+
+**Later** (v8's profiling, ``ncu_v8b_v8_N1024.csv``): the merge launch, one block per split item whose 128 threads
+walked the item's elements one at a time, took 246 µs at d = 128, N = 1024 (7 % of the call): candidate (b) above,
+in the merge rather than in the launch boundaries. The merge has since been rewritten twice, for both versions
+(:mod:`kernels_gpu.fast.split`); v7 with the second form (one block per row, 65 µs) measured 37.1 / 38.3 / 38.8 /
+39.1 / 39.2 TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384 against v6's 38.1 / 38.6 / 38.8 / 38.9 / 39.0 in the
+same run (``fast_v8c_explore_d128.json``): still slower at small N, so its many short pieces cost more than the
+merge alone. With the third form (one warp per row, 26 µs) v7 was not re-measured. Correctness on the GPU: ``tests/gpu/test_kernels_fast_gpu.py`` (the split path runs
 at its sizes) 64 passed (``gpu_tests_fast_v7.log``); compute-sanitizer memcheck and racecheck clean on a forced
 split launch (``sanitizer_v7.log``).
 """
