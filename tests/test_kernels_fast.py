@@ -47,8 +47,9 @@ def _problem(seed, Z, H_q, H_kv, N_q, N_k, d, scale=1.0):
     return Q, K, V
 
 
-def _check(version, Q, K, V, causal, tiling):
-    O, L = VERSIONS[version](Q, K, V, causal=causal, tiling=tiling)
+def _check(version, Q, K, V, causal, tiling, **options):
+    """One call of a fast version (``options``: its own, e.g. ``slots``) against the float64 oracle."""
+    O, L = VERSIONS[version](Q, K, V, causal=causal, tiling=tiling, **options)
     O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal)
     base = fa2edu.standard_attention(Q, K, V, causal=causal).O      # float32 standard attention: the baseline error
     assert_close_to_oracle(O, O_ref, "O", dtype=np.float32, baseline=baseline_error(base, O_ref))
@@ -204,12 +205,7 @@ def test_v7_split_items_match_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
     assert split.split_plan(T_r * Z * H_q, T_c, slots, False)[1] > 0          # the case really splits
     Q, K, V = _problem(7, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
-        O, L = VERSIONS["v7"](Q, K, V, causal=causal, tiling=tiling, slots=slots)
-        O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal)
-        base = fa2edu.standard_attention(Q, K, V, causal=causal).O
-        assert_close_to_oracle(O, O_ref, "O", dtype=np.float32, baseline=baseline_error(base, O_ref))
-        L_size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
-        assert_close_to_oracle(L, L_ref, "L", dtype=np.float32, baseline=1e-6 * max(1.0, L_size))
+        _check("v7", Q, K, V, causal, tiling, slots=slots)
 
 
 def test_v7_bad_slots_are_refused():
@@ -272,12 +268,7 @@ def test_v8_stream_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
     assert any(p[4] >= 0 for p in split.stream_pieces(items, T_c, slots))         # the case really splits
     Q, K, V = _problem(11, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
-        O, L = VERSIONS["v8"](Q, K, V, causal=causal, tiling=tiling, slots=slots)
-        O_ref, L_ref = fa2edu.attention_reference(Q, K, V, causal=causal)
-        base = fa2edu.standard_attention(Q, K, V, causal=causal).O
-        assert_close_to_oracle(O, O_ref, "O", dtype=np.float32, baseline=baseline_error(base, O_ref))
-        L_size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
-        assert_close_to_oracle(L, L_ref, "L", dtype=np.float32, baseline=1e-6 * max(1.0, L_size))
+        _check("v8", Q, K, V, causal, tiling, slots=slots)
 
 
 def test_v8_bad_slots_are_refused():

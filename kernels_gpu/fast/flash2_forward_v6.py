@@ -68,10 +68,10 @@ with the harness's protocol; every configuration checked against the float64 ref
   issue slots 69.5 % busy, 2 warps per scheduler of which 1.37 eligible on average, 15.52 waves;
 * ``ex2`` and the skipped rescale (``fast_v6_ex2_*.json``): (16, 16, 8, 4) 37.9 / 38.4 / 38.6 / 38.9 (+1.4 %);
   d = 64 34.8 / 35.2 / 35.3;
-* final run (``final_v6.json``, the final run before v8, ``kg_flash2_fast`` = v6 forward, all baselines): d = 128 non-causal
-  38.2 / 38.6 / 38.8 / 38.9 / 39.0 (N = 1024 … 16384) against PyTorch eager 38.0 / 39.0 / 36.7 / 34.4 / 38.7 —
-  ahead at four N, **behind by 1 % at N = 2048**, and within 0.4 % / 0.6 % at N = 1024 / 16384; causal 32.0-37.0
-  (eager 13.7-15.5); d = 64 34.9-35.4 non-causal (eager 24.4-30.0), causal 31.6-34.4.
+* final run (``final_v6.json``, the final run before v8, ``kg_flash2_fast`` = v6 forward, all baselines): d = 128
+  non-causal 38.2 / 38.6 / 38.8 / 38.9 / 39.0 (N = 1024 … 16384) against PyTorch eager 38.0 / 39.0 / 36.7 / 34.4 /
+  38.7 — ahead at four N, **behind by 1 % at N = 2048**, and within 0.4 % / 0.6 % at N = 1024 / 16384; causal
+  32.0-37.0 (eager 13.7-15.5); d = 64 34.9-35.4 non-causal (eager 24.4-30.0), causal 31.6-34.4.
 
 What limits v6 (Nsight Compute on the final version, d = 128, N = 2048: ``ncu_v6_final_d128_details.csv`` and the
 summary of its source counters, ``ncu_v6_final_d128_stalls.txt``): one block of 8 warps per SM (255 registers,

@@ -51,9 +51,11 @@ in the merge rather than in the launch boundaries. The merge has since been rewr
 (:mod:`kernels_gpu.fast.split`); v7 with the second form (one block per row, 65 µs) measured 37.1 / 38.3 / 38.8 /
 39.1 / 39.2 TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384 against v6's 38.1 / 38.6 / 38.8 / 38.9 / 39.0 in the
 same run (``fast_v8c_explore_d128.json``): still slower at small N, so its many short pieces cost more than the
-merge alone. With the third form (one warp per row, 26 µs) v7 was not re-measured. Correctness on the GPU: ``tests/gpu/test_kernels_fast_gpu.py`` (the split path runs
-at its sizes) 64 passed (``gpu_tests_fast_v7.log``); compute-sanitizer memcheck and racecheck clean on a forced
-split launch (``sanitizer_v7.log``).
+merge alone. With the third form (one warp per row, 26 µs) v7 was not re-measured.
+
+Correctness on the GPU: ``tests/gpu/test_kernels_fast_gpu.py`` (the split path runs at its sizes) 64 passed
+(``gpu_tests_fast_v7.log``); compute-sanitizer memcheck and racecheck clean on a forced split launch
+(``sanitizer_v7.log``).
 """
 
 from kernels_gpu.fast.flash2_forward_v6 import MAX_REGISTERS, TILINGS, default_max_registers, default_tiling
