@@ -1,7 +1,8 @@
-"""v7's launch plan: the last, partly filled wave of blocks cut into pieces along the keys, and the merge.
+"""How v7 and v8 share out the work of a call when it does not fill whole waves of blocks, and their merges.
 
 A kernel whose blocks all cost the same runs in waves of ``slots`` blocks (SMs × resident blocks per SM). When the
-block count is not a multiple of ``slots``, the last wave leaves SMs idle. :func:`split_plan` keeps the whole waves
+block count is not a multiple of ``slots``, the last wave leaves SMs idle, and it costs a whole wave (measured:
+:mod:`kernels_gpu.fast.flash2_forward_v8`). v7's plan: :func:`split_plan` keeps the whole waves
 and cuts each remaining row block into S pieces, each a contiguous range of K/V tiles (FA2 Section 3.2's split of
 the sequence, as decoding kernels do); :func:`merge_kernel` combines the pieces' outputs with the (m, ℓ) rule.
 The kernel side (a 1-D grid, a key range per block, partial outputs) is ``tiled.make_forward(..., split=True)``.
@@ -13,7 +14,8 @@ v6 make up the half-empty last wave, are treated stream-K: their steps (one step
 are cut into R ≤ P equal ranges (:func:`step_bound`), one unit each, so that the blocks finish together. A range
 may begin or end inside an item; :func:`stream_pieces` lists every unit's pieces (host side: the specification,
 used by the tests and the book) and :func:`stream_merge_kernel` merges the split items. The kernel side is
-``tiled.make_forward(..., stream=True)``; see :mod:`kernels_gpu.fast.flash2_forward_v8"""
+``tiled.make_forward(..., stream=True)``; see :mod:`kernels_gpu.fast.flash2_forward_v8`.
+"""
 
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ many multiply-adds per value it reads from shared memory:
   of 4 (4 columns of Q_i and K_j, a row of V_j, 4 columns of P̃); two register buffers alternate, so a step's loads
   are in flight while the previous step's FFMAs run. The last prefetch of each loop reads the rows' padding (or one
   row past V_j) and is never used.
+* **Sharing out the work** (v7 ``split=True``, v8 ``stream=True``). Blocks take their (row block, batch, head)
+  item from a 1-D grid (v7) or from a work counter, looping (v8), and may cover only a range of the item's K/V
+  tiles, writing a partial O, L that a second launch merges (:mod:`kernels_gpu.fast.split`).
 
 Shared memory above numba's 48 KiB of static shared memory is taken as *dynamic* shared memory, after raising the
 kernel's limit (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, up to 227 KiB on Hopper).
@@ -709,10 +712,11 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
     ``split`` (v7): launch over a 1-D grid planned by :func:`split_plan` for ``slots`` resident blocks (None: the
     GPU's own count from the occupancy calculator; the simulator counts 1, so tests pass it); the split items cost
     their pieces' partial O, L (S·B_r·(d_v + 1) floats each, written and read once) and one more launch.
-    ``stream`` (v8): stream-K, a grid of P = min(``slots``, W) blocks sharing the W (item, K/V tile) steps equally
-    (:func:`kernels_gpu.fast.split.stream_pieces`); the items split at the P − 1 boundaries between blocks cost
-    their pieces' partial O, L (2P·B_r·(d_v + 1) floats at most, written and read once) and one more launch.
-    Causal calls run v6's grid (their items differ in cost)."""
+    ``stream`` (v8): a grid of min(``slots``, units) blocks taking work units from a counter — whole items for the
+    whole waves, then R ≤ ``slots`` equal ranges of the leftover items' (item, K/V tile) steps, stream-K
+    (:func:`kernels_gpu.fast.split.stream_plan`, :func:`~kernels_gpu.fast.split.stream_pieces`); the items that
+    the ranges split cost their pieces' partial O, L (at most 2R·B_r·(d_v + 1) floats, written and read once) and
+    a merge launch. Causal calls run the plain grid (their items differ in cost)."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
                                       or not 16 <= max_registers <= 255):
