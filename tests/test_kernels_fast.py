@@ -208,11 +208,12 @@ def test_v7_split_items_match_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
         _check("v7", Q, K, V, causal, tiling, slots=slots)
 
 
-def test_v7_bad_slots_are_refused():
+@pytest.mark.parametrize("version", ["v7", "v8"])
+def test_bad_slots_are_refused(version):
     Q, K, V = _problem(3, 1, 1, 1, 5, 9, 8)
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="slots"):
-            VERSIONS["v7"](Q, K, V, tiling=Tiling(4, 2, 2, 2), slots=bad)
+            VERSIONS[version](Q, K, V, tiling=Tiling(4, 2, 2, 2), slots=bad)
 
 
 # -- v8: stream-K ---------------------------------------------------------------------------------------------------
@@ -269,10 +270,3 @@ def test_v8_stream_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
     Q, K, V = _problem(11, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
         _check("v8", Q, K, V, causal, tiling, slots=slots)
-
-
-def test_v8_bad_slots_are_refused():
-    Q, K, V = _problem(3, 1, 1, 1, 5, 9, 8)
-    for bad in (0, -2, 2.5, True):
-        with pytest.raises(ValueError, match="slots"):
-            VERSIONS["v8"](Q, K, V, tiling=Tiling(4, 2, 2, 2), slots=bad)

@@ -184,7 +184,8 @@ def stream_merge_kernel(B_r: int, d_v: int):
     :func:`stream_pieces`; the ranges cover the steps of items item0 … on). Warp (g, r) looks at the boundary
     between ranges g and g + 1: if it falls inside an item X and no earlier boundary does, it merges row r of X's
     pieces — from range g (slot 2g if X is its first item, else 2g + 1) and each later range that starts inside X
-    (slot 2r'). Grid ⌈(R − 1)·B_r / MERGE_ROWS⌉; most warps have nothing to do."""
+    (slot 2r'). Grid ⌈(R − 1)·B_r / MERGE_ROWS⌉; most warps have nothing to do. Reads n·(d_v + 1) floats of
+    partials per merged row (n pieces), writes its d_v values of O and one of L."""
     merge_row = _row_merger(d_v)
     bound = cuda.jit(device=True)(step_bound)
 

@@ -768,7 +768,7 @@ def run_forward(Q, K, V, *, tiling: Tiling, shuffle: bool, causal=False, scale=N
         if n_split:
             Opart = rt.device_empty((n_split * S, tiling.B_r, d_v))
             Lpart = rt.device_empty((n_split * S, tiling.B_r))
-            kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart, _no_parts()[2])
+            kernel[n_split * S, tiling.threads, 0, dynamic](*args, n_full, S, Opart, Lpart, whole[-1])
             merger = merge_kernel(tiling.B_r, d_v)
             merger[-(-n_split * tiling.B_r // MERGE_ROWS), MERGE_THREADS](Opart, Lpart, O, L, n_full, S, T_r, n_split)
     return Flash2Forward(rt.finish(O, layout_, (layout_.N_q, d_v)), rt.finish(L, layout_, (layout_.N_q,)))
