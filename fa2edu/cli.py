@@ -254,11 +254,13 @@ def tour(out=None) -> None:
 # -- fa2edu errata ----------------------------------------------------------------------------------------------------
 
 def _run_errata(out) -> int:
-    from fa2edu.errata import check_all
+    from fa2edu.errata import UNCHECKED, check_all
 
     print("The papers' errata (typos in the FA1 and FA2 texts), each evaluated on random blocks:", file=out)
     for erratum in check_all():
         print(erratum, file=out)
+    for number, (where, what, why) in sorted(UNCHECKED.items()):
+        print(f"Not computed: {number} ({where}): {what} [{why}]", file=out)
     return 0
 
 

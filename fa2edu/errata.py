@@ -1,7 +1,9 @@
 """The papers' errata, checked numerically: the printed formula against the corrected one, on random blocks.
 
-The FA1 (arXiv 2205.14135) and FA2 (arXiv 2307.08691) texts carry thirteen known errata (chapter 11 lists
-them). Eleven of them say something a computer can check. For each, a function here evaluates the formula
+The FA1 (arXiv 2205.14135) and FA2 (arXiv 2307.08691) texts carry thirteen known errata, numbered 1-13 as in
+the papers' list that chapter 11 follows. Eleven of them say something a computer can check; the other two,
+11 and 13, keep their numbers but have no function here (:data:`UNCHECKED` says why), so :data:`ERRATA` and
+:func:`check_all` go 1-10, 12. For each checkable erratum, a function here evaluates the formula
 **as printed** and **as corrected** on random data, and the quantity both are meant to equal (the float64 oracle
 of :mod:`fa2edu.reference`, an exact softmax, an executed
 HBM ledger or FLOP count). It returns an :class:`Erratum` that knows both errors, so a chapter can show
@@ -20,10 +22,13 @@ HBM ledger or FLOP count). It returns an :class:`Erratum` that knows both errors
 8   FA2 §2.3.1                    ``diag(ℓ)⁻¹ e^{S1−m}V1 + e^{S2−m}V2`` is missing parentheses around the sum
 9   FA2 Alg. 2 line 9             loads O_i (unneeded) and dQ_i (loaded again at line 15): redundant traffic
 10  FA1 Appendix B.4              the backward pass is O(N²d) FLOPs, not O(N²)
+11  FA2 §4.2                      "1.3× compared to FlashAttention-2" means FlashAttention (not computed)
 12  FA1 App. B vs FA2             L_i = Σ_j e^{S_ij} (a sum) is not FA2's L = m + log ℓ (a log-sum-exp)
+13  lecture deck, FA1 Alg. 1      m split into T_c blocks of B_c; it is T_r blocks of B_r (not computed)
 ==  ============================  ===========================================================================
 
-(11 is a sentence about speedups, 13 a slide deck's copying slip: nothing to compute.)
+11 is a sentence about a speed-up and 13 a slip in a lecture deck's copy of an algorithm, not in the papers'
+formulas: there is no printed formula to evaluate (chapter 11 shows 13 by the shapes it gets wrong).
 
 Conventions: the papers' §2-§3 formulas omit the softmax scale, so blocks here use τ = 1 unless the erratum is about
 τ; S blocks are (B_r, B_c), V blocks (B_c, d).
@@ -45,7 +50,7 @@ from fa2edu.memory import HBM, FlopCounter
 from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.softmax import safe_softmax
 
-__all__ = ["Erratum", "ERRATA", "check_all", "errata_table", "distance"] + [
+__all__ = ["Erratum", "ERRATA", "UNCHECKED", "check_all", "errata_table", "distance"] + [
     "erratum_1_dK", "erratum_2_two_block_output", "erratum_3_tweak_1", "erratum_4_line_10_inverse",
     "erratum_5_D_shape", "erratum_6_causal_blocks", "erratum_7_scale", "erratum_8_parentheses",
     "erratum_9_redundant_loads", "erratum_10_backward_flops", "erratum_12_L_sum_vs_logsumexp"]
@@ -366,7 +371,16 @@ def erratum_12_L_sum_vs_logsumexp(seed: int = 0, B_r: int = 5, N_k: int = 9) -> 
                    notes={"relation": "L_lse = log(L_sum): the names collide, the quantities differ"})
 
 
-#: Every checkable erratum, by its number in chapter 11's list.
+#: The errata with nothing to compute, by number: (where, what is wrong, why no function checks it). They keep
+#: their numbers so that 1-13 mean the same erratum everywhere (the papers' list, chapter 11, this module).
+UNCHECKED: dict[int, tuple[str, str, str]] = {
+    11: ("FA2 §4.2", "\"1.3× speedup compared to FlashAttention-2\" means compared to FlashAttention (1)",
+         "a sentence about a speed-up, no formula"),
+    13: ("lecture deck, FA1 Alg. 1", "m divided into T_c blocks of size B_c; it is T_r blocks of size B_r",
+         "a lecture deck's slip (chapter 11 checks its shapes)"),
+}
+
+#: Every checkable erratum, by its number in chapter 11's list (11 and 13 are in :data:`UNCHECKED`).
 ERRATA: dict[int, Callable[..., Erratum]] = {
     1: erratum_1_dK, 2: erratum_2_two_block_output, 3: erratum_3_tweak_1, 4: erratum_4_line_10_inverse,
     5: erratum_5_D_shape, 6: erratum_6_causal_blocks, 7: erratum_7_scale, 8: erratum_8_parentheses,
@@ -380,8 +394,10 @@ def check_all(seed: int = 0) -> list[Erratum]:
 
 
 def errata_table(seed: int = 0) -> str:
-    """A text table: erratum, where, printed error, corrected error."""
+    """A text table of all thirteen errata: where, printed error, corrected error (or why there is none)."""
+    rows = {e.number: f"{e.where:<32} {e.printed_error:>14.2e} {e.corrected_error:>16.2e}"
+            for e in check_all(seed)}
+    rows.update({number: f"{where:<32}   not computed: {why}" for number, (where, _, why) in UNCHECKED.items()})
     lines = [f"{'#':>3}  {'where':<32} {'printed error':>14} {'corrected error':>16}"]
-    for e in check_all(seed):
-        lines.append(f"{e.number:>3}  {e.where:<32} {e.printed_error:>14.2e} {e.corrected_error:>16.2e}")
+    lines += [f"{number:>3}  {rows[number]}" for number in sorted(rows)]
     return "\n".join(lines)
