@@ -23,11 +23,33 @@ __all__ = ["ReferenceResult", "Gradients", "attention_reference", "attention_ref
 
 
 class ReferenceResult(NamedTuple):
+    """What :func:`attention_reference` returns.
+
+    Attributes
+    ----------
+    O : ndarray, shape (..., N_q, d_v)
+        The attention output, float64.
+    L : ndarray, shape (..., N_q)
+        The log-sum-exp of each row of τ·QKᵀ (masked), float64; +inf for a fully masked row.
+    """
+
     O: np.ndarray  # (..., N_q, d_v) float64
     L: np.ndarray  # (..., N_q) float64, log-sum-exp of each row of τ·QKᵀ (+inf for a fully masked row)
 
 
 class Gradients(NamedTuple):
+    """What :func:`attention_reference_backward` returns: the exact gradients, float64.
+
+    Attributes
+    ----------
+    dQ : ndarray, shape (..., N_q, d)
+        Gradient with respect to Q.
+    dK : ndarray, shape (..., N_k, d)
+        Gradient with respect to K, summed over the query heads of each GQA group.
+    dV : ndarray, shape (..., N_k, d_v)
+        Gradient with respect to V, summed likewise.
+    """
+
     dQ: np.ndarray  # (..., N_q, d)
     dK: np.ndarray  # (..., N_k, d), summed over the query heads of each group (GQA)
     dV: np.ndarray  # (..., N_k, d_v)
@@ -62,8 +84,35 @@ def attention_reference(Q, K, V, causal: bool = False, scale=None, mask=None, *,
                         seed: int = 0) -> ReferenceResult:
     """softmax(τ·QKᵀ + mask)·V in float64, and ``L = logsumexp(τ·QKᵀ + mask)`` per row.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has more heads than K/V.
-    Returns ``(O, L)`` with O (..., N_q, d_v) and L (..., N_q), both float64. Cost: 4·N_q·N_k·d FLOPs, N_q·N_k memory.
+    Cost: 4·N_q·N_k·d FLOPs (2·N_q·N_k·(d + d_v) with d_v ≠ d) and N_q·N_k memory per (batch, head).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (every dtype computes in float64), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+
+    Returns
+    -------
+    ReferenceResult
+        ``(O, L)``, both float64: O (..., N_q, d_v) and L (..., N_q), +inf on a fully masked row (whose O is 0).
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -80,6 +129,36 @@ def attention_reference_backward(Q, K, V, dO, causal: bool = False, scale=None, 
 
     dV = P_dᵀ dO, dP = (dO Vᵀ) ∘ Z/(1−p), dS = P ∘ (dP − D) with D = rowsum(dO ∘ O), dQ = τ dS K, dK = τ dSᵀ Q
     (the FA2 text's ``dK = Q dSᵀ`` is erratum 1). dK, dV sum over the query heads that share a K/V head.
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (every dtype computes in float64), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    dO : ndarray, shape (..., N_q, d_v)
+        Gradient of the loss with respect to the output O, any floating dtype, finite.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+
+    Returns
+    -------
+    Gradients
+        ``(dQ, dK, dV)``, float64, shaped like Q, K and V; fully masked rows contribute zero gradients.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
