@@ -92,8 +92,9 @@ def offenders(path: Path, limit: int = LIMIT) -> list[str]:
 def test_chapter_code_fits_the_page(path: Path) -> None:
     """Every line of code the chapter shows is at most 88 characters; the failure lists every offender."""
     found = offenders(path)
-    assert not found, (f"{len(found)} line(s) of code wider than {LIMIT} characters in {path.name} "
-                       "(reflow them):\n" + "\n".join(found))
+    if found:
+        pytest.fail(f"{len(found)} line(s) of code wider than {LIMIT} characters in {path.name} "
+                    "(reflow them):\n" + "\n".join(found), pytrace=False)
 
 
 @pytest.mark.parametrize("path", CHAPTER_FILES, ids=IDS)
