@@ -46,13 +46,33 @@ __all__ = ["StandardForward", "StandardBackward", "standard_attention", "standar
 
 
 class StandardForward(NamedTuple):
-    """Alg. 0's output O (..., N_q, d_v) and the probabilities P (..., N_q, N_k) that Alg. 3 reads back."""
+    """Alg. 0's output O and the probabilities P that Alg. 3 reads back, in the inputs' dtype.
+
+    Attributes
+    ----------
+    O : ndarray, shape (..., N_q, d_v)
+        The attention output; 0 on a fully masked row.
+    P : ndarray, shape (..., N_q, N_k)
+        The softmax probabilities softmax(τQKᵀ), masked and un-dropped; 0 on a fully masked row.
+    """
 
     O: np.ndarray
     P: np.ndarray
 
 
 class StandardBackward(NamedTuple):
+    """What :func:`standard_attention_backward` (FA1 Alg. 3) returns, in the inputs' dtype.
+
+    Attributes
+    ----------
+    dQ : ndarray, shape (..., N_q, d)
+        Gradient with respect to Q.
+    dK : ndarray, shape (..., N_k, d)
+        Gradient with respect to K, summed over the query heads of each GQA group.
+    dV : ndarray, shape (..., N_k, d_v)
+        Gradient with respect to V, summed likewise.
+    """
+
     dQ: np.ndarray  # (..., N_q, d)
     dK: np.ndarray  # (..., N_k, d), summed over each GQA group
     dV: np.ndarray  # (..., N_k, d_v)
@@ -96,16 +116,56 @@ def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_
                        flops: FlopCounter | None = None) -> StandardForward:
     """Standard attention, FA1 Algorithm 0: S = τQKᵀ and P = softmax(S) are written to HBM, then O = PV.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has more heads than K and V.
-    ``M``/``block_sizes`` only set the row block B_r that streams rows through SRAM (default rule: FA2's Q-outer
-    ``B_r = ceil(M/4d)``); the traffic does not depend on them. With ``dropout_p > 0`` O is computed from the dropped
-    P ∘ Z; the returned P is the un-dropped softmax (Alg. 3 regenerates Z from ``seed``).
-
-    Returns ``StandardForward(O, P)``, both in the input dtype (P is (..., N_q, N_k)); fully masked rows have P = 0
-    and O = 0.
+    ``M``/``block_sizes`` only set the row block B_r that streams rows through SRAM; the traffic does not depend on
+    them. With ``dropout_p > 0`` O is computed from the dropped P ∘ Z; the returned P is the un-dropped softmax
+    (Alg. 3 regenerates Z from ``seed``).
 
     Cost per (batch, head): 2·N_q·N_k·(d + d_v) matmul FLOPs; HBM reads N_q·d + N_k·d + 2·N_q·N_k + N_k·d_v,
     writes 2·N_q·N_k + N_q·d_v (= 3Nd + 2N² and Nd + 2N² when N_q = N_k, d_v = d).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA2's Q-outer rule, of which only
+        B_r = ceil(M/4d) is used; explicit ``block_sizes`` that need more SRAM than M holds raise
+        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``; only B_r, the rows streamed through SRAM per block, is used (B_c is accepted for a uniform
+        interface). The traffic does not depend on it. Default None: the rule applied to ``M``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    StandardForward
+        ``(O, P)``, both in Q's dtype: O (..., N_q, d_v) and P (..., N_q, N_k); a fully masked row has P = 0 and
+        O = 0.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -177,12 +237,57 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
     the FA2 text's ``dK = Q dSᵀ`` is erratum 1). With dropout, Z is regenerated from ``seed``: dV = (P ∘ Z)ᵀ dO and
     dP = (dO Vᵀ) ∘ Z, and D_i = Σ_l P_il dP_il still equals rowsum(dO_i ∘ O_i).
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v), P (..., N_q, N_k) = :func:`standard_attention`'s
-    un-dropped P, dO (..., N_q, d_v). Returns ``StandardBackward(dQ, dK, dV)`` in the input dtype; dK and dV are
-    summed over the query heads of a GQA group.
-
     Cost per (batch, head): 4·N_q·N_k·(d + d_v) matmul FLOPs; HBM reads 5Nd + 5N², writes 3Nd + 2N² (N_q = N_k,
     d_v = d; in general reads N_q(N_k·5 + 2d_v + d) + N_k(d + d_v), writes 2·N_q·N_k + N_q·d + N_k·(d + d_v)).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    P : ndarray, shape (..., N_q, N_k)
+        The un-dropped probabilities that :func:`standard_attention` returned for these inputs (Alg. 3 reads them
+        back from HBM).
+    dO : ndarray, shape (..., N_q, d_v)
+        Gradient of the loss with respect to the output O, finite.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), as in the forward pass; kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); pass the forward pass's
+        seed to regenerate its mask. Unused when ``dropout_p = 0``.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA2's Q-outer rule, of which only
+        B_r = ceil(M/4d) is used; explicit ``block_sizes`` that need more SRAM than M holds raise
+        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``; only B_r, the rows streamed through SRAM per block, is used (B_c is accepted for a uniform
+        interface). The traffic does not depend on it. Default None: the rule applied to ``M``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    StandardBackward
+        ``(dQ, dK, dV)`` in Q's dtype, shaped like Q, K and V; dK and dV are summed over the query heads of a GQA
+        group.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
