@@ -24,10 +24,12 @@ are left out, as the papers leave them out (:attr:`fa2edu.memory.HBM.init_writes
 from __future__ import annotations
 
 import html
+import sys
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import numpy as np
+from tqdm import tqdm
 
 from fa2edu import flash1, flash2, standard
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer, check_M, num_blocks, resolve_block_sizes
@@ -331,62 +333,143 @@ class IORow:
 
 
 def _random_problem(N_q: int, N_k: int, d: int, seed: int):
+    """Random Q, K, V, dO in float32. The ledger counts elements, whatever their type, so float32 changes no
+    count; it only halves the memory and time of the arithmetic the algorithms do on the way."""
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((N_q, d)), rng.standard_normal((N_k, d)), rng.standard_normal((N_k, d)),
-            rng.standard_normal((N_q, d)))
+    return tuple(rng.standard_normal((N, d), dtype=np.float32) for N in (N_q, N_k, N_k, N_q))
+
+
+class _ProgressHBM(HBM):
+    """An :class:`~fa2edu.memory.HBM` that also advances a progress bar by every element its ledger records."""
+
+    def __init__(self, bar) -> None:
+        super().__init__()
+        self._bar = bar
+
+    def read(self, name: str, rows: slice, *, line: str, **options) -> np.ndarray:
+        key = ("read", name, line)
+        before = self.ledger[key]
+        block = super().read(name, rows, line=line, **options)
+        self._bar.update(self.ledger[key] - before)
+        return block
+
+    def write(self, name: str, rows: slice, value: np.ndarray, *, line: str, **options) -> None:
+        key = ("write", name, line)
+        before = self.ledger[key]
+        super().write(name, rows, value, line=line, **options)
+        self._bar.update(self.ledger[key] - before)
+
+
+def _flash2_mask(block_mask, pass_: str, N_q: int, N_k: int, d: int, M, block_sizes):
+    """FA2 takes an element mask: a (T_r, T_c) block mask on this pass's grid, expanded (None stays None)."""
+    if block_mask is None:
+        return None
+    B_r, B_c = resolve_block_sizes(M, block_sizes, d, block_rule("flash2", pass_))
+    return block_sparse_to_mask(block_mask, N_q, N_k, B_r, B_c)
+
+
+def _run_pass(algorithm: str, pass_: str, problem, M, tiling: dict, mask, hbm: HBM, saved=None,
+              redundant_loads: bool = False):
+    """Run one counted pass on ``hbm``; returns the forward result (the backward pass's inputs).
+
+    ``mask`` is what the algorithm takes: None, FA1 Alg 5's block mask (flash1) or an element mask (flash2).
+    A backward pass uses ``saved``, the forward result of the same problem, or runs that forward pass uncounted.
+    """
+    Q, K, V, dO = problem
+    forward = pass_ == "forward"
+    fwd = saved
+    if algorithm == "standard":
+        # FA1 Alg 0 and 3 materialise all of S and P whatever the mask: a block mask changes no count.
+        # Only the row block B_r = ceil(M/4d) of its streaming depends on M; the counts do not.
+        if fwd is None or forward:
+            fwd = standard.standard_attention(Q, K, V, causal=tiling["causal"], M=M, hbm=hbm if forward else None)
+        if not forward:
+            standard.standard_attention_backward(Q, K, V, fwd.P, dO, causal=tiling["causal"], M=M, hbm=hbm)
+    elif algorithm == "flash1":
+        if fwd is None or forward:
+            run = hbm if forward else None
+            fwd = (flash1.flash1_forward(Q, K, V, **tiling, hbm=run) if mask is None
+                   else flash1.flash1_block_sparse_forward(Q, K, V, mask, **tiling, hbm=run))
+        if not forward:
+            if mask is None:
+                flash1.flash1_backward(Q, K, V, fwd.O, fwd.l, fwd.m, dO, **tiling, hbm=hbm)
+            else:
+                flash1.flash1_block_sparse_backward(Q, K, V, fwd.O, fwd.l, fwd.m, dO, mask, **tiling, hbm=hbm)
+    else:
+        if forward:
+            fwd = flash2.flash2_forward(Q, K, V, **tiling, mask=mask, hbm=hbm)
+        else:
+            if fwd is None:
+                # The forward pass only supplies O and L here; any tiling gives the same ones.
+                fwd_bs = resolve_block_sizes(M, tiling["block_sizes"], Q.shape[-1], block_rule("flash2", pass_))
+                fwd = flash2.flash2_forward(Q, K, V, block_sizes=fwd_bs, causal=tiling["causal"], mask=mask)
+            flash2.flash2_backward(Q, K, V, fwd.O, fwd.L, dO, **tiling, mask=mask,
+                                   redundant_loads=redundant_loads, hbm=hbm)
+    return fwd
+
+
+def _ledger_row(algorithm: str, pass_: str, hbm: HBM, N_q: int, N_k: int, causal: bool, block_mask) -> IORow:
+    """The report's row of a counted pass: its ledger, and the blocks it visited."""
+    if algorithm == "standard":
+        return IORow(algorithm, pass_, hbm.reads, hbm.writes, None, hbm.sram.peak, "execute", by_line=hbm.by_line())
+    visits = block_visits(N_q, N_k, *hbm.block_sizes, causal=causal, block_mask=block_mask)
+    return IORow(algorithm, pass_, hbm.reads, hbm.writes, hbm.block_sizes, hbm.sram.peak, "execute",
+                 visits.visited, visits.total, hbm.by_line())
 
 
 def execute_io(algorithm: str, pass_: str, N_q: int, N_k: int, d: int, M: int | None, *, causal: bool = False,
                block_sizes: tuple[int, int] | None = None, block_mask: np.ndarray | None = None,
                redundant_loads: bool = False, seed: int = 0) -> IORow:
-    """Run one (algorithm, pass) on random float64 data with an :class:`~fa2edu.memory.HBM` and read its ledger.
+    """Run one (algorithm, pass) on random float32 data with an :class:`~fa2edu.memory.HBM` and read its ledger.
 
     The backward pass first runs its own forward pass uncounted, for the statistics it needs (P, or O and ℓ, m, or
     O and L). ``block_mask`` (T_r, T_c) is on this pass's block grid: FA1 Algorithm 5 for flash1; for flash2 it is
     expanded to the element mask, whose zero blocks FA2's block classification skips.
+    Cost: the algorithm's own, one NumPy step per visited block (about 5 s for the six passes at N = 8192, d = 64).
     """
     _check_pair(algorithm, pass_)
-    Q, K, V, dO = _random_problem(N_q, N_k, d, seed)
     hbm = HBM()
-    if algorithm == "standard":
-        # FA1 Alg 0 and 3 materialise all of S and P whatever the mask: a block mask changes no count.
-        # Only the row block B_r = ceil(M/4d) of its streaming depends on M; the counts do not.
-        fwd = standard.standard_attention(Q, K, V, causal=causal, M=M, hbm=hbm if pass_ == "forward" else None)
-        if pass_ == "backward":
-            standard.standard_attention_backward(Q, K, V, fwd.P, dO, causal=causal, M=M, hbm=hbm)
-    else:
-        tiling = {"M": M, "block_sizes": block_sizes, "causal": causal}
-        if algorithm == "flash1":
-            if block_mask is None:
-                fwd = flash1.flash1_forward(Q, K, V, **tiling, hbm=hbm if pass_ == "forward" else None)
-                if pass_ == "backward":
-                    flash1.flash1_backward(Q, K, V, fwd.O, fwd.l, fwd.m, dO, **tiling, hbm=hbm)
-            else:
-                fwd = flash1.flash1_block_sparse_forward(Q, K, V, block_mask, **tiling,
-                                                         hbm=hbm if pass_ == "forward" else None)
-                if pass_ == "backward":
-                    flash1.flash1_block_sparse_backward(Q, K, V, fwd.O, fwd.l, fwd.m, dO, block_mask, **tiling,
-                                                        hbm=hbm)
-        else:
-            mask = None
-            if block_mask is not None:
-                B_r, B_c = resolve_block_sizes(M, block_sizes, d, block_rule("flash2", pass_))
-                mask = block_sparse_to_mask(block_mask, N_q, N_k, B_r, B_c)
+    mask = _flash2_mask(block_mask, pass_, N_q, N_k, d, M, block_sizes) if algorithm == "flash2" else block_mask
+    tiling = {"M": M, "block_sizes": block_sizes, "causal": causal}
+    _run_pass(algorithm, pass_, _random_problem(N_q, N_k, d, seed), M, tiling, mask, hbm,
+              redundant_loads=redundant_loads)
+    return _ledger_row(algorithm, pass_, hbm, N_q, N_k, causal, block_mask)
+
+
+def _same_mask(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape
+                                         and bool(np.array_equal(a, b)))
+
+
+def _execute_plan(plan, N_q: int, N_k: int, d: int, M, causal: bool, block_sizes, seed: int, progress) -> list:
+    """Execute every (algorithm, pass) of ``plan`` (see :func:`simulate_io`), one fresh ledger each.
+
+    Each backward pass reuses its own algorithm's forward result when the forward pass ran the same problem (same
+    mask), rather than running it again uncounted. ``progress``: a bar on stderr, in HBM elements, whose length
+    is the formulas' count (:func:`visit_form`), so it ends exactly full when the ledger agrees with them.
+    """
+    problem = _random_problem(N_q, N_k, d, seed)
+    tiling = {"M": M, "block_sizes": block_sizes, "causal": causal}
+    total = None
+    if progress is not False:
+        total = sum(_formula_row(algorithm, pass_, N_q, N_k, d, bs, causal, mask).total
+                    for algorithm, pass_, bs, mask in plan)
+    rows, forwards = [], {}
+    with tqdm(total=total, desc="executing", unit=" elements", unit_scale=True, file=sys.stderr, leave=False,
+              dynamic_ncols=True, disable=None if progress is None else not progress) as bar:
+        for algorithm, pass_, _, block_mask in plan:
+            bar.set_description(f"executing {algorithm} {pass_}")
+            mask = (_flash2_mask(block_mask, pass_, N_q, N_k, d, M, block_sizes) if algorithm == "flash2"
+                    else block_mask)
+            saved_mask, saved = forwards.get(algorithm, (None, None))
+            if saved is not None and not _same_mask(saved_mask, mask):
+                saved = None
+            hbm = _ProgressHBM(bar)
+            fwd = _run_pass(algorithm, pass_, problem, M, tiling, mask, hbm, saved=saved)
             if pass_ == "forward":
-                flash2.flash2_forward(Q, K, V, **tiling, mask=mask, hbm=hbm)
-            else:
-                fwd_bs = resolve_block_sizes(M, block_sizes, d, block_rule("flash2", "backward"))
-                # The forward pass only supplies O and L here; any tiling gives the same ones.
-                fwd = flash2.flash2_forward(Q, K, V, block_sizes=fwd_bs, causal=causal, mask=mask)
-                flash2.flash2_backward(Q, K, V, fwd.O, fwd.L, dO, **tiling, mask=mask,
-                                       redundant_loads=redundant_loads, hbm=hbm)
-    visits = None
-    if algorithm != "standard":
-        visits = block_visits(N_q, N_k, *hbm.block_sizes, causal=causal, block_mask=block_mask)
-    return IORow(algorithm, pass_, hbm.reads, hbm.writes, hbm.block_sizes if algorithm != "standard" else None,
-                 hbm.sram.peak, "execute",
-                 None if visits is None else visits.visited, None if visits is None else visits.total,
-                 hbm.by_line())
+                forwards[algorithm] = (mask, fwd)
+            rows.append(_ledger_row(algorithm, pass_, hbm, N_q, N_k, causal, block_mask))
+    return rows
 
 
 def _formula_row(algorithm: str, pass_: str, N_q: int, N_k: int, d: int, block_sizes, causal: bool,
@@ -561,7 +644,7 @@ def _check_block_sparsity(block_sparsity, block_sizes):
 
 def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int | None = None, block_sizes=None,
                 block_sparsity=None, method: str = "auto", algorithms=ALGORITHMS, passes=PASSES,
-                seed: int = 0) -> IOReport:
+                seed: int = 0, progress: bool | None = False) -> IOReport:
     """HBM reads and writes of standard attention, FlashAttention and FlashAttention-2, forward and backward.
 
     Arguments: sequence length ``N`` (= N_q; ``N_k`` defaults to N), head dimension ``d``, SRAM size ``M`` in
@@ -573,7 +656,9 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
     ``method``: ``"execute"`` runs the algorithms on random data and reads their ledgers (the ground truth);
     ``"closed_form"`` evaluates :func:`visit_form`, proven equal by the tests; ``"auto"`` executes when the runs are
     small (a few thousand blocks) and uses the formulas otherwise. ``simulate_io(65536, 64, 98304)`` answers in
-    milliseconds.
+    milliseconds; executing costs one NumPy step per visited block (about 5 s at N = 8192, d = 64, M = 49152).
+    ``progress``: while executing, a progress bar on stderr counting the HBM elements moved (True), none (False,
+    the default), or one only when stderr is a terminal (None).
 
     Returns an :class:`IOReport` with one :class:`IORow` per (algorithm, pass).
     """
@@ -593,6 +678,8 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
         if isinstance(chosen, str) or not set(chosen) <= set(allowed) or not chosen:
             raise ValueError(f"{name} must be a non-empty collection drawn from {allowed}, got {chosen!r}")
     density = _check_block_sparsity(block_sparsity, block_sizes)
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool or None, got {type(progress).__name__}")
 
     plan = []                               # (algorithm, pass, block sizes, block mask)
     for algorithm in ALGORITHMS:
@@ -613,15 +700,14 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
                      for algorithm, _, bs, mask in plan if algorithm != "standard")
         method = "execute" if blocks <= EXECUTE_MAX_BLOCKS and N * N_k <= EXECUTE_MAX_SCORES else "closed_form"
 
+    if method == "execute":
+        rows = _execute_plan(plan, N, N_k, d, M, causal, block_sizes, seed, progress)
+        return IOReport(N, N_k, d, M, bool(causal), rows, density)
     rows = []
     for algorithm, pass_, bs, mask in plan:
-        if method == "execute":
-            rows.append(execute_io(algorithm, pass_, N, N_k, d, M, causal=causal, block_sizes=block_sizes,
-                                   block_mask=mask, seed=seed))
-        else:
-            if algorithm != "standard" and M is not None:
-                _check_fits(algorithm, pass_, d, M, bs, N, N_k)
-            rows.append(_formula_row(algorithm, pass_, N, N_k, d, bs, causal, mask))
+        if algorithm != "standard" and M is not None:
+            _check_fits(algorithm, pass_, d, M, bs, N, N_k)
+        rows.append(_formula_row(algorithm, pass_, N, N_k, d, bs, causal, mask))
     return IOReport(N, N_k, d, M, bool(causal), rows, density)
 
 

@@ -20,7 +20,8 @@ from fa2edu import hardware
 from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, num_blocks, sram_capacity
 from fa2edu.flash1 import flash1_backward_working_set, flash1_forward_working_set
 from fa2edu.flash2 import flash2_backward, flash2_backward_working_set, flash2_forward, flash2_forward_working_set
-from fa2edu.io import ALGORITHMS, PASSES, IOReport, block_rule, block_visits, closed_form, simulate_io, visit_form
+from fa2edu.io import (ALGORITHMS, PASSES, IOReport, block_rule, block_visits, closed_form, execute_io, simulate_io,
+                       visit_form)
 from fa2edu.masks import BlockKind, classify_block, random_block_mask
 from fa2edu.memory import HBM
 
@@ -198,6 +199,40 @@ def test_block_sparse_executed_matches_formula_with_random_mask():
     kwargs = dict(block_sizes=bs, block_sparsity=mask, algorithms=("flash1", "flash2"))
     assert _counts(simulate_io(70, 4, None, method="execute", **kwargs)) == \
         _counts(simulate_io(70, 4, None, method="closed_form", **kwargs))
+
+
+@pytest.mark.parametrize("causal, sparsity", [(False, None), (True, 0.5)])
+def test_simulate_io_reusing_the_forward_pass_changes_no_ledger(causal, sparsity):
+    """simulate_io runs each backward pass on its own forward pass's result; execute_io recomputes it uncounted.
+    Ledgers equal line by line, with block masks on different grids (FA2) or the same one (FA1)."""
+    report = simulate_io(90, 8, 256, causal, method="execute", block_sparsity=sparsity, seed=5)
+    for row in report.rows:
+        mask = None
+        if sparsity is not None and row.algorithm != "standard":
+            mask = random_block_mask(num_blocks(90, row.block_sizes[0]), num_blocks(90, row.block_sizes[1]),
+                                     sparsity, seed=5)
+        alone = execute_io(row.algorithm, row.pass_, 90, 90, 8, 256, causal=causal, block_mask=mask, seed=5)
+        assert (row, row.by_line) == (alone, alone.by_line)
+
+
+def test_progress_bar_counts_every_ledger_element(monkeypatch, capsys):
+    """The bar's length is the formulas' count and the executed ledger fills it exactly (on stderr only)."""
+    bars = []
+
+    class Recording(fa2edu.io.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(fa2edu.io, "tqdm", Recording)
+    report = simulate_io(77, 8, 256, True, method="execute", progress=True)
+    (bar,) = bars
+    assert bar.n == bar.total == sum(row.total for row in report.rows)
+    assert "executing" in capsys.readouterr().err
+    simulate_io(77, 8, 256, True, method="execute")                  # progress=False by default: nothing shown
+    assert bars[1].disable and capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match="progress must be a bool or None"):
+        simulate_io(77, 8, 256, progress="yes")
 
 
 # -- SRAM, speed, auto ---------------------------------------------------------------------------------------------
