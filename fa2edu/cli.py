@@ -3,6 +3,7 @@
 ::
 
     fa2edu io --N 4096 --d 64 --M 98304 [--causal] [--dtype float16 --batch 8 --heads 16] [--device a100]
+    fa2edu io --N 8192 --method execute   # run the algorithms on the ledger (a few seconds, with a progress bar)
     fa2edu tour          # a few seconds: traffic, Theorem 2's scaling, exactness, causal skipping, where to read on
     fa2edu errata        # every checkable erratum of the papers: printed formula vs corrected, against the oracle
     fa2edu version       # or: fa2edu --version
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--heads", type=_positive_int, default=1, help="number of heads for the bytes table; default 1")
     io.add_argument("--device", default=None, choices=sorted(hardware.DEVICES),
                     help="a GPU profile: sets the default M and adds a roofline lower bound on the HBM time")
+    io.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="a progress bar on stderr while the algorithms execute (default: when stderr is a terminal)")
+    # Errors found after parsing (M too small for d, block sizes that overflow the SRAM) print this usage.
+    io.set_defaults(subparser=io)
 
     sub.add_parser("tour", help="a guided run of a few seconds through the book's main results")
     sub.add_parser("errata", help="the papers' errata: printed formula vs corrected, checked numerically")
@@ -99,15 +104,16 @@ def _format_bytes(n: float) -> str:
 
 
 def _run_io(args, parser: argparse.ArgumentParser, out) -> int:
+    """``fa2edu io``; ``parser`` is the ``io`` subcommand's parser, whose usage an error prints."""
     M = args.M
     if M is None:
         M = hardware.M_for(args.device, args.dtype) if args.device else DEFAULT_M
     try:
         report = simulate_io(args.N, args.d, M, args.causal, N_k=args.N_k,
                              block_sizes=tuple(args.block_sizes) if args.block_sizes else None,
-                             block_sparsity=args.block_sparsity, method=args.method)
+                             block_sparsity=args.block_sparsity, method=args.method, progress=args.progress)
     except (ValueError, TypeError) as error:
-        parser.error(f"io: {error}")
+        parser.error(str(error))
     print(report, file=out)
     print(file=out)
     programs = f"{args.batch} × {args.heads} (batch × heads)"
@@ -279,7 +285,7 @@ def main(argv=None) -> int:
 
 def _dispatch(args, parser, out) -> int:
     if args.command == "io":
-        return _run_io(args, parser, out)
+        return _run_io(args, args.subparser, out)
     if args.command == "tour":
         tour(out)
         return 0

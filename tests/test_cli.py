@@ -35,6 +35,17 @@ def test_io_small_problem_executes_and_device_adds_roofline(capsys):
     assert f"M = {fa2edu.hardware.M_for('A100-40GB', 'float16'):,}" in out   # M defaults to the device's SM
 
 
+def test_io_progress_bar_goes_to_stderr_only_when_asked(capsys):
+    small = ["io", "--N", "64", "--d", "8", "--M", "256", "--method", "execute"]
+    assert main(small + ["--progress"]) == 0
+    shown = capsys.readouterr()
+    assert "executing" in shown.err and "elements" in shown.err      # tqdm's bar, counting HBM elements
+    assert "executing" not in shown.out and shown.out.count("execute") == 6
+    for quiet in (small + ["--no-progress"], small):                 # the default: only on a terminal
+        assert main(quiet) == 0
+        assert capsys.readouterr().err == ""
+
+
 def test_io_block_options(capsys):
     out = run(capsys, "io", "--N", "512", "--d", "16", "--block-sizes", "32", "16", "--M", "4096",
               "--block-sparsity", "0.5")
@@ -86,3 +97,16 @@ def test_bad_arguments_exit_with_a_clear_message(capsys, argv, message):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["io", "--d", "64", "--M", "100"],                                    # found by simulate_io, after parsing
+    ["io", "--N", "64", "--d", "8", "--M", "256", "--block-sizes", "64", "64"],
+    ["io", "--N", "0"],                                                   # found by argparse
+])
+def test_io_errors_print_the_io_usage_not_the_top_level_one(capsys, argv):
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fa2edu io [-h]") and "--block-sizes" in err
+    assert "fa2edu io: error: " in err and "{io,tour,errata,version}" not in err
