@@ -44,9 +44,18 @@ __all__ = ["Flash1Forward", "Flash1Backward", "flash1_forward", "flash1_backward
 
 
 class Flash1Forward(NamedTuple):
-    """FA1 Alg. 1's outputs: O (..., N_q, d_v) and the softmax statistics ℓ (row sums) and m (row maxima), (..., N_q).
+    """FA1 Alg. 1's outputs: O and the softmax statistics that Alg. 4 reads back.
 
     They relate to FA2's log-sum-exp by L = m + log ℓ; a fully masked row has (ℓ, m) = (0, −inf).
+
+    Attributes
+    ----------
+    O : ndarray, shape (..., N_q, d_v)
+        The attention output, in the inputs' dtype; 0 on a fully masked row.
+    l : ndarray, shape (..., N_q)
+        The softmax row sums ℓ, in the compute dtype.
+    m : ndarray, shape (..., N_q)
+        The softmax row maxima m, in the compute dtype.
     """
 
     O: np.ndarray
@@ -55,6 +64,18 @@ class Flash1Forward(NamedTuple):
 
 
 class Flash1Backward(NamedTuple):
+    """What FA1 Alg. 4 (:func:`flash1_backward`) returns, in the inputs' dtype.
+
+    Attributes
+    ----------
+    dQ : ndarray, shape (..., N_q, d)
+        Gradient with respect to Q.
+    dK : ndarray, shape (..., N_k, d)
+        Gradient with respect to K, summed over the query heads of each GQA group.
+    dV : ndarray, shape (..., N_k, d_v)
+        Gradient with respect to V, summed likewise.
+    """
+
     dQ: np.ndarray  # (..., N_q, d)
     dK: np.ndarray  # (..., N_k, d), summed over each GQA group
     dV: np.ndarray  # (..., N_k, d_v)
@@ -302,16 +323,52 @@ def flash1_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
                    flops: FlopCounter | None = None) -> Flash1Forward:
     """FlashAttention forward pass, FA1 Algorithm 1, with Algorithm 2's scale τ, masking and dropout.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has H_q heads and K, V have H_kv.
-    Block sizes: ``block_sizes=(B_r, B_c)``, else from M (elements) by Alg. 1 line 1, ``B_c = ceil(M/4d)``,
-    ``B_r = min(ceil(M/4d), d)``, M defaulting to :data:`fa2edu.blocks.DEFAULT_M`. ``hbm``/``flops`` record the
-    traffic and the FLOPs if given. ``seed`` is Alg. 2's PRNG state R: pass the same one to :func:`flash1_backward`.
-
-    Returns ``Flash1Forward(O, l, m)``: O in the input dtype; ℓ, m (..., N_q) in the compute dtype, with
-    (ℓ, m) = (0, −inf) and O = 0 on fully masked rows.
-
     Cost per (batch, head), N_q = N_k = N, no mask: 4N²d matmul FLOPs; HBM reads 2Nd + T_c(2Nd + 2N), writes
     T_c(Nd + 2N), plus N(d + 2) initialisation writes.
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
+        ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
+        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash1Forward
+        ``(O, l, m)``: O (..., N_q, d_v) in Q's dtype; ℓ and m (..., N_q) in the compute dtype. A fully masked row
+        has O = 0 and (ℓ, m) = (0, −inf).
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -324,14 +381,63 @@ def flash1_backward(Q, K, V, O, l, m, dO, M=None, block_sizes=None, causal=False
                     flops: FlopCounter | None = None) -> Flash1Backward:
     """FlashAttention backward pass, FA1 Algorithm 4: recompute S and P from (ℓ, m), never read them from HBM.
 
-    Shapes: Q, K, V as in :func:`flash1_forward`; O and dO (..., N_q, d_v); ℓ and m (..., N_q) from the forward
-    pass (any block sizes: the backward's need not match). With ``dropout_p > 0`` the mask is regenerated from
-    ``seed`` (FA1 Appendix B.4). Returns ``Flash1Backward(dQ, dK, dV)`` in the input dtype; dK, dV are summed over
-    the query heads of a GQA group; fully masked rows get zero gradients, never NaN.
+    With ``dropout_p > 0`` the mask is regenerated from ``seed`` (FA1 Appendix B.4).
 
     Cost per (batch, head), N_q = N_k = N, no mask: 10N²d matmul FLOPs (five products: S recomputed, dV, dP,
-    dQ, dK);
-    HBM reads 2Nd + T_c(4Nd + 2N), writes 2Nd + T_c·Nd, plus 3Nd initialisation writes (dQ, dK, dV).
+    dQ, dK); HBM reads 2Nd + T_c(4Nd + 2N), writes 2Nd + T_c·Nd, plus 3Nd initialisation writes (dQ, dK, dV).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    O : ndarray, shape (..., N_q, d_v)
+        The output of the forward pass, as :func:`flash1_forward` returned it.
+    l : ndarray, shape (..., N_q)
+        The forward pass's softmax row sums ℓ, non-negative (0 on a fully masked row).
+    m : ndarray, shape (..., N_q)
+        The forward pass's softmax row maxima m, finite or −inf (a fully masked row).
+    dO : ndarray, shape (..., N_q, d_v)
+        Gradient of the loss with respect to O, finite.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
+        ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
+        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). They need not match the forward pass's.
+        Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), as in the forward pass; kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); pass the forward pass's
+        seed to regenerate its mask. Unused when ``dropout_p = 0``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash1Backward
+        ``(dQ, dK, dV)`` in Q's dtype, shaped like Q, K and V; dK and dV are summed over the query heads of a GQA
+        group, and fully masked rows get zero gradients, never NaN.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -345,14 +451,57 @@ def flash1_block_sparse_forward(Q, K, V, block_mask, M=None, block_sizes=None, c
                                 flops: FlopCounter | None = None) -> Flash1Forward:
     """Block-sparse FlashAttention forward pass, FA1 Algorithm 5: Algorithm 1 that skips the zero blocks.
 
-    ``block_mask`` is a bool (T_r, T_c) array M̃ for this run's block sizes (T_r = ceil(N_q/B_r), T_c =
-    ceil(N_k/B_c)); block (i, j) is computed only where M̃_ij is True (Alg. 5 line 8). The result equals exact
-    attention with the element mask :func:`fa2edu.masks.block_sparse_to_mask` (combined with ``causal``/``mask``).
-    Other arguments and the result as in :func:`flash1_forward`.
-
     Cost: as Alg. 1 with only the non-zero blocks visited: HBM reads N_k(d + d_v) + s·T_c·N_q(d + d_v + 2) and
     writes s·T_c·N_q(d_v + 2) when the blocks are full, s the fraction of non-zero blocks (Proposition 4:
     Θ(Nd + N²d²s/M)). K_j, V_j are loaded for every j, as Alg. 5 line 6 does.
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    block_mask : ndarray of bool, shape (T_r, T_c)
+        The block mask M̃ for this run's block sizes, T_r = ceil(N_q/B_r) and T_c = ceil(N_k/B_c): block (i, j) is
+        computed only where M̃_ij is True (Alg. 5 line 8). The result is exact attention with the element mask
+        :func:`fa2edu.masks.block_sparse_to_mask` (combined with ``causal`` and ``mask``).
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
+        ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
+        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash1Forward
+        ``(O, l, m)``: O (..., N_q, d_v) in Q's dtype; ℓ and m (..., N_q) in the compute dtype. A fully masked row
+        has O = 0 and (ℓ, m) = (0, −inf).
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -367,8 +516,63 @@ def flash1_block_sparse_backward(Q, K, V, O, l, m, dO, block_mask, M=None, block
     """Block-sparse FlashAttention backward pass: Algorithm 4 that skips the zero blocks of ``block_mask``.
 
     FA1 prints no listing for it ("similar to Algorithm 5"): the same test as Alg. 5 line 8 sits in Alg. 4's inner
-    loop. ``block_mask`` (T_r, T_c) is for *this* run's block sizes. Other arguments and the result as in
-    :func:`flash1_backward`; traffic scales with the fraction s of non-zero blocks (FA1 Proposition 4).
+    loop. Traffic scales with the fraction s of non-zero blocks (FA1 Proposition 4).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    O : ndarray, shape (..., N_q, d_v)
+        The output of the forward pass, as :func:`flash1_forward` returned it.
+    l : ndarray, shape (..., N_q)
+        The forward pass's softmax row sums ℓ, non-negative (0 on a fully masked row).
+    m : ndarray, shape (..., N_q)
+        The forward pass's softmax row maxima m, finite or −inf (a fully masked row).
+    dO : ndarray, shape (..., N_q, d_v)
+        Gradient of the loss with respect to O, finite.
+    block_mask : ndarray of bool, shape (T_r, T_c)
+        The block mask M̃ for this run's block sizes, T_r = ceil(N_q/B_r) and T_c = ceil(N_k/B_c): block (i, j) is
+        computed only where M̃_ij is True (Alg. 5 line 8). The result is exact attention with the element mask
+        :func:`fa2edu.masks.block_sparse_to_mask` (combined with ``causal`` and ``mask``).
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
+        ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
+        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), as in the forward pass; kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); pass the forward pass's
+        seed to regenerate its mask. Unused when ``dropout_p = 0``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash1Backward
+        ``(dQ, dK, dV)`` in Q's dtype, shaped like Q, K and V; dK and dV are summed over the query heads of a GQA
+        group, and fully masked rows get zero gradients, never NaN.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
