@@ -31,13 +31,34 @@ __all__ = ["Flash2Forward", "Flash2Backward", "flash2_forward", "flash2_backward
 
 
 class Flash2Forward(NamedTuple):
-    """FA2 Alg. 1's outputs: O (..., N_q, d_v) and the log-sum-exp L (..., N_q) saved for the backward pass."""
+    """FA2 Alg. 1's outputs: O and the log-sum-exp L saved for the backward pass.
+
+    Attributes
+    ----------
+    O : ndarray, shape (..., N_q, d_v)
+        The attention output, in the inputs' dtype; 0 on a fully masked row.
+    L : ndarray, shape (..., N_q)
+        The log-sum-exp L = m + log ℓ of each row of τQKᵀ (masked), in the compute dtype; +inf on a fully masked
+        row, so that exp(S − L) = 0 in the backward pass.
+    """
 
     O: np.ndarray
     L: np.ndarray
 
 
 class Flash2Backward(NamedTuple):
+    """What FA2 Alg. 2 (:func:`flash2_backward`) returns, in the inputs' dtype.
+
+    Attributes
+    ----------
+    dQ : ndarray, shape (..., N_q, d)
+        Gradient with respect to Q.
+    dK : ndarray, shape (..., N_k, d)
+        Gradient with respect to K, summed over the query heads of each GQA group.
+    dV : ndarray, shape (..., N_k, d_v)
+        Gradient with respect to V, summed likewise.
+    """
+
     dQ: np.ndarray  # (..., N_q, d)
     dK: np.ndarray  # (..., N_k, d), summed over each GQA group
     dV: np.ndarray  # (..., N_k, d_v)
@@ -54,14 +75,51 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
                    flops: FlopCounter | None = None) -> Flash2Forward:
     """FlashAttention-2 forward pass (FA2 Algorithm 1), with FA1 Alg. 2's scale τ, mask and dropout.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); GQA when Q has H_q heads and K, V have H_kv.
-    Block sizes: ``block_sizes=(B_r, B_c)``, else from M (elements) by the Q-outer rule ``B_r = ceil(M/4d)``,
-    ``B_c = min(ceil(M/4d), d)`` (:func:`fa2edu.blocks.block_sizes_q_outer`), M defaulting to
-    :data:`fa2edu.blocks.DEFAULT_M`. ``hbm``/``flops`` record the traffic and the FLOPs if given.
-
-    Returns ``Flash2Forward(O, L)``; O in the input dtype, L in the compute dtype (+inf on fully masked rows).
-
     Cost per (batch, head), N_q = N_k = N, no mask: 4N²d matmul FLOPs; HBM reads Nd + 2Nd·T_r, writes Nd + N.
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by the Q-outer rule
+        ``B_r = ceil(M/4d)``, ``B_c = min(ceil(M/4d), d)`` (:func:`~fa2edu.blocks.block_sizes_q_outer`); explicit
+        ``block_sizes`` that need more SRAM than M holds raise :class:`~fa2edu.SRAMOverflowError`. Default None: the
+        block sizes of :data:`~fa2edu.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), applied to P (FA1 Alg. 2); kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); the backward pass
+        regenerates the same mask from the same seed. Unused when ``dropout_p = 0``.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash2Forward
+        ``(O, L)``: O (..., N_q, d_v) in Q's dtype and L (..., N_q) in the compute dtype. A fully masked row has
+        O = 0 and L = +inf.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
@@ -182,20 +240,66 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
                     hbm: HBM | None = None, flops: FlopCounter | None = None) -> Flash2Backward:
     """FlashAttention-2 backward pass (FA2 Algorithm 2), with FA1 Alg. 4's scale τ, mask and dropout.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); O, dO (..., N_q, d_v) and L (..., N_q) as
-    :func:`flash2_forward` returned them (L = +inf on fully masked rows). GQA: dK, dV are summed over the query heads
-    that share a K/V head. Block sizes: ``block_sizes=(B_r, B_c)``, else the K/V-outer rule of FA1 Alg. 1 line 1,
-    ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)`` (:func:`fa2edu.blocks.block_sizes_kv_outer`), since the
-    outer loop runs over K/V blocks. Dropout regenerates the forward pass's mask from ``seed`` (nothing stored).
-
-    ``redundant_loads=True`` performs the loads exactly as printed: line 9 also loads O_i (unneeded once D is
-    precomputed) and dQ_i (loaded again at line 15), erratum 9; they cost 2·T_c·N_q·d_v extra reads and change
-    nothing else.
-
-    Returns ``Flash2Backward(dQ, dK, dV)`` in the input dtype.
+    GQA: dK, dV are summed over the query heads that share a K/V head. Dropout regenerates the forward pass's mask
+    from ``seed`` (nothing stored).
 
     Cost per (batch, head), N_q = N_k = N, d_v = d, no mask: 10N²d matmul FLOPs (2.5× the forward's 4N²d);
     HBM reads 4Nd + T_c(3Nd + 2N), writes N + 2Nd + T_c·Nd, plus N·d initialisation writes of dQ (line 3).
+
+    Parameters
+    ----------
+    Q : ndarray, shape (..., N_q, d)
+        Queries, float16, float32 or float64 (float16 and float32 compute in float32), finite. Leading axes are
+        batch axes and, with three or more axes, the H_q query heads on the axis before N_q.
+    K : ndarray, shape (..., N_k, d)
+        Keys in Q's dtype, with Q's batch axes and H_kv heads; H_q must be a multiple of H_kv (GQA/MQA: query head
+        h reads K/V head h // (H_q / H_kv)).
+    V : ndarray, shape (..., N_k, d_v)
+        Values in Q's dtype, with K's leading axes and N_k rows; d_v may differ from d.
+    O : ndarray, shape (..., N_q, d_v)
+        The output of the forward pass, in Q's dtype, as :func:`flash2_forward` returned it.
+    L : ndarray, shape (..., N_q)
+        The forward pass's log-sum-exp L = m + log ℓ: finite, or +inf on a fully masked row.
+    dO : ndarray, shape (..., N_q, d_v)
+        Gradient of the loss with respect to O, in Q's dtype, finite.
+    M : int, optional
+        SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by the K/V-outer rule of FA1 Alg. 1
+        line 1, ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)`` (:func:`~fa2edu.blocks.block_sizes_kv_outer`), since
+        the outer loop runs over K/V blocks; explicit ``block_sizes`` that need more SRAM than M holds raise
+        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        ``block_sizes``) and an unbounded SRAM that records its peak.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
+        ragged). They need not match the forward pass's.
+        Default None: the rule applied to ``M``.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    mask : ndarray of bool, shape (N_q, N_k) or (..., N_q, N_k), optional
+        True where a query may attend a key, False where it may not (that score becomes −inf); each leading axis is
+        Q's or 1. With ``causal``, a query attends only the keys both allow. Default None: no mask.
+    dropout_p : float, default 0.0
+        Dropout probability in [0, 1), as in the forward pass; kept entries are scaled by 1/(1 − p).
+    seed : int, default 0
+        Non-negative key of the counter-based dropout mask (FA1 Alg. 2's PRNG state R); pass the forward pass's
+        seed to regenerate its mask. Unused when ``dropout_p = 0``.
+    redundant_loads : bool, default False
+        Perform the loads exactly as printed: line 9 also loads O_i (unneeded once D is precomputed) and dQ_i (loaded
+        again at line 15), erratum 9. They cost 2·T_c·N_q·d_v extra reads and change nothing else.
+    hbm : HBM, optional
+        Ledger that records this run: its tensors and every element read or written, per algorithm line, per
+        (batch, head); afterwards also ``hbm.sram``, ``hbm.flops`` and ``hbm.block_sizes``. Default None: a fresh
+        ledger, discarded.
+    flops : FlopCounter, optional
+        Counter that this run's FLOPs are added to (matmul and non-matmul, per algorithm line, per (batch, head)).
+        Default None: a fresh counter (kept as ``hbm.flops`` when ``hbm`` is given).
+
+    Returns
+    -------
+    Flash2Backward
+        ``(dQ, dK, dV)`` in Q's dtype, shaped like Q, K and V; dK and dV are summed over the query heads of a GQA
+        group, and fully masked rows get zero gradients, never NaN.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
     if not isinstance(redundant_loads, (bool, np.bool_)):
