@@ -493,9 +493,25 @@ def _formula_row(algorithm: str, pass_: str, N_q: int, N_k: int, d: int, block_s
 class IOReport:
     """HBM traffic of each (algorithm, pass) at one problem size: what :func:`simulate_io` returns.
 
-    ``rows`` hold elements per (batch, head). ``str(report)`` is a table; in a notebook it renders as HTML;
-    :meth:`to_records` gives plain dicts (for pandas or JSON); :meth:`to_bytes` converts to bytes for a dtype and a
-    number of (batch, head) programs.
+    ``str(report)`` is a table; in a notebook it renders as HTML; :meth:`to_records` gives plain dicts (for pandas
+    or JSON); :meth:`to_bytes` converts to bytes for a dtype and a number of (batch, head) programs.
+
+    Attributes
+    ----------
+    N : int
+        Sequence length of the queries, N_q.
+    N_k : int
+        Sequence length of the keys and values.
+    d : int
+        Head dimension.
+    M : int or None
+        SRAM size in elements; None for explicit block sizes on an unbounded SRAM.
+    causal : bool
+        Whether the runs were causal.
+    rows : list of IORow
+        One row per (algorithm, pass), in elements per (batch, head).
+    block_density : float or None
+        The requested block sparsity s; default None (dense).
     """
 
     N: int
@@ -647,20 +663,47 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
                 seed: int = 0, progress: bool | None = False) -> IOReport:
     """HBM reads and writes of standard attention, FlashAttention and FlashAttention-2, forward and backward.
 
-    Arguments: sequence length ``N`` (= N_q; ``N_k`` defaults to N), head dimension ``d``, SRAM size ``M`` in
-    **elements** (FA1 Theorem 2; :func:`fa2edu.hardware.M_for` converts from a GPU; ``None`` with explicit
-    ``block_sizes`` means an unbounded SRAM that still records its peak), ``causal`` masking.
-    ``block_sizes=(B_r, B_c)`` for every tiled pass, else each pass's own rule from M (docs/conventions.md).
-    ``block_sparsity``: a fraction s in (0, 1] (a random block mask of that density, diagonal kept, on each pass's
-    grid, FA1 Algorithm 5) or a bool (T_r, T_c) block mask (needs ``block_sizes``).
-    ``method``: ``"execute"`` runs the algorithms on random data and reads their ledgers (the ground truth);
-    ``"closed_form"`` evaluates :func:`visit_form`, proven equal by the tests; ``"auto"`` executes when the runs are
-    small (a few thousand blocks) and uses the formulas otherwise. ``simulate_io(65536, 64, 98304)`` answers in
-    milliseconds; executing costs one NumPy step per visited block (about 5 s at N = 8192, d = 64, M = 49152).
-    ``progress``: while executing, a progress bar on stderr counting the HBM elements moved (True), none (False,
-    the default), or one only when stderr is a terminal (None).
+    ``simulate_io(65536, 64, 98304)`` answers in milliseconds (closed forms); executing costs one NumPy step per
+    visited block (about 5 s at N = 8192, d = 64, M = 49152).
 
-    Returns an :class:`IOReport` with one :class:`IORow` per (algorithm, pass).
+    Parameters
+    ----------
+    N : int
+        Sequence length of the queries, N_q, positive.
+    d : int
+        Head dimension of Q, K and V, positive.
+    M : int or None
+        SRAM size in **elements** (FA1 Theorem 2; :func:`fa2edu.hardware.M_for` converts from a GPU). Each tiled pass
+        takes its block sizes from M by its own rule (the conventions page). None is allowed only with explicit
+        ``block_sizes``: an unbounded SRAM that still records its peak.
+    causal : bool, default False
+        Count causal attention: blocks above the diagonal are skipped.
+    N_k : int, optional
+        Sequence length of the keys and values. Default None: N_k = N.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)`` for every tiled pass. Default None: each pass's own rule applied to ``M``.
+    block_sparsity : float or ndarray of bool, optional
+        Block-sparse attention (FA1 Algorithm 5): a fraction s in (0, 1], for a random block mask of that density on
+        each pass's block grid (diagonal kept), or a bool (T_r, T_c) block mask, which needs ``block_sizes``. Default
+        None: dense.
+    method : {"auto", "execute", "closed_form"}, default "auto"
+        ``"execute"`` runs the algorithms on random data and reads their ledgers (the ground truth); ``"closed_form"``
+        evaluates :func:`visit_form`, proven equal by the tests; ``"auto"`` executes when the runs are small (a few
+        thousand blocks) and uses the formulas otherwise.
+    algorithms : collection of str, optional
+        Which of ``"standard"``, ``"flash1"``, ``"flash2"`` to count. Default: all three.
+    passes : collection of str, optional
+        Which of ``"forward"``, ``"backward"`` to count. Default: both.
+    seed : int, default 0
+        Seed of the random inputs of executed runs and of random block masks.
+    progress : bool or None, default False
+        While executing, show a progress bar on stderr counting the HBM elements moved (True), none (False), or one only
+        when stderr is a terminal (None).
+
+    Returns
+    -------
+    IOReport
+        One :class:`IORow` per (algorithm, pass): HBM reads and writes in elements per (batch, head).
     """
     N = _check_positive_int(N, "N")
     d = _check_positive_int(d, "d")
