@@ -40,13 +40,43 @@ def check_M(M, d: int) -> int:
 
 
 def block_sizes_kv_outer(M: int, d: int) -> tuple[int, int]:
-    """FA1 Alg. 1 line 1 (also FA1 Alg. 4, FA2 Alg. 2): ``(B_r, B_c) = (min(ceil(M/4d), d), ceil(M/4d))``."""
+    """FA1 Alg. 1 line 1 (also FA1 Alg. 4, FA2 Alg. 2): ``(B_r, B_c) = (min(ceil(M/4d), d), ceil(M/4d))``.
+
+    The K/V-outer rule: the outer loop's block B_c gets the large size.
+
+    Parameters
+    ----------
+    M : int
+        SRAM size in elements, at least 4d.
+    d : int
+        Head dimension.
+
+    Returns
+    -------
+    tuple of int
+        ``(B_r, B_c)``.
+    """
     B = math.ceil(check_M(M, d) / (4 * d))
     return min(B, d), B
 
 
 def block_sizes_q_outer(M: int, d: int) -> tuple[int, int]:
-    """FA2 Alg. 1 (Q-outer), mirroring FA1's rule: ``(B_r, B_c) = (ceil(M/4d), min(ceil(M/4d), d))``."""
+    """FA2 Alg. 1 (Q-outer), mirroring FA1's rule: ``(B_r, B_c) = (ceil(M/4d), min(ceil(M/4d), d))``.
+
+    The Q-outer rule: the outer loop's block B_r gets the large size.
+
+    Parameters
+    ----------
+    M : int
+        SRAM size in elements, at least 4d.
+    d : int
+        Head dimension.
+
+    Returns
+    -------
+    tuple of int
+        ``(B_r, B_c)``.
+    """
     B = math.ceil(check_M(M, d) / (4 * d))
     return B, min(B, d)
 

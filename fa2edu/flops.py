@@ -41,10 +41,35 @@ def count_flops(algorithm: str, pass_: str, N: int, d: int, *, M: int | None = N
                 causal: bool = False, N_k: int | None = None, seed: int = 0) -> FlopCounter:
     """Execute one (algorithm, pass) on random float64 data and return its :class:`FlopCounter`.
 
-    ``algorithm`` is ``"standard"`` (FA1 Alg 0 / 3), ``"flash1"`` (FA1 Alg 1 / 4) or ``"flash2"`` (FA2 Alg 1 / 2);
-    ``pass_`` is ``"forward"`` or ``"backward"``. Shapes Q (N, d), K and V (N_k, d), N_k = N by default. The counter
-    holds ``.matmul``, ``.nonmatmul``, ``.total`` and ``.by_line`` per (batch, head). The backward pass's own
-    forward pass (for P, or O and its statistics) is not counted. Cost: the algorithm's own, O(N²d) arithmetic.
+    One head: Q (N, d), K and V (N_k, d). The backward pass's own forward pass (for P, or O and its statistics) is
+    not counted. Cost: the algorithm's own, O(N²d) arithmetic.
+
+    Parameters
+    ----------
+    algorithm : {"standard", "flash1", "flash2"}
+        ``"standard"`` (FA1 Alg. 0 / 3), ``"flash1"`` (FA1 Alg. 1 / 4) or ``"flash2"`` (FA2 Alg. 1 / 2).
+    pass_ : {"forward", "backward"}
+        Which pass to count.
+    N : int
+        Sequence length of the queries, positive.
+    d : int
+        Head dimension, positive.
+    M : int, optional
+        SRAM size in elements, which sets the tiled algorithms' block sizes by their rules (standard attention's FLOPs
+        do not depend on it). Default None: :data:`~fa2edu.DEFAULT_M`'s block sizes.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)`` for the tiled algorithms, overriding the rule. Default None: from ``M``.
+    causal : bool, default False
+        Count causal attention (skipped blocks cost nothing).
+    N_k : int, optional
+        Sequence length of the keys and values. Default None: N_k = N.
+    seed : int, default 0
+        Seed of the random inputs.
+
+    Returns
+    -------
+    FlopCounter
+        ``.matmul``, ``.nonmatmul``, ``.total`` and ``.by_line``, per (batch, head).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

@@ -178,8 +178,14 @@ class HBM:
 class SRAM:
     """On-chip memory of one program: named tiles, current and peak occupancy in elements.
 
-    ``capacity=None`` means unbounded (the caller chose block sizes without giving M). Otherwise :meth:`hold`
-    raises :class:`SRAMOverflowError` when a tile would push the occupancy past ``capacity``.
+    Parameters
+    ----------
+    capacity : int, optional
+        Elements the SRAM holds: :meth:`hold` raises :class:`SRAMOverflowError` when a tile would push the occupancy
+        past it. Default None: unbounded (the caller chose block sizes without giving M), the peak is still recorded.
+    M : int, optional
+        The SRAM size M that the run was given, kept for error messages and reports (``capacity`` may exceed it: the
+        block-size rule's own working set). Default None.
     """
 
     def __init__(self, capacity: int | None = None, *, M: int | None = None) -> None:
@@ -215,9 +221,14 @@ class SRAM:
 class FlopCounter:
     """Floating-point operations per program, split as FA2 Section 3.1 splits them.
 
-    ``matmul``: multiply-adds of matrix products, 2 FLOPs each (``2 * m * n * k`` for an (m, k) @ (k, n) product).
-    ``nonmatmul``: everything else, one FLOP per elementwise operation (exp, max, sum, scale, divide, ...).
-    ``by_line`` keeps both per algorithm line.
+    Attributes
+    ----------
+    matmul : int, default 0
+        FLOPs of matrix products, 2 per multiply-add (``2 * m * n * k`` for an (m, k) @ (k, n) product).
+    nonmatmul : int, default 0
+        Everything else, one FLOP per elementwise operation (exp, max, sum, scale, divide, ...).
+    by_line : dict of str to dict, default {}
+        Both counts per algorithm line: ``by_line[line]["matmul"]`` and ``by_line[line]["nonmatmul"]``.
     """
 
     matmul: int = 0
