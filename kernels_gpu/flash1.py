@@ -141,13 +141,33 @@ def forward_kernel(B_r: int, B_c: int, d: int, d_v: int):
 def flash1_forward(Q, K, V, block_sizes=None, causal=False, scale=None) -> Flash1Forward:
     """FlashAttention forward pass on the GPU (FA1 Algorithm 1 with Alg. 2's τ and causal mask): ``(O, l, m)``.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); heads on the axis before N (GQA when Q has more).
-    ``block_sizes=(B_r, B_c)``: B_r threads per block; default :func:`kernels_gpu.runtime.default_block_sizes`.
-    Returns O (..., N_q, d_v), ℓ and m (..., N_q) as float32 (ℓ = 0, m = −inf on fully masked rows), NumPy for NumPy
-    inputs and numba device arrays for device inputs.
-
     Cost per (batch, head), N_q = N_k = N, not causal: 4N²d FLOPs; global reads 2Nd + T_c(2Nd + 2N), writes
     T_c(Nd + 2N), T_c = ceil(N/B_c) (FA1 Theorem 2's Θ(N²d²/M) with B_c ∝ M/d). Grid: (Z, H_q) blocks of B_r threads.
+
+    Parameters
+    ----------
+    Q : array, shape (..., N_q, d)
+        Queries: a NumPy array (float16, float32 or float64, checked as fa2edu checks it, copied to the device as
+        float32) or a float32 device array (numba, or anything with ``__cuda_array_interface__`` such as a CUDA PyTorch
+        tensor), used in place. Heads on the axis before N_q.
+    K : array, shape (..., N_k, d)
+        Keys, of the same kind as Q (all NumPy or all device arrays), with Q's batch axes and H_kv heads; H_q must be a
+        multiple of H_kv (GQA/MQA).
+    V : array, shape (..., N_k, d_v)
+        Values, of the same kind as Q, with K's leading axes.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: B_r threads per block, one per query row, and B_c keys per shared-memory tile. Default None:
+        :func:`kernels_gpu.runtime.default_block_sizes`.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+
+    Returns
+    -------
+    Flash1Forward
+        ``(O, l, m)``, float32: O (..., N_q, d_v), ℓ and m (..., N_q), with ℓ = 0 and m = −inf on a fully masked
+        row; NumPy arrays for NumPy inputs, numba device arrays for device inputs.
     """
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d, d_v = layout.d, layout.d_v

@@ -141,13 +141,33 @@ def forward_kernel(B_r: int, B_c: int, d: int, d_v: int):
 def flash2_forward(Q, K, V, block_sizes=None, causal=False, scale=None) -> Flash2Forward:
     """FlashAttention-2 forward pass on the GPU (FA2 Algorithm 1): ``Flash2Forward(O, L)``.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v), heads on the axis before N (GQA when Q has more
-    heads). ``block_sizes=(B_r, B_c)``: B_r threads per block, one per query row; default
-    :func:`kernels_gpu.runtime.default_block_sizes`. Returns O (..., N_q, d_v) and L (..., N_q), float32, as NumPy
-    arrays for NumPy inputs and numba device arrays for device inputs.
-
     Cost per (batch, head), N_q = N_k = N, not causal: 4N²d FLOPs; global reads Nd + 2Nd·T_r, writes Nd + N
     (T_r = ceil(N/B_r)). Shared memory: B_c·(d + d_v) floats. Grid: (T_r, Z, H_q) blocks of B_r threads.
+
+    Parameters
+    ----------
+    Q : array, shape (..., N_q, d)
+        Queries: a NumPy array (float16, float32 or float64, checked as fa2edu checks it, copied to the device as
+        float32) or a float32 device array (numba, or anything with ``__cuda_array_interface__`` such as a CUDA PyTorch
+        tensor), used in place. Heads on the axis before N_q.
+    K : array, shape (..., N_k, d)
+        Keys, of the same kind as Q (all NumPy or all device arrays), with Q's batch axes and H_kv heads; H_q must be a
+        multiple of H_kv (GQA/MQA).
+    V : array, shape (..., N_k, d_v)
+        Values, of the same kind as Q, with K's leading axes.
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: B_r threads per block, one per query row, and B_c keys per shared-memory tile. Default None:
+        :func:`kernels_gpu.runtime.default_block_sizes`.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+
+    Returns
+    -------
+    Flash2Forward
+        ``(O, L)``, float32: O (..., N_q, d_v) and L (..., N_q), +inf on a fully masked row; NumPy arrays for NumPy
+        inputs, numba device arrays for device inputs.
     """
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d, d_v = layout.d, layout.d_v
@@ -372,15 +392,45 @@ def flash2_backward(Q, K, V, O, L, dO, block_sizes=None, causal=False, scale=Non
                     deterministic: bool = False) -> Flash2Backward:
     """FlashAttention-2 backward pass on the GPU (FA2 Algorithm 2): ``Flash2Backward(dQ, dK, dV)``.
 
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v), O and dO (..., N_q, d_v), L (..., N_q) from
-    :func:`flash2_forward` (or :func:`fa2edu.flash2_forward`). ``block_sizes=(B_r, B_c)``: B_c threads per block, one
-    per key row; default :func:`kernels_gpu.runtime.default_block_sizes`. dK, dV are summed over each GQA group.
-    ``deterministic=True`` computes dQ in a separate kernel without atomics: bit-identical over runs.
-
     Cost per (batch, head), N_q = N_k = N, not causal: 10N²d FLOPs (2.5× the forward, FA2 Section 4.1; the
     deterministic dQ pass adds 6N²d); global reads 4Nd + T_c(3Nd + 2N) and writes N + 2Nd + T_c·Nd with the atomic
     dQ (each atomic add counted as one read and one write), T_c = ceil(N/B_c).
     Launches: D = rowsum(dO ∘ O) (grid (ceil(N_q/B_r), Z, H_q)), then the main kernel (grid (T_c, Z, H_kv)).
+
+    Parameters
+    ----------
+    Q : array, shape (..., N_q, d)
+        Queries: a NumPy array (float16, float32 or float64, checked as fa2edu checks it, copied to the device as
+        float32) or a float32 device array (numba, or anything with ``__cuda_array_interface__`` such as a CUDA PyTorch
+        tensor), used in place. Heads on the axis before N_q.
+    K : array, shape (..., N_k, d)
+        Keys, of the same kind as Q (all NumPy or all device arrays), with Q's batch axes and H_kv heads; H_q must be a
+        multiple of H_kv (GQA/MQA).
+    V : array, shape (..., N_k, d_v)
+        Values, of the same kind as Q, with K's leading axes.
+    O : array, shape (..., N_q, d_v)
+        The output of :func:`flash2_forward` (or :func:`fa2edu.flash2_forward`), of the same kind as Q (NumPy or device
+        float32).
+    L : array, shape (..., N_q)
+        The forward pass's log-sum-exp (+inf on fully masked rows), of the same kind as Q (NumPy or device float32).
+    dO : array, shape (..., N_q, d_v)
+        Gradient of the loss with respect to O, of the same kind as Q (NumPy or device float32).
+    block_sizes : tuple of int, optional
+        ``(B_r, B_c)``: B_c threads per block, one per key row, and B_r query rows per shared-memory tile; they need not
+        match the forward pass's. Default None: :func:`kernels_gpu.runtime.default_block_sizes`.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    deterministic : bool, default False
+        Compute dQ in a separate kernel without atomics, so that it is bit-identical over runs (6N²d more FLOPs).
+        Otherwise dQ is accumulated with atomic adds, whose order varies.
+
+    Returns
+    -------
+    Flash2Backward
+        ``(dQ, dK, dV)``, float32, shaped like Q, K and V (dK, dV summed over each GQA group); NumPy arrays for NumPy
+        inputs, numba device arrays for device inputs.
     """
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     if not isinstance(deterministic, (bool, np.bool_)):

@@ -101,6 +101,20 @@ def default_block_sizes(algorithm: str, d: int, d_v: int | None = None) -> tuple
       two ≤ 64 with K_j and V_j (B_c·(d + d_v) floats) in shared memory;
     * ``"flash2_backward"``: B_c = 64 threads (one per key row) for d ≤ 64, else 32; B_r the largest power of two
       ≤ 32 with Q_i, dO_i, K_j, dS and L_i, D_i in shared memory.
+
+    Parameters
+    ----------
+    algorithm : {"flash1_forward", "flash2_forward", "flash2_backward"}
+        The kernel to size tiles for.
+    d : int
+        Head dimension of Q and K.
+    d_v : int, optional
+        Head dimension of V. Default None: d_v = d.
+
+    Returns
+    -------
+    tuple of int
+        ``(B_r, B_c)``.
     """
     d_v = d if d_v is None else d_v
     if algorithm in ("flash1_forward", "flash2_forward"):

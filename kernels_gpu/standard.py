@@ -212,12 +212,34 @@ def standard_attention(Q, K, V, causal=False, scale=None, tile=None) -> Standard
     """Standard attention on the GPU (FA1 Algorithm 0, Alg. 2's τ and causal mask): ``StandardForward(O, P)``.
 
     Three launches, each through global memory: S = τQKᵀ (Alg. 0 line 1), P = softmax(S) (line 2), O = PV (line 3).
-    Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v); returns O (..., N_q, d_v) and P (..., N_q, N_k),
-    float32. ``tile``: T × T threads per matmul block (a power of two ≤ 32, default 16).
 
     Cost per (batch, head), N_q = N_k = N: 4N²d FLOPs; memory N² floats each for S and P; global traffic in the
     paper's count 3Nd + 2N² reads and Nd + 2N² writes (the softmax kernel reads S twice; a tiled matmul re-reads
     operand tiles from L2).
+
+    Parameters
+    ----------
+    Q : array, shape (..., N_q, d)
+        Queries: a NumPy array (float16, float32 or float64, checked as fa2edu checks it, copied to the device as
+        float32) or a float32 device array (numba, or anything with ``__cuda_array_interface__`` such as a CUDA PyTorch
+        tensor), used in place. Heads on the axis before N_q.
+    K : array, shape (..., N_k, d)
+        Keys, of the same kind as Q (all NumPy or all device arrays), with Q's batch axes and H_kv heads; H_q must be a
+        multiple of H_kv (GQA/MQA).
+    V : array, shape (..., N_k, d_v)
+        Values, of the same kind as Q, with K's leading axes.
+    causal : bool, default False
+        Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    tile : int, optional
+        T, for T × T threads per block of the matmul and softmax kernels: a power of two ≤ 32. Default None: 16.
+
+    Returns
+    -------
+    StandardForward
+        ``(O, P)``, float32: O (..., N_q, d_v) and P (..., N_q, N_k); NumPy arrays for NumPy inputs, numba device arrays
+        for device inputs.
     """
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     T = _check_tile(tile)
@@ -243,6 +265,35 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, tile=N
 
     Cost per (batch, head), N_q = N_k = N: 8N²d FLOPs; memory 2N² floats for dP, dS; traffic in the paper's count
     5Nd + 5N² reads and 3Nd + 2N² writes.
+
+    Parameters
+    ----------
+    Q : array, shape (..., N_q, d)
+        Queries: a NumPy array (float16, float32 or float64, checked as fa2edu checks it, copied to the device as
+        float32) or a float32 device array (numba, or anything with ``__cuda_array_interface__`` such as a CUDA PyTorch
+        tensor), used in place. Heads on the axis before N_q.
+    K : array, shape (..., N_k, d)
+        Keys, of the same kind as Q (all NumPy or all device arrays), with Q's batch axes and H_kv heads; H_q must be a
+        multiple of H_kv (GQA/MQA).
+    V : array, shape (..., N_k, d_v)
+        Values, of the same kind as Q, with K's leading axes.
+    P : array, shape (..., N_q, N_k)
+        The probabilities that :func:`standard_attention` returned, of the same kind as Q (NumPy or device float32).
+    dO : array, shape (..., N_q, d_v)
+        Gradient of the loss with respect to O, of the same kind as Q (NumPy or device float32).
+    causal : bool, default False
+        Accepted for a uniform interface: P already holds the causal mask (masked P = 0, hence dS = 0), so it needs no
+        work.
+    scale : float, optional
+        The softmax scale τ of S = τQKᵀ. Default None: 1/√d.
+    tile : int, optional
+        T, for T × T threads per block of the matmul and softmax kernels: a power of two ≤ 32. Default None: 16.
+
+    Returns
+    -------
+    StandardBackward
+        ``(dQ, dK, dV)``, float32, shaped like Q, K and V (dK, dV summed over each GQA group); NumPy arrays for NumPy
+        inputs, numba device arrays for device inputs.
     """
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     T = _check_tile(tile)
