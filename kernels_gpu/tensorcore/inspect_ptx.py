@@ -1,0 +1,70 @@
+"""Compile a tensor-core rung to PTX and ask ptxas for its resource report — no GPU needed (numba's NVVM and the
+CUDA toolkit's ptxas only). ``python -m kernels_gpu.tensorcore.inspect_ptx v1 --d 64 128`` prints registers,
+spills and shared memory per configuration: the first thing to read before a GPU run (GPU.md, "Method")."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from numba import cuda, types
+
+SIGNATURE = (types.uint32[:, :, :, ::1], types.uint32[:, :, :, ::1], types.uint32[:, :, :, ::1],
+             types.uint32[:, :, :, ::1], types.float32[:, :, ::1], types.int32, types.int32, types.int32,
+             types.float32)
+
+
+class _Hopper:
+    """Stands in for the current device when there is none: numba compiles device functions for the current
+    device's compute capability, and this machine may have no GPU."""
+
+    compute_capability = (9, 0)
+
+
+def _compile_without_gpu() -> None:
+    from numba.cuda import dispatcher
+    try:
+        cuda.get_current_device()
+    except Exception:  # noqa: BLE001 (no driver, no GPU: compile for sm_90 anyway)
+        dispatcher.get_current_device = lambda: _Hopper()
+
+
+def report(version: str, d: int, dtype: str = "float16", causal: bool = False, **options) -> dict:
+    """Registers, spill bytes, stack frame of ``version``'s kernel at head dimension ``d`` (ptxas -v, sm_90)."""
+    _compile_without_gpu()
+    module = importlib.import_module(f"kernels_gpu.tensorcore.flash2_forward_{version}")
+    cfg = module.config_for(d, dtype, causal, False, **options)
+    kernel = module.make_kernel(cfg)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE, cc=(9, 0))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    nums = {key: int(m.group(1)) if (m := re.search(pat, out)) else None for key, pat in
+            (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+             ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame"))}
+    nums.update(version=version, d=d, dtype=dtype, causal=causal, B_r=cfg.B_r, B_c=cfg.B_c,
+                shared_bytes=4 * module.shared_words(cfg), mma=ptx.count("mma.sync"),
+                ldmatrix=ptx.count("ldmatrix"), local_ld=len(re.findall(r"ld\.local", ptx)))
+    return nums
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="+")
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+    for v in args.versions:
+        for d in args.d:
+            print(report(v, d, args.dtype, args.causal))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Inputs and outputs of the tensor-core kernels: 16-bit tensors in, seen by the kernels as 32-bit words.
+
+A tensor-core operand register holds two 16-bit values, and the kernels move data in 32-bit words (or 16-byte
+groups of them), never in single halves. So every 16-bit tensor (…, N, d) reaches a kernel as a ``uint32`` view
+(…, N, d/2) of the same memory — word w of a row holds columns 2w (low half) and 2w + 1 (high half) — and the
+kernel is compiled for the element type, ``"float16"`` or ``"bfloat16"`` (numba has no bfloat16 arrays; the
+view makes that irrelevant).
+
+Accepted inputs (all three of Q, K, V of one kind, one dtype):
+
+* PyTorch tensors of dtype float16 or bfloat16. CUDA tensors are used in place (zero-copy through
+  ``__cuda_array_interface__`` of an int32 view; a tensor whose last axis is not contiguous is copied first) and
+  O comes back as a CUDA tensor of the input dtype, L as a float32 tensor. CPU tensors are copied (how the tests
+  run the kernels in numba's CUDA simulator) and the results come back as CPU tensors.
+* numba device arrays of float16 (results: numba device arrays);
+* NumPy arrays of float16 (copied in and out).
+
+Shapes: Q (…, N_q, d), K and V (…, N_k, d) with the same d (``d_v = d``); heads on the axis before N; GQA/MQA
+when Q has more heads than K and V (query head h reads key/value head h // (H_q / H_kv)). d must be a multiple
+of 8, at most 256 (a 16-byte row chunk is 8 halves).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+import kernels_gpu.runtime as rt
+from fa2edu.validation import check_scale
+
+__all__ = ["Problem", "prepare", "finish", "DTYPES", "MAX_HEAD_DIM"]
+
+DTYPES = ("float16", "bfloat16")
+MAX_HEAD_DIM = 256
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is an optional dependency
+        return None
+    return torch
+
+
+def _is_torch(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _dtype_name(x) -> str:
+    if _is_torch(x):
+        return str(x.dtype).replace("torch.", "")
+    return np.dtype(getattr(x, "dtype", np.float64)).name
+
+
+@dataclass
+class Problem:
+    """One attention problem as the kernels see it (4-D uint32 views) and how to hand results back."""
+
+    Q: object            # (Z, H_q, N_q, d/2) uint32 on the device
+    K: object            # (Z, H_kv, N_k, d/2)
+    V: object            # (Z, H_kv, N_k, d/2)
+    O: object            # (Z, H_q, N_q, d/2) uint32 output
+    L: object            # (Z, H_q, N_q) float32 output
+    dtype: str           # "float16" or "bfloat16"
+    kind: str            # "torch-cuda", "torch-cpu", "numba", "numpy"
+    Z: int
+    H_q: int
+    H_kv: int
+    N_q: int
+    N_k: int
+    d: int
+    scale: float
+    causal: bool
+    lead: tuple          # the caller's leading axes of Q
+    O_user: object = None   # the caller-kind array that O is a view of (torch-cuda), if any
+    L_user: object = None
+
+
+def _shape4(shape: tuple, name: str) -> tuple:
+    if len(shape) < 2:
+        raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got shape {shape}")
+    if 0 in shape:
+        raise ValueError(f"{name} must not be empty, got shape {shape}")
+    H = shape[-3] if len(shape) >= 3 else 1
+    Z = int(np.prod(shape[:-3])) if len(shape) > 3 else 1
+    return Z, H, shape[-2], shape[-1]
+
+
+def _check_shapes(Q, K, V) -> None:
+    sq, sk, sv = (tuple(x.shape) for x in (Q, K, V))
+    if not len(sq) == len(sk) == len(sv):
+        raise ValueError(f"Q, K, V must have the same number of axes, got shapes {sq}, {sk}, {sv}")
+    for x, name in ((sq, "Q"), (sk, "K"), (sv, "V")):
+        _shape4(x, name)
+    if sk[-1] != sq[-1]:
+        raise ValueError(f"K's head dimension must equal Q's: Q has d = {sq[-1]}, K has {sk[-1]}")
+    if sv[-1] != sq[-1]:
+        raise ValueError(f"V's head dimension must equal Q's (the tensor-core kernels take d_v = d): Q has "
+                         f"d = {sq[-1]}, V has {sv[-1]}")
+    if sv[-2] != sk[-2]:
+        raise ValueError(f"V must have as many rows as K: K has N_k = {sk[-2]}, V has {sv[-2]}")
+    if sk[:-2] != sv[:-2]:
+        raise ValueError(f"K and V must have the same leading axes, got {sk[:-2]} and {sv[:-2]}")
+    if len(sq) >= 3:
+        if sq[:-3] != sk[:-3]:
+            raise ValueError(f"Q and K must have the same batch axes, got {sq[:-3]} and {sk[:-3]}")
+        if sq[-3] % sk[-3]:
+            raise ValueError(f"the number of query heads H_q = {sq[-3]} must be a multiple of the number of "
+                             f"key/value heads H_kv = {sk[-3]} (GQA/MQA)")
+    d = sq[-1]
+    if d % 8 or d > MAX_HEAD_DIM:
+        raise ValueError(f"the tensor-core kernels take head dimensions that are multiples of 8 up to "
+                         f"{MAX_HEAD_DIM}, got d = {d}")
+
+
+def _words_host(x: np.ndarray, Z: int, H: int, N: int, d: int) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(Z, H, N, d).view(np.uint32)
+
+
+def prepare(Q, K, V, *, causal, scale) -> Problem:
+    """Check Q, K, V and return them as a :class:`Problem` with freshly allocated outputs (poisoned with NaN
+    patterns when ``kernels_gpu.runtime.poison_outputs`` is set)."""
+    rt.require_device()
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    kinds = []
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if _is_torch(x):
+            kinds.append("torch-cuda" if x.is_cuda else "torch-cpu")
+        elif getattr(x, "__cuda_ndarray__", False):
+            kinds.append("numba")
+        elif isinstance(x, np.ndarray) and type(x) is np.ndarray:
+            kinds.append("numpy")
+        else:
+            raise TypeError(f"{name} must be a PyTorch tensor, a numba device array or a NumPy array of float16 "
+                            f"(or a bfloat16 tensor), got {type(x).__name__}")
+    if len(set(kinds)) != 1:
+        raise TypeError(f"Q, K, V must be of one kind (all PyTorch CUDA tensors, all CPU tensors, all numba device "
+                        f"arrays or all NumPy arrays), got {kinds}")
+    kind = kinds[0]
+    dtypes = [_dtype_name(x) for x in (Q, K, V)]
+    for dt, name in zip(dtypes, "QKV"):
+        if dt not in DTYPES or (dt == "bfloat16" and not kind.startswith("torch")):
+            raise TypeError(f"{name} must be float16 or bfloat16 (bfloat16 as a PyTorch tensor), got {dt}")
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"Q, K, V must have one dtype, got {dtypes}")
+    _check_shapes(Q, K, V)
+    Z, H_q, N_q, d = _shape4(tuple(Q.shape), "Q")
+    _, H_kv, N_k, _ = _shape4(tuple(K.shape), "K")
+    tau = float(check_scale(scale, d))
+    lead = tuple(Q.shape[:-2])
+    common = dict(dtype=dtypes[0], kind=kind, Z=Z, H_q=H_q, H_kv=H_kv, N_q=N_q, N_k=N_k, d=d, scale=tau,
+                  causal=bool(causal), lead=lead)
+    if kind == "torch-cuda":
+        torch = _torch()
+        if rt.simulator_in_use():
+            raise TypeError("CUDA tensors cannot run in numba's CUDA simulator: pass CPU tensors there")
+        q, k, v = (x.reshape(s).contiguous() for x, s in ((Q, (Z, H_q, N_q, d)), (K, (Z, H_kv, N_k, d)),
+                                                            (V, (Z, H_kv, N_k, d))))
+        O_user = torch.empty_like(q)
+        L_user = torch.empty((Z, H_q, N_q), dtype=torch.float32, device=q.device)
+        if rt.poison_outputs:
+            O_user.view(torch.int16).fill_(-1)           # 0xFFFF: a NaN in both float16 and bfloat16
+            L_user.fill_(math.nan)
+        words = [cuda.as_cuda_array(x.view(torch.int32)).view(np.uint32) for x in (q, k, v, O_user)]
+        return Problem(*words[:3], words[3], cuda.as_cuda_array(L_user), O_user=O_user, L_user=L_user, **common)
+    if kind == "torch-cpu":
+        torch = _torch()
+        host = [x.detach().contiguous().view(torch.int16).numpy().view(np.float16) for x in (Q, K, V)]
+    elif kind == "numba":
+        host = None
+    else:
+        host = [np.asarray(x) for x in (Q, K, V)]
+        for x, name in zip(host, "QKV"):
+            if not np.isfinite(x).all():
+                raise ValueError(f"{name} must be finite (no NaN or inf)")
+    if host is not None:
+        words = [cuda.to_device(_words_host(x, Z, H, N, d)) for x, H, N in zip(host, (H_q, H_kv, H_kv),
+                                                                                 (N_q, N_k, N_k))]
+    else:
+        words = [x.reshape(Z, H, N, d).view(np.uint32) for x, H, N in ((Q, H_q, N_q), (K, H_kv, N_k),
+                                                                         (V, H_kv, N_k))]
+    if rt.poison_outputs:                                  # 0xFFFF halves and NaN: never a plausible result
+        O = cuda.to_device(np.full((Z, H_q, N_q, d // 2), 0xFFFFFFFF, dtype=np.uint32))
+        L = cuda.to_device(np.full((Z, H_q, N_q), np.nan, dtype=np.float32))
+    else:
+        O = cuda.device_array((Z, H_q, N_q, d // 2), dtype=np.uint32)
+        L = cuda.device_array((Z, H_q, N_q), dtype=np.float32)
+    return Problem(*words, O, L, **common)
+
+
+def finish(p: Problem):
+    """``(O, L)`` in the caller's kind and leading axes: O in the input dtype, L float32."""
+    lead = p.lead
+    if p.kind == "torch-cuda":
+        return p.O_user.reshape(lead + (p.N_q, p.d)), p.L_user.reshape(lead + (p.N_q,))
+    if p.kind == "numba":
+        return p.O.view(np.float16).reshape(lead + (p.N_q, p.d)), p.L.reshape(lead + (p.N_q,))
+    O = p.O.copy_to_host().view(np.uint16).reshape(lead + (p.N_q, p.d))
+    L = p.L.copy_to_host().reshape(lead + (p.N_q,))
+    if p.kind == "numpy":
+        return O.view(np.float16), L
+    torch = _torch()
+    O_t = torch.from_numpy(O.view(np.int16).copy()).view(getattr(torch, p.dtype))
+    return O_t, torch.from_numpy(L.copy())
+
+
+def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit to ``nbytes`` (CUDA needs it above 48 KiB): compile for
+    these argument types, then set the attribute on the loaded function."""
+    from numba.cuda.cudadrv.driver import binding, driver
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+
+
+#: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
+MAX_DYNAMIC_BYTES = 227 * 1024
+
+
+def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, **options):
+    """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch), and return
+    ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to ``config_for`` (e.g. a tile shape)."""
+    from kernels_gpu.flash2 import Flash2Forward
+
+    p = prepare(Q, K, V, causal=causal, scale=scale)
+    cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
+    kernel = make_kernel(cfg)
+    nbytes = 4 * shared_words(cfg)
+    if nbytes > MAX_DYNAMIC_BYTES:
+        raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory at d = {p.d}; a block may have "
+                         f"{MAX_DYNAMIC_BYTES}")
+    args = (p.Q, p.K, p.V, p.O, p.L, np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv),
+            np.float32(p.scale))
+    if not rt.simulator_in_use() and nbytes > 48 * 1024:
+        _allow_dynamic_shared(kernel, args, nbytes)
+    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
+    kernel[grid, cfg.threads, 0, nbytes](*args)
+    return Flash2Forward(*finish(p))

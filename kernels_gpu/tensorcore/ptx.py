@@ -1,0 +1,453 @@
+"""The warp-level instructions of tensor-core FlashAttention, issued from numba kernels — and their simulator twins.
+
+numba has no tensor-core API, but a numba kernel can issue any PTX instruction through
+``numba.cuda.extending.intrinsic`` with an ``llvmlite.ir.InlineAsm`` body. Every such wrapper of fa2edu lives in
+this module; the kernel bodies stay Python. Each wrapper cites the PTX ISA section it implements; the operand
+layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`.
+
+=========================  ===============================================  ==============================
+function                   PTX instruction                                  PTX ISA section
+=========================  ===============================================  ==============================
+``mma_f16``, ``mma_bf16``  ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,     9.7.14.5.14 (mma), fragments:
+                           bf16}.{f16,bf16}.f32``: D = A·B + C                9.7.14.5.8 "m16n8k16"
+``ldmatrix_x4``,           ``ldmatrix.sync.aligned.m8n8.x4{.trans}.shared    9.7.14.5.15 (ldmatrix)
+``ldmatrix_x4_trans``      .b16``: four 8 × 8 tiles of 16-bit values from
+                           shared memory into fragments
+``cp_async16``             ``cp.async.cg.shared.global`` 16 bytes, global →   9.7.9.25.3 (cp.async)
+                           shared without passing through registers; a
+                           source size of 0 fills the 16 bytes with zeros
+``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
+``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
+``cp_async_wait_one``      groups of this thread are still in flight
+``pack_f16x2``,            ``cvt.rn.{f16x2,bf16x2}.f32``: two floats rounded  9.7.9.21 (cvt)
+``pack_bf16x2``            to nearest-even and packed, the first in the
+                           low half
+``unpack_f16x2``,          two 16-bit halves → two floats (exact)             9.7.9.21 (cvt)
+``unpack_bf16x2``
+``ex2``                    ``ex2.approx.ftz.f32``: 2^x (~2 ulp; results      9.7.3.20 (ex2)
+                           below 2^-126 flushed to 0)
+``shfl_xor``               ``shfl.sync.bfly.b32``: the value of lane         9.7.9.7 (shfl.sync)
+                           ``lane ^ mask``
+``syncwarp``               ``bar.warp.sync``: the warp's lanes meet; their   9.7.13.5 (bar.warp.sync)
+                           shared-memory writes are visible to each other
+=========================  ===============================================  ==============================
+
+**Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
+that emulates the instruction exactly, so the same kernel source runs in numba's CUDA simulator: the warp-level ones
+(mma, ldmatrix, shfl) make the 32 lanes of the warp meet at a barrier, exchange their registers, and each lane
+takes what the fragment tables say it gets (:mod:`~kernels_gpu.tensorcore.fragments`). ``cp.async`` is emulated as
+*asynchronous*: a copy lands only when a ``cp_async_wait_*`` says its group may have completed, so a kernel that
+reads a tile before waiting for it reads stale data in the simulator too. The mma twin rounds once, after an exact
+sum; the hardware's internal accumulation may differ in the last bits of float32 (the GPU tests bound it).
+
+Every warp-level function must be called by all 32 lanes of the warp, together (as on the hardware: the ``.sync``
+and ``.aligned`` qualifiers require it).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from kernels_gpu.runtime import simulator_in_use
+from kernels_gpu.tensorcore import fragments as frag
+
+__all__ = [
+    "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit",
+    "cp_async_wait_all", "cp_async_wait_one", "pack_f16x2", "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
+    "shfl_xor", "syncwarp", "SIMULATED",
+]
+
+#: True when the names of this module are the simulator twins (decided once, at import).
+SIMULATED = simulator_in_use()
+
+FULL_MASK = 0xFFFFFFFF
+
+
+# ================================================================================================================
+# Bit-level helpers (NumPy), shared by the twins and the tests
+# ================================================================================================================
+
+def f32_to_bf16_bits(x) -> np.ndarray:
+    """float32 → bfloat16 bit patterns (uint16), rounded to nearest even (what ``cvt.rn.bf16.f32`` does)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) → float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint32) << 16).astype(np.uint32).view(np.float32)
+
+
+def half_bits(x, dtype: str) -> np.ndarray:
+    """float values → 16-bit patterns (uint16) of ``dtype`` ``"float16"`` or ``"bfloat16"``, round to nearest even."""
+    if dtype == "float16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).view(np.uint16)
+    if dtype == "bfloat16":
+        return f32_to_bf16_bits(x)
+    raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+
+
+def half_values(bits, dtype: str) -> np.ndarray:
+    """16-bit patterns (uint16) of ``dtype`` → float32 (exact)."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(bits)
+    raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+
+
+def _u32(x) -> int:
+    return int(x) & 0xFFFFFFFF
+
+
+def _halves(word, dtype: str) -> tuple[float, float]:
+    """A 32-bit register of two 16-bit values → (low, high) as float32."""
+    w = _u32(word)
+    vals = half_values(np.array([w & 0xFFFF, w >> 16], dtype=np.uint16), dtype)
+    return vals[0], vals[1]
+
+
+def _pack(lo, hi, dtype: str) -> np.uint32:
+    bits = half_bits(np.array([lo, hi], dtype=np.float32), dtype).astype(np.uint32)
+    return np.uint32(bits[0] | (bits[1] << 16))
+
+
+# ================================================================================================================
+# Simulator twins
+# ================================================================================================================
+
+_STATE_LOCK = threading.Lock()
+#: seconds a lane waits for the rest of its warp before the twin reports a divergent call
+_WARP_TIMEOUT_S = 120.0
+
+
+class _Warp:
+    """The meeting point of one warp's 32 simulated lanes: a barrier, one slot per lane, and the results."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(frag.WARP, timeout=_WARP_TIMEOUT_S)
+        self.slots: list = [None] * frag.WARP
+        self.results: list = [None] * frag.WARP
+
+
+def _this_lane():
+    """(warp state, lane) of the calling simulated thread (numba's simulator runs each CUDA thread as a Python
+    thread; its block manager outlives the blocks it runs one after the other, so warp state is kept there)."""
+    thread = threading.current_thread()
+    manager = getattr(thread, "_manager", None)
+    if manager is None:
+        raise RuntimeError("a warp-level instruction twin was called outside a simulated CUDA kernel")
+    tid = thread.thread_id
+    with _STATE_LOCK:
+        warps = manager.__dict__.setdefault("_fa2edu_warps", {})
+        warp = warps.get(tid // frag.WARP)
+        if warp is None:
+            warp = warps[tid // frag.WARP] = _Warp()
+    return warp, tid % frag.WARP
+
+
+def _collective(value, compute):
+    """Every lane of the warp passes ``value``; lane 0 computes ``compute(values)`` (a list of 32 results, by
+    lane) once all have arrived; every lane returns its own result. Two barriers: a lane that races ahead into the
+    next collective cannot overwrite slots or results that another lane still has to read."""
+    warp, lane = _this_lane()
+    try:
+        warp.slots[lane] = value
+        warp.barrier.wait()
+        if lane == 0:
+            try:
+                warp.results = compute(list(warp.slots))
+            except Exception:
+                warp.barrier.abort()
+                raise
+        warp.barrier.wait()
+    except threading.BrokenBarrierError:
+        raise RuntimeError("a warp-level instruction was not reached by all 32 lanes of the warp (divergent "
+                           "call, or a lane failed)") from None
+    return warp.results[lane]
+
+
+def _words_to_values(words, dtype: str) -> np.ndarray:
+    """(32, k) 32-bit registers → (32, 2k) float32: each register's low half, then its high half."""
+    w = np.array([[_u32(x) for x in row] for row in words], dtype=np.uint32)
+    return half_values(w.view(np.uint16), dtype).reshape(w.shape[0], -1)
+
+
+def _mma_twin(dtype: str):
+    def compute(values):
+        a = _words_to_values([v[0] for v in values], dtype)
+        b = _words_to_values([v[1] for v in values], dtype)
+        c = np.array([v[2] for v in values], dtype=np.float32)
+        d = frag.mma_reference(a, b, c)
+        return [tuple(np.float32(x) for x in row) for row in d]
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _collective(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), compute)
+    mma.__name__ = f"mma_{'f16' if dtype == 'float16' else 'bf16'}"
+    mma.__doc__ = (f"Simulator twin of ``mma.sync.aligned.m16n8k16.row.col.f32.{mma.__name__[4:]}."
+                   f"{mma.__name__[4:]}.f32``.")
+    return mma
+
+
+def _ldmatrix_twin(trans: bool):
+    def compute(values):
+        if len({v[0].__array_interface__["data"][0] for v in values}) != 1:
+            raise RuntimeError("ldmatrix: all lanes must address the same shared array")
+        memory = np.ascontiguousarray(values[0][0]).view(np.uint32).view(np.uint16)
+        rows = 2 * np.array([v[1] for v in values], dtype=np.int64)
+        if (rows % 8).any():
+            raise RuntimeError("ldmatrix: every row address must be 16-byte aligned")
+        got = frag.ldmatrix_reference(memory, rows, trans).astype(np.uint32)          # (32, 4, 2)
+        words = got[..., 0] | (got[..., 1] << 16)
+        return [tuple(np.uint32(x) for x in row) for row in words]
+
+    def ldmatrix(smem, index):
+        """Simulator twin of ``ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16``: ``smem`` a 1-D shared array of
+        32-bit words, ``index`` the word where this lane's 16-byte row starts (4-word aligned)."""
+        return _collective((smem, int(index)), compute)
+    return ldmatrix
+
+
+_PENDING = threading.local()
+
+
+def _pending() -> list:
+    if not hasattr(_PENDING, "groups"):
+        _PENDING.groups = [[]]              # the last group is the one still open (not committed)
+    return _PENDING.groups
+
+
+def _cp_async16_twin(smem, s_index, gmem, g_index, src_bytes):
+    """Simulator twin of ``cp.async.cg.shared.global [smem + 4·s_index], [gmem + 4·g_index], 16, src_bytes``: four
+    32-bit words, queued in this thread's open group (zeros when ``src_bytes`` is 0)."""
+    s, g, n = int(s_index), int(g_index), int(src_bytes)
+    if n not in (0, 16):
+        raise ValueError("cp_async16: src_bytes must be 0 or 16")
+    if s % 4:
+        raise RuntimeError("cp_async16: the shared-memory destination must be 16-byte aligned")
+    data = np.array(gmem.reshape(-1)[g:g + 4], copy=True) if n else np.zeros(4, dtype=smem.dtype)
+    _pending()[-1].append((smem, s, data))
+
+
+def _cp_async_commit_twin():
+    """Simulator twin of ``cp.async.commit_group``: close this thread's open group of copies."""
+    _pending().append([])
+
+
+def _land(groups: list, keep: int) -> None:
+    committed = groups[:-1]
+    while len(committed) > keep:
+        for smem, s, data in committed.pop(0):
+            smem.reshape(-1)[s:s + 4] = data
+    groups[:] = committed + [groups[-1]]
+
+
+def _cp_async_wait_all_twin():
+    """Simulator twin of ``cp.async.wait_group 0``: every committed copy of this thread has landed."""
+    _land(_pending(), 0)
+
+
+def _cp_async_wait_one_twin():
+    """Simulator twin of ``cp.async.wait_group 1``: all but the newest committed group have landed."""
+    _land(_pending(), 1)
+
+
+def _pack_twin(dtype: str):
+    def pack(lo, hi):
+        return _pack(lo, hi, dtype)
+    pack.__doc__ = f"Simulator twin of ``cvt.rn.{'f16x2' if dtype == 'float16' else 'bf16x2'}.f32`` (lo, hi)."
+    return pack
+
+
+def _unpack_twin(dtype: str):
+    def unpack(word):
+        lo, hi = _halves(word, dtype)
+        return np.float32(lo), np.float32(hi)
+    return unpack
+
+
+def _ex2_twin(x):
+    """Simulator twin of ``ex2.approx.ftz.f32``: 2^x exactly rounded, flushed to 0 below 2^-126 as the GPU does."""
+    x = float(x)
+    y = np.float32(0.0) if x == -math.inf else np.float32(math.exp2(min(x, 128.0)))
+    return y if y >= np.float32(1.1754943508222875e-38) else np.float32(0.0)
+
+
+def _syncwarp_twin():
+    """Simulator twin of ``bar.warp.sync 0xffffffff``."""
+    _collective(None, lambda values: values)
+
+
+def _shfl_xor_twin(value, mask):
+    """Simulator twin of ``shfl.sync.bfly.b32`` over the full warp (every lane passes the same ``mask``)."""
+    m = int(mask)
+    return _collective(value, lambda values: [values[lane ^ m] for lane in range(frag.WARP)])
+
+
+# ================================================================================================================
+# The real instructions (built only when a GPU compiles kernels)
+# ================================================================================================================
+
+def _build_gpu() -> dict:
+    from llvmlite import ir
+    from numba import cuda, types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def asm(builder, ret, args, text, constraints, side_effect=True):
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+    def cast_all(context, builder, sig, args, to):
+        return [context.cast(builder, v, t, f) for v, t, f in zip(args, sig.args, to)]
+
+    def shared_address(context, builder, aryty, ary, index, indexty):
+        """The 32-bit shared-state-space address of ``ary[index]`` (numba hands shared arrays out as generic
+        pointers: an addrspacecast to space 3 turns it into ``cvta.to.shared``)."""
+        array = context.make_array(aryty)(context, builder, ary)
+        idx = context.cast(builder, index, indexty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
+        sptr = builder.addrspacecast(builder.bitcast(ptr, ir.PointerType(ir.IntType(8))),
+                                     ir.PointerType(ir.IntType(8), 3))
+        return builder.ptrtoint(sptr, i32)
+
+    def global_address(context, builder, aryty, ary, index, indexty):
+        array = context.make_array(aryty)(context, builder, ary)
+        idx = context.cast(builder, index, indexty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
+        return builder.ptrtoint(ptr, i64)
+
+    def make_mma(kind):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            formal = (types.uint32,) * 6 + (types.float32,) * 4
+            sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+            def codegen(context, builder, signature, args):
+                vals = [context.cast(builder, v, t, f) for v, t, f in zip(args, signature.args, formal)]
+                res = asm(builder, ir.LiteralStructType([f32] * 4), vals, text,
+                          "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(4)])
+            return sig, codegen
+        return mma
+
+    def make_ldmatrix(trans):
+        text = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") +
+                ".shared.b16 {$0,$1,$2,$3}, [$4];")
+
+        @intrinsic
+        def ldmatrix(typingctx, smem, index):
+            sig = types.UniTuple(types.uint32, 4)(smem, index)
+
+            def codegen(context, builder, signature, args):
+                addr = shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+                res = asm(builder, ir.LiteralStructType([i32] * 4), [addr], text, "=r,=r,=r,=r,r")
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(4)])
+            return sig, codegen
+        return ldmatrix
+
+    @intrinsic
+    def cp_async16(typingctx, smem, s_index, gmem, g_index, src_bytes):
+        sig = types.void(smem, s_index, gmem, g_index, src_bytes)
+
+        def codegen(context, builder, signature, args):
+            dst = shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            src = global_address(context, builder, signature.args[2], args[2], args[3], signature.args[3])
+            n = context.cast(builder, args[4], signature.args[4], types.uint32)
+            asm(builder, ir.VoidType(), [dst, src, n], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                "r,l,r,~{memory}")
+            return context.get_dummy_value()
+        return sig, codegen
+
+    def make_simple(text):
+        @intrinsic
+        def op(typingctx):
+            def codegen(context, builder, signature, args):
+                asm(builder, ir.VoidType(), [], text, "~{memory}")
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return op
+
+    def make_pack(kind):
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(lo, hi)
+
+            def codegen(context, builder, signature, args):
+                lo_, hi_ = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+                # cvt.rn.f16x2.f32 d, a, b puts a in the upper half: pass hi first
+                return asm(builder, i32, [hi_, lo_], f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f",
+                           side_effect=False)
+            return sig, codegen
+        return pack
+
+    def make_unpack(kind):
+        # f16 → f32 by cvt; bf16 → f32 is a shift of the bits into the upper half (exact)
+        if kind == "f16":
+            text = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+        else:
+            text = ("{ .reg .b32 lo, hi; shl.b32 lo, $2, 16; and.b32 hi, $2, 0xFFFF0000; "
+                    "mov.b32 $0, lo; mov.b32 $1, hi; }")
+
+        @intrinsic
+        def unpack(typingctx, word):
+            sig = types.UniTuple(types.float32, 2)(word)
+
+            def codegen(context, builder, signature, args):
+                w = context.cast(builder, args[0], signature.args[0], types.uint32)
+                res = asm(builder, ir.LiteralStructType([f32, f32]), [w], text, "=f,=f,r", side_effect=False)
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(2)])
+            return sig, codegen
+        return unpack
+
+    @intrinsic
+    def ex2(typingctx, x):
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            fnty = ir.FunctionType(f32, [f32])
+            return builder.call(cgutils.get_or_insert_function(builder.module, fnty,
+                                                               "llvm.nvvm.ex2.approx.ftz.f"), [v])
+        return types.float32(x), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(value, mask):
+        return cuda.shfl_xor_sync(FULL_MASK, value, mask)
+
+    @cuda.jit(device=True, inline=True)
+    def syncwarp():
+        cuda.syncwarp(FULL_MASK)
+
+    return dict(syncwarp=syncwarp, mma_f16=make_mma("f16"), mma_bf16=make_mma("bf16"), ldmatrix_x4=make_ldmatrix(False),
+                ldmatrix_x4_trans=make_ldmatrix(True), cp_async16=cp_async16,
+                cp_async_commit=make_simple("cp.async.commit_group;"),
+                cp_async_wait_all=make_simple("cp.async.wait_group 0;"),
+                cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
+                pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
+                unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor)
+
+
+def _build_twins() -> dict:
+    return dict(mma_f16=_mma_twin("float16"), mma_bf16=_mma_twin("bfloat16"), ldmatrix_x4=_ldmatrix_twin(False),
+                ldmatrix_x4_trans=_ldmatrix_twin(True), cp_async16=_cp_async16_twin,
+                cp_async_commit=_cp_async_commit_twin, cp_async_wait_all=_cp_async_wait_all_twin,
+                cp_async_wait_one=_cp_async_wait_one_twin, pack_f16x2=_pack_twin("float16"),
+                pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
+                unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
+                syncwarp=_syncwarp_twin)
+
+
+globals().update(_build_twins() if SIMULATED else _build_gpu())
