@@ -279,14 +279,20 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
     """softmax(τ·q kᵀ [+ causal mask]) v, differentiable, computed by one of the papers' algorithms.
 
     Args:
-        q: (…, H_q, N_q, d); k: (…, H_kv, N_k, d); v: (…, H_kv, N_k, d_v). float32 or float64 on the CPU,
-            float32 on CUDA; one device; finite. H_q must be a multiple of H_kv (GQA/MQA).
-        causal: bottom-right aligned causal mask (query i sees key j iff j ≤ i + N_k − N_q).
-        scale: τ, default 1/√d (FA2 footnote 2's 1/d is erratum 7).
-        algorithm: ``"flash2"`` (FA2 Alg. 1/2, the default), ``"flash1"`` (FA1 Alg. 2/4, CPU only) or
-            ``"standard"`` (FA1 Alg. 0/3, which saves P).
-        block_sizes: ``(B_r, B_c)`` for the tiled algorithms; by default from ``M`` by the conventions' rules.
-        M: SRAM size in elements (CPU only; the kernels take ``block_sizes``).
+        q (torch.Tensor): queries, shape (…, H_q, N_q, d); float32 or float64 on the CPU, float32 on CUDA; finite.
+        k (torch.Tensor): keys, shape (…, H_kv, N_k, d), on q's device in q's dtype; H_q must be a multiple of H_kv
+            (GQA/MQA).
+        v (torch.Tensor): values, shape (…, H_kv, N_k, d_v), on q's device in q's dtype.
+        causal (bool, optional): bottom-right aligned causal mask (query i sees key j iff j ≤ i + N_k − N_q).
+            Default False.
+        scale (float, optional): the softmax scale τ. Default None: 1/√d (FA2 footnote 2's 1/d is erratum 7).
+        algorithm (str, optional): ``"flash2"`` (FA2 Alg. 1/2, the default), ``"flash1"`` (FA1 Alg. 2/4, CPU only)
+            or ``"standard"`` (FA1 Alg. 0/3, which saves P).
+        block_sizes (tuple of int, optional): ``(B_r, B_c)`` for the tiled algorithms (None with ``"standard"``).
+            Default None: from ``M`` by the conventions' rules on the CPU, and
+            :func:`kernels_gpu.runtime.default_block_sizes` on CUDA.
+        M (int, optional): SRAM size in elements, for the tiled algorithms on the CPU only (the kernels take
+            ``block_sizes``). Default None: the block sizes of :data:`fa2edu.DEFAULT_M`.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-__all__ = ["attention_problems", "block_sizes", "AttentionCase"]
+__all__ = ["attention_problems", "block_sizes", "AttentionCase", "attention_states", "key_splits",
+           "decode_problems", "packed_batches"]
 
 
 class AttentionCase(dict):
@@ -71,3 +72,118 @@ def attention_problems(draw, *, max_n: int = 24, max_d: int = 9, dtypes=(np.floa
     scale = draw(st.sampled_from([None, None, 0.5, 1.0]))
     bs = draw(block_sizes(max(2, min(9, max(N_q, N_k) + 2))))
     return AttentionCase(Q=Q, K=K, V=V, causal=is_causal, mask=mask, block_sizes=bs, scale=scale)
+
+
+# -- partial attentions, KV caches, packed batches (fa2edu.merge, fa2edu.inference) ---------------------------------
+
+@st.composite
+def attention_states(draw, *, count: int = 3, dtypes=(np.float32, np.float64)):
+    """``count`` partial attention states (O, L) of one shape: O (..., N, d_v), L (..., N), one dtype.
+
+    L is centred on 0, 1e4 or −1e4 (the overflow tests) with a spread up to 30; rows are sometimes empty
+    (O = 0, L = +inf, the merge's identity), sometimes in every state at once.
+    """
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    lead = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    N, d_v = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    centre = draw(st.sampled_from([0.0, 0.0, 1e4, -1e4]))
+    spread = draw(st.sampled_from([0.0, 1.0, 30.0]))
+    empty_rate = draw(st.sampled_from([0.0, 0.3]))
+    all_empty_row = draw(st.booleans())
+    states = []
+    for _ in range(count):
+        O = rng.standard_normal(lead + (N, d_v)).astype(dtype)
+        L = (centre + spread * rng.standard_normal(lead + (N,))).astype(dtype)
+        empty = rng.random(lead + (N,)) < empty_rate
+        if all_empty_row:
+            empty[..., 0] = True
+        O[empty] = 0.0
+        L[empty] = np.inf
+        states.append((O, L))
+    return states
+
+
+@st.composite
+def key_splits(draw, *, max_n: int = 16, max_d: int = 6):
+    """An attention problem Q (H, N_q, d), K (H, N_k, d), V (H, N_k, d_v) and cut points 0 ≤ c_1 ≤ … ≤ N_k that
+    cut the keys into 2–4 contiguous chunks (some possibly empty), with logits up to about ±1e4."""
+    H, N_q, N_k = draw(st.integers(1, 2)), draw(st.integers(1, max_n)), draw(st.integers(1, max_n))
+    d, d_v = draw(st.integers(1, max_d)), draw(st.integers(1, max_d))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.sampled_from([1.0, 1.0, 30.0, 100.0]))
+    Q = rng.standard_normal((H, N_q, d)) * spread
+    K = rng.standard_normal((H, N_k, d)) * spread
+    V = rng.standard_normal((H, N_k, d_v))
+    cuts = sorted(draw(st.lists(st.integers(0, N_k), min_size=1, max_size=3)))
+    return Q, K, V, [0] + cuts + [N_k]
+
+
+@st.composite
+def decode_problems(draw, *, paged=None, dtypes=(np.float64,), max_group: int = 8):
+    """A decoding step: q (B, H_q, N_new, d), a contiguous or paged KV cache, ragged ``cache_seqlens``.
+
+    Lengths include 0 (an idle slot) and the full capacity; a paged cache has its pages in a shuffled physical
+    order, and every cache entry that no sequence owns (unused pages, rows past a length) is NaN, so reading one
+    shows. ``num_splits`` is None or 1 … (the longest sequence's blocks + 2); G = H_q / H_kv is 1 … ``max_group``.
+    Returns a dict of decode_attention's arguments plus ``keys``/``values``: each sequence's keys and values,
+    gathered (H_kv, n_b, d), for the oracle.
+    """
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, H_kv, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, max_group))
+    N_new, d = draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    d_v = draw(st.sampled_from([d, draw(st.integers(1, 8))]))
+    is_paged = draw(st.booleans()) if paged is None else paged
+    block = draw(st.integers(1, 5))                                # page size, or contiguous block_size
+    max_pages = draw(st.integers(1, 4))
+    capacity = block * max_pages if is_paged else draw(st.integers(1, 14))
+    lengths = draw(st.lists(st.sampled_from([0, capacity, None, None]), min_size=B, max_size=B))
+    seqlens = np.array([rng.integers(0, capacity + 1) if n is None else n for n in lengths], dtype=np.int64)
+    spread = draw(st.sampled_from([1.0, 1.0, 30.0]))
+    q = (spread * rng.standard_normal((B, H_kv * G, N_new, d))).astype(dtype)
+    keys = [(spread * rng.standard_normal((H_kv, n, d))).astype(dtype) for n in seqlens]
+    values = [rng.standard_normal((H_kv, n, d_v)).astype(dtype) for n in seqlens]
+    if is_paged:
+        num_pages = B * max_pages + draw(st.integers(0, 3))
+        k_cache = np.full((num_pages, H_kv, block, d), np.nan, dtype=dtype)
+        v_cache = np.full((num_pages, H_kv, block, d_v), np.nan, dtype=dtype)
+        table = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
+        for b, n in enumerate(seqlens):
+            for p in range(-(-int(n) // block)):
+                rows = slice(p * block, min((p + 1) * block, int(n)))
+                k_cache[table[b, p], :, :rows.stop - rows.start] = keys[b][:, rows]
+                v_cache[table[b, p], :, :rows.stop - rows.start] = values[b][:, rows]
+            table[b, -(-int(n) // block):] = -1                    # unused entries: never read
+        block_table, block_size = table, None
+    else:
+        k_cache = np.full((B, H_kv, capacity, d), np.nan, dtype=dtype)
+        v_cache = np.full((B, H_kv, capacity, d_v), np.nan, dtype=dtype)
+        for b, n in enumerate(seqlens):
+            k_cache[b, :, :n], v_cache[b, :, :n] = keys[b], values[b]
+        block_table, block_size = None, block
+    max_blocks = max(-(-int(n) // block) for n in seqlens)
+    num_splits = draw(st.one_of(st.none(), st.integers(1, max_blocks + 2)))
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=block_table,
+                causal=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.5])), num_splits=num_splits,
+                block_size=block_size, keys=keys, values=values)
+
+
+@st.composite
+def packed_batches(draw, *, max_len: int = 10, dtypes=(np.float64,)):
+    """A packed batch for varlen_attention: q (H_q, total_q, d), k, v (H_kv, total_k, d | d_v) and the offsets
+    ``cu_seqlens_q``, ``cu_seqlens_k`` of 1–4 sequences whose lengths include 0, n_q ≠ n_k, GQA."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, H_kv, G = draw(st.integers(1, 4)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    d = draw(st.integers(1, 6))
+    d_v = draw(st.sampled_from([d, draw(st.integers(1, 6))]))
+    n_q = draw(st.lists(st.integers(0, max_len), min_size=B, max_size=B))
+    n_k = draw(st.lists(st.integers(0, max_len), min_size=B, max_size=B))
+    cu_q, cu_k = np.cumsum([0] + n_q), np.cumsum([0] + n_k)
+    q = rng.standard_normal((H_kv * G, int(cu_q[-1]), d)).astype(dtype)
+    k = rng.standard_normal((H_kv, int(cu_k[-1]), d)).astype(dtype)
+    v = rng.standard_normal((H_kv, int(cu_k[-1]), d_v)).astype(dtype)
+    bs = draw(st.one_of(st.none(), block_sizes(5)))
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=draw(st.booleans()),
+                block_sizes=bs)
