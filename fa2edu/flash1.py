@@ -37,7 +37,7 @@ from fa2edu.dropout import check_dropout, keep_mask
 from fa2edu.masks import BlockKind, check_block_mask, classify_block
 from fa2edu.memory import HBM, FlopCounter
 from fa2edu.softmax import exp_minus
-from fa2edu.validation import check_like, prepare
+from fa2edu.validation import cast_output, check_like, guard_overflow, prepare
 
 __all__ = ["Flash1Forward", "Flash1Backward", "flash1_forward", "flash1_backward", "flash1_block_sparse_forward",
            "flash1_block_sparse_backward", "flash1_forward_working_set", "flash1_backward_working_set"]
@@ -215,7 +215,7 @@ def _forward(problem, run, block_mask, dropout_p: float, seed: int) -> Flash1For
             sram.free("Q_i", "O_i", "l_i", "m_i", "S_ij", "m_tilde", "l_tilde", "m_new", "l_new")
         sram.free("K_j", "V_j")
 
-    O = problem.from_q_layout(mem["O"]).astype(problem.in_dtype, copy=False)
+    O = cast_output(problem.from_q_layout(mem["O"]), problem.in_dtype, "O")
     return Flash1Forward(O, problem.from_q_layout(mem["l"]), problem.from_q_layout(mem["m"]))
 
 
@@ -311,13 +311,14 @@ def _backward(problem, run, saved, block_mask, dropout_p: float, seed: int) -> F
         sram.free("K_j", "V_j", "dK_j", "dV_j")
 
     out = problem.in_dtype
-    return Flash1Backward(problem.from_q_layout(mem["dQ"]).astype(out, copy=False),
-                          problem.from_kv_layout(mem["dK"]).astype(out, copy=False),
-                          problem.from_kv_layout(mem["dV"]).astype(out, copy=False))
+    return Flash1Backward(cast_output(problem.from_q_layout(mem["dQ"]), out, "dQ"),
+                          cast_output(problem.from_kv_layout(mem["dK"]), out, "dK"),
+                          cast_output(problem.from_kv_layout(mem["dV"]), out, "dV"))
 
 
 # -- the public algorithms ---------------------------------------------------------------------------------------
 
+@guard_overflow
 def flash1_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
                    dropout_p: float = 0.0, seed: int = 0, hbm: HBM | None = None,
                    flops: FlopCounter | None = None) -> Flash1Forward:
@@ -376,6 +377,7 @@ def flash1_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
     return _forward(problem, run, None, dropout_p, seed)
 
 
+@guard_overflow
 def flash1_backward(Q, K, V, O, l, m, dO, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
                     dropout_p: float = 0.0, seed: int = 0, hbm: HBM | None = None,
                     flops: FlopCounter | None = None) -> Flash1Backward:
@@ -446,6 +448,7 @@ def flash1_backward(Q, K, V, O, l, m, dO, M=None, block_sizes=None, causal=False
     return _backward(problem, run, saved, None, dropout_p, seed)
 
 
+@guard_overflow
 def flash1_block_sparse_forward(Q, K, V, block_mask, M=None, block_sizes=None, causal=False, scale=None, mask=None,
                                 *, dropout_p: float = 0.0, seed: int = 0, hbm: HBM | None = None,
                                 flops: FlopCounter | None = None) -> Flash1Forward:
@@ -510,6 +513,7 @@ def flash1_block_sparse_forward(Q, K, V, block_mask, M=None, block_sizes=None, c
     return _forward(problem, run, block_mask, dropout_p, seed)
 
 
+@guard_overflow
 def flash1_block_sparse_backward(Q, K, V, O, l, m, dO, block_mask, M=None, block_sizes=None, causal=False,
                                  scale=None, mask=None, *, dropout_p: float = 0.0, seed: int = 0,
                                  hbm: HBM | None = None, flops: FlopCounter | None = None) -> Flash1Backward:

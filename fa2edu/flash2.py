@@ -24,7 +24,7 @@ from fa2edu.dropout import check_dropout, keep_mask
 from fa2edu.masks import BlockKind, classify_block
 from fa2edu.memory import HBM, FlopCounter
 from fa2edu.softmax import exp_minus
-from fa2edu.validation import check_like, prepare
+from fa2edu.validation import cast_output, check_like, guard_overflow, prepare
 
 __all__ = ["Flash2Forward", "Flash2Backward", "flash2_forward", "flash2_backward",
            "flash2_forward_working_set", "flash2_backward_working_set"]
@@ -70,6 +70,7 @@ def flash2_forward_working_set(B_r: int, B_c: int, d: int, d_v: int | None = Non
     return B_r * d + B_r * d_v + B_c * d + B_c * d_v + B_r * B_c + 3 * B_r
 
 
+@guard_overflow
 def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
                    dropout_p: float = 0.0, seed: int = 0, hbm: HBM | None = None,
                    flops: FlopCounter | None = None) -> Flash2Forward:
@@ -198,7 +199,7 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
         mem.write("L", rows, L_i, line="Alg 1 line 15")
         sram.free("Q_i", "O_i", "l_i", "m_i", "K_j", "V_j")
 
-    O = problem.from_q_layout(mem["O"]).astype(problem.in_dtype, copy=False)
+    O = cast_output(problem.from_q_layout(mem["O"]), problem.in_dtype, "O")
     return Flash2Forward(O, problem.from_q_layout(mem["L"]))
 
 
@@ -235,6 +236,7 @@ def _check_saved(problem, O, L, dO) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return O, L, dO
 
 
+@guard_overflow
 def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, scale=None, mask=None, *,
                     dropout_p: float = 0.0, seed: int = 0, redundant_loads: bool = False,
                     hbm: HBM | None = None, flops: FlopCounter | None = None) -> Flash2Backward:
@@ -419,7 +421,7 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
         sram.free("K_j", "V_j", "dK_j", "dV_j")
 
     # GQA/MQA (FA2 Section 3.1): the query heads of a group each computed their own dK, dV: sum them.
-    dQ = problem.from_q_layout(mem["dQ"]).astype(problem.in_dtype, copy=False)
-    dK = problem.from_kv_layout(mem["dK"]).astype(problem.in_dtype, copy=False)
-    dV = problem.from_kv_layout(mem["dV"]).astype(problem.in_dtype, copy=False)
+    dQ = cast_output(problem.from_q_layout(mem["dQ"]), problem.in_dtype, "dQ")
+    dK = cast_output(problem.from_kv_layout(mem["dK"]), problem.in_dtype, "dK")
+    dV = cast_output(problem.from_kv_layout(mem["dV"]), problem.in_dtype, "dV")
     return Flash2Backward(dQ, dK, dV)

@@ -17,7 +17,7 @@ import numpy as np
 
 from fa2edu.dropout import check_dropout, keep_mask
 from fa2edu.masks import causal_mask
-from fa2edu.validation import check_like, prepare
+from fa2edu.validation import check_like, guard_overflow, prepare
 
 __all__ = ["ReferenceResult", "Gradients", "attention_reference", "attention_reference_backward"]
 
@@ -80,6 +80,7 @@ def _scores(problem, dropout_p: float, seed: int):
     return P, L, scaled_keep
 
 
+@guard_overflow
 def attention_reference(Q, K, V, causal: bool = False, scale=None, mask=None, *, dropout_p: float = 0.0,
                         seed: int = 0) -> ReferenceResult:
     """softmax(τ·QKᵀ + mask)·V in float64, and ``L = logsumexp(τ·QKᵀ + mask)`` per row.
@@ -115,7 +116,7 @@ def attention_reference(Q, K, V, causal: bool = False, scale=None, mask=None, *,
         ``(O, L)``, both float64: O (..., N_q, d_v) and L (..., N_q), +inf on a fully masked row (whose O is 0).
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
-    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask, score_dtype=np.float64)
     P, L, scaled_keep = _scores(problem, dropout_p, seed)
     if scaled_keep is not None:
         P = P * scaled_keep
@@ -123,6 +124,7 @@ def attention_reference(Q, K, V, causal: bool = False, scale=None, mask=None, *,
     return ReferenceResult(problem.from_q_layout(O), problem.from_q_layout(L))
 
 
+@guard_overflow
 def attention_reference_backward(Q, K, V, dO, causal: bool = False, scale=None, mask=None, *,
                                  dropout_p: float = 0.0, seed: int = 0) -> Gradients:
     """Exact gradients of ``sum(dO ∘ O)`` with respect to Q, K, V, in float64 (FA1 Alg. 3's equations).
@@ -161,7 +163,7 @@ def attention_reference_backward(Q, K, V, dO, causal: bool = False, scale=None, 
         ``(dQ, dK, dV)``, float64, shaped like Q, K and V; fully masked rows contribute zero gradients.
     """
     dropout_p, seed = check_dropout(dropout_p, seed)
-    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
+    problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask, score_dtype=np.float64)
     dO = check_like(dO, "dO", problem.q_shape[:-1] + (problem.d_v,))
     dO5 = problem.to_q_layout(dO).astype(np.float64)
     Q5, K5, V5 = (x.astype(np.float64) for x in (problem.Q, problem.K, problem.V))

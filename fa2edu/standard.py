@@ -39,7 +39,7 @@ from fa2edu.dropout import check_dropout, keep_mask
 from fa2edu.masks import block_visible
 from fa2edu.memory import HBM, FlopCounter
 from fa2edu.softmax import safe_softmax
-from fa2edu.validation import check_like, prepare
+from fa2edu.validation import AttentionOverflowError, cast_output, check_like, guard_overflow, prepare
 
 __all__ = ["StandardForward", "StandardBackward", "standard_attention", "standard_attention_backward",
            "standard_forward_working_set", "standard_backward_working_set"]
@@ -104,6 +104,27 @@ def _start(algorithm: str, problem, working_set, M, block_sizes, hbm, flops):
                      working_set=lambda br, bc: working_set(br, N_k, d, d_v), hbm=hbm, flops=flops)
 
 
+def _stored(x: np.ndarray, store: np.dtype, what: str, inputs: str) -> np.ndarray:
+    """A tile of a materialised matrix in the dtype standard attention keeps it in HBM (the inputs' dtype).
+
+    A finite value beyond that dtype's range (float16: ±65504) would be stored as inf and turn the next line's
+    arithmetic into NaN: it raises an :class:`~fa2edu.validation.AttentionOverflowError` naming the inputs instead.
+    """
+    if x.dtype == store:
+        return x
+    with np.errstate(over="ignore"):                   # an overflow is reported below, naming the inputs
+        stored = x.astype(store)
+    if np.any(np.isinf(stored) & np.isfinite(x)):
+        largest = float(np.max(np.abs(x[np.isfinite(x)])))
+        name = what.split(" ")[0]
+        raise AttentionOverflowError(
+            f"{inputs} give {what} up to {largest:.3g}, beyond the largest {store.name} "
+            f"({float(np.finfo(store).max):g}): standard attention stores {name} in HBM in the inputs' dtype, "
+            f"where it would be inf. (FlashAttention keeps {name} on chip in float32.) Use float32 inputs, or "
+            f"rescale {inputs}")
+    return stored
+
+
 def _dropout_scale(problem, dropout_p: float, seed: int, rows: slice) -> np.ndarray:
     """Z_i: the keep-mask of rows ``rows`` scaled by 1/(1 − p), regenerated from the seed (FA1 Alg. 4 line 14)."""
     lead = problem.lead
@@ -111,6 +132,7 @@ def _dropout_scale(problem, dropout_p: float, seed: int, rows: slice) -> np.ndar
     return keep / (1.0 - dropout_p)
 
 
+@guard_overflow
 def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_p: float = 0.0, seed: int = 0,
                        M=None, block_sizes=None, hbm: HBM | None = None,
                        flops: FlopCounter | None = None) -> StandardForward:
@@ -196,7 +218,7 @@ def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_
         if visible is not None:
             S_i = np.where(visible, S_i, -np.inf)
             count.add_nonmatmul(r * N_k, line="Alg 0 line 1 (mask)")
-        mem.write("S", rows, S_i, line="Alg 0 line 1")
+        mem.write("S", rows, _stored(S_i, store, "S = τQKᵀ", "Q and K"), line="Alg 0 line 1")
         sram.free("Q_i", "S_i")
     sram.free("K")
 
@@ -228,6 +250,7 @@ def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_
     return StandardForward(problem.from_q_layout(mem["O"]), problem.from_q_layout(mem["P"]))
 
 
+@guard_overflow
 def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=None, *, dropout_p: float = 0.0,
                                 seed: int = 0, M=None, block_sizes=None, hbm: HBM | None = None,
                                 flops: FlopCounter | None = None) -> StandardBackward:
@@ -322,7 +345,7 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
         count.add_matmul(N_k, d_v, r, line="Alg 3 line 1")
         count.add_nonmatmul(N_k * d_v, line="Alg 3 line 1")
         sram.free("P_i", "dO_i")
-    mem.write("dV", all_keys, dV, line="Alg 3 line 1")
+    mem.write("dV", all_keys, _stored(dV, store, "dV = Pᵀ dO", "dO"), line="Alg 3 line 1")
     sram.free("dV")
 
     # Alg. 3 line 2: load dO, V by blocks from HBM, compute dP = dO Vᵀ, write dP to HBM.
@@ -336,7 +359,7 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
             # Dropped entries pass no gradient: dP = (dO Vᵀ) ∘ Z (FA1 Alg. 4 line 18).
             dP_i = dP_i * _dropout_scale(problem, dropout_p, seed, rows)
             count.add_nonmatmul(r * N_k, line="Alg 3 line 2 (dropout)")
-        mem.write("dP", rows, dP_i, line="Alg 3 line 2")
+        mem.write("dP", rows, _stored(dP_i, store, "dP = dO Vᵀ", "dO and V"), line="Alg 3 line 2")
         sram.free("dO_i", "dP_i")
     sram.free("V")
 
@@ -348,7 +371,7 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
         D_i = sram.hold("D_i", (P_i * dP_i).sum(axis=-1), vector=True)                 # (…, B_r)
         dS_i = sram.hold("dS_i", P_i * (dP_i - D_i[..., None]))                         # (…, B_r, N_k)
         count.add_nonmatmul(4 * r * N_k, line="Alg 3 line 3")                           # ∘, Σ, −, ∘
-        mem.write("dS", rows, dS_i, line="Alg 3 line 3")
+        mem.write("dS", rows, _stored(dS_i, store, "dS = P ∘ (dP − D)", "dO and V"), line="Alg 3 line 3")
         sram.free("P_i", "dP_i", "D_i", "dS_i")
 
     # Alg. 3 line 4: load dS and K by blocks from HBM, compute dQ = τ dS K, write dQ to HBM.
@@ -359,7 +382,7 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
         dQ_i = sram.hold("dQ_i", tau * (dS_i @ K_all))                                  # (…, B_r, d)
         count.add_matmul(r, d, N_k, line="Alg 3 line 4")
         count.add_nonmatmul(r * d, line="Alg 3 line 4")
-        mem.write("dQ", rows, dQ_i, line="Alg 3 line 4")
+        mem.write("dQ", rows, _stored(dQ_i, store, "dQ = τ dS K", "dO, V and K"), line="Alg 3 line 4")
         sram.free("dS_i", "dQ_i")
     sram.free("K")
 
@@ -373,10 +396,10 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
         count.add_matmul(N_k, d, r, line="Alg 3 line 5")
         count.add_nonmatmul(2 * N_k * d, line="Alg 3 line 5")
         sram.free("dS_i", "Q_i")
-    mem.write("dK", all_keys, dK, line="Alg 3 line 5")
+    mem.write("dK", all_keys, _stored(dK, store, "dK = τ dSᵀ Q", "dO, V and Q"), line="Alg 3 line 5")
     sram.free("dK")
 
     # GQA: dK, dV of the query heads in a group are summed in the compute dtype, then stored as the input dtype.
     return StandardBackward(problem.from_q_layout(mem["dQ"]),
-                            problem.from_kv_layout(mem["dK"].astype(work)).astype(store, copy=False),
-                            problem.from_kv_layout(mem["dV"].astype(work)).astype(store, copy=False))
+                            cast_output(problem.from_kv_layout(mem["dK"].astype(work)), store, "dK"),
+                            cast_output(problem.from_kv_layout(mem["dV"].astype(work)), store, "dV"))

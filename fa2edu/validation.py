@@ -9,17 +9,29 @@ heads, batches and GQA alike:
 
 Query head ``h`` lives at ``(h // G, h % G)``, so it reads K/V head ``h // G`` through NumPy broadcasting: the
 head-index mapping of FA2 Section 3.1, with no copy of K or V. Gradients dK, dV come back summed over the G axis.
+
+Arrays must be plain ``numpy.ndarray`` (a ``numpy.memmap`` is read as one). Subclasses that change what the numbers
+mean are refused with a TypeError naming the argument: ``numpy.matrix`` (always 2-D, ``*`` is a matrix product) and
+``numpy.ma.MaskedArray`` (its mask would be silently dropped; attention masks go in ``mask=``).
+
+Range. Finite inputs can still be too large: the scores τ·QKᵀ of Q·1e307 overflow float64, and inf − inf then
+gives NaN. :func:`check_score_range` refuses such Q, K before any work, with an :class:`AttentionOverflowError`
+(a ValueError and an OverflowError) that names them; :func:`guard_overflow` turns any other overflow inside an
+algorithm (huge V or dO, a float16 gradient beyond ±65504) into the same error instead of inf or NaN.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 from numbers import Real
 
 import numpy as np
 
-__all__ = ["AttentionProblem", "prepare", "check_like", "check_scale", "compute_dtype", "FLOAT_DTYPES"]
+__all__ = ["AttentionProblem", "AttentionOverflowError", "prepare", "check_like", "check_scale", "check_score_range",
+           "cast_output", "guard_overflow", "compute_dtype", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -29,12 +41,35 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+class AttentionOverflowError(ValueError, OverflowError):
+    """Finite inputs whose attention arithmetic would leave the range of the dtype it runs in.
+
+    A ValueError, like every other bad-input error, and an OverflowError, which is what it is.
+    """
+
+
+def _plain_array(x, name: str) -> np.ndarray:
+    """``x`` as a plain ndarray; a ``numpy.memmap`` is read as one, other ndarray subclasses are refused."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray: fa2edu would silently ignore its mask; pass "
+                        f"{name}.filled(...) (its values), and give the entries attention must skip as mask= "
+                        f"(True = attend)")
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name} is a numpy.matrix (always 2-D, with * as a matrix product); "
+                        f"pass np.asarray({name})")
+    if type(x) is not np.ndarray and not isinstance(x, np.memmap):
+        raise TypeError(f"{name} must be a plain numpy.ndarray, got the subclass {type(x).__name__}; "
+                        f"pass np.asarray({name}) if its entries are plain numbers")
+    return np.asarray(x)
+
+
 def _check_array(x, name: str, *, finite: bool = True) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         if hasattr(x, "__cuda_array_interface__"):
             raise TypeError(f"{name} is a GPU array; fa2edu's NumPy algorithms take NumPy arrays "
                             f"(use kernels_gpu for GPU arrays, or copy it to the host)")
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    x = _plain_array(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype (float16, float32 or float64), got {x.dtype}")
     if x.ndim < 2:
@@ -62,6 +97,7 @@ def check_like(x, name: str, shape: tuple[int, ...], dtype: np.dtype | None = No
     """Check that ``x`` is a float array of exactly ``shape`` (a saved statistic or a gradient)."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    x = _plain_array(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if dtype is not None and x.dtype != np.dtype(dtype):
@@ -71,6 +107,115 @@ def check_like(x, name: str, shape: tuple[int, ...], dtype: np.dtype | None = No
     if finite and not np.isfinite(x).all():
         raise ValueError(f"{name} contains NaN or infinite values")
     return x
+
+
+def _largest_abs_dot(A: np.ndarray, B: np.ndarray) -> float:
+    """``max_ij Σ_l |A_il|·|B_jl|`` over the pairs that meet (A (…, n_a, k) and B (…, n_b, k) broadcast), as a
+    float64 that cannot overflow: each operand is first scaled by a power of two so that its entries are < 1 (exact),
+    and the result is returned with those powers added back (possibly as inf). Row blocks keep memory bounded."""
+    a_max, b_max = float(np.max(np.abs(A))), float(np.max(np.abs(B)))
+    if a_max == 0.0 or b_max == 0.0:
+        return 0.0
+    a_exp, b_exp = math.frexp(a_max)[1], math.frexp(b_max)[1]
+    A1 = np.ldexp(np.abs(A).astype(np.float64), -a_exp)            # entries in [0, 1)
+    B1t = np.swapaxes(np.ldexp(np.abs(B).astype(np.float64), -b_exp), -1, -2)
+    others = max(1, int(np.prod(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]))) * B.shape[-2])
+    step = max(1, (1 << 22) // others)
+    largest = max(float((A1[..., start:start + step, :] @ B1t).max()) for start in range(0, A.shape[-2], step))
+    if largest == 0.0:
+        return 0.0
+    exponent = math.log2(largest) + a_exp + b_exp
+    return math.inf if exponent >= 1024 else math.ldexp(largest, a_exp + b_exp)
+
+
+def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, stored: str | None = None) -> None:
+    """Refuse finite Q, K whose scores S = τ·QKᵀ would overflow ``dtype``: an :class:`AttentionOverflowError`
+    naming Q and K, instead of inf and then NaN (inf − inf) in the softmax.
+
+    Every algorithm forms the products q·k in ``dtype``, scales them by τ, then subtracts a row maximum m. Every
+    partial sum of q·k, in any order a matrix product may use, is at most Σ_l |q_l k_l|; so the arithmetic stays
+    finite when ``max(1, τ)·max Σ_l |q_l k_l| ≤ max(dtype)/2`` (the half keeps S − m finite). The test is cheap
+    first, ``d·max|Q|·max|K|`` in O(N·d); only where that bound fails is the exact ``max Σ_l |q_l k_l|`` computed
+    (one float64 product of |Q| and |K|ᵀ, in row blocks). Scores of 1e4 (inputs ×1000) are far inside both.
+
+    ``stored``: the name of an algorithm that *stores* S in ``dtype`` (standard attention in float16 writes S to
+    HBM): then the limit is the dtype's largest value itself.
+    Shapes: Q (…, N_q, d) and K (…, N_k, d), leading axes broadcasting; a pair is checked when they meet.
+    """
+    dtype = np.dtype(dtype)
+    largest_value = float(np.finfo(dtype).max)
+    limit = largest_value if stored else largest_value / 2
+    grow = max(1.0, abs(float(scale)))                  # the products are formed before τ (τ < 1) and after (τ > 1)
+    d = Q.shape[-1]
+    if d * float(np.max(np.abs(Q))) * float(np.max(np.abs(K))) * grow <= limit:
+        return
+    reach = grow * _largest_abs_dot(Q, K)
+    if reach <= limit:
+        return
+    if stored:
+        raise AttentionOverflowError(
+            f"Q and K give scores τ·QKᵀ up to {reach:.3g}, beyond the largest {dtype.name} ({largest_value:g}): "
+            f"{stored} stores S in HBM in the inputs' dtype, where they become inf. (FlashAttention keeps S on "
+            f"chip in float32, so it never stores it.) Use float32 inputs, or rescale Q or K or pass a smaller scale=")
+    remedies = ["rescale Q or K"]
+    if dtype != np.float64 and reach <= float(np.finfo(np.float64).max) / 2:
+        remedies.append("pass float64 inputs")
+    if abs(float(scale)) > 1.0:
+        remedies.append("pass a smaller scale=")
+    shown = f"{reach:.3g}" if math.isfinite(reach) else f"more than {float(np.finfo(np.float64).max):.3g}"
+    raise AttentionOverflowError(
+        f"Q and K are too large for {dtype.name}: their scores reach {shown} (the largest "
+        f"max(1, τ)·Σ_l |Q_il·K_jl| over query/key pairs, τ = {float(scale):g}), beyond {limit:.3g}, half the "
+        f"largest {dtype.name}, which S and S − max S need to stay finite. Softmax of such scores is one-hot at "
+        f"any precision: {', or '.join(remedies)}")
+
+
+def cast_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
+    """``x`` in ``dtype`` (the inputs' dtype, for a returned O or gradient); a finite value that does not fit
+    (a float16 gradient beyond ±65504) raises an :class:`AttentionOverflowError` naming ``name``, not inf."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    with np.errstate(over="ignore"):                   # an overflow is reported below, naming the result
+        out = x.astype(dtype)
+    if np.any(np.isinf(out) & np.isfinite(x)):
+        raise AttentionOverflowError(
+            f"{name} reaches {float(np.max(np.abs(x[np.isfinite(x)]))):.3g}, beyond the largest {dtype.name} "
+            f"({float(np.finfo(dtype).max):g}): it cannot be returned in the inputs' dtype; use float32 inputs "
+            f"or smaller inputs")
+    return out
+
+
+_ARRAY_ARGUMENTS = ("Q", "K", "V", "O", "dO", "P")
+
+
+def guard_overflow(function):
+    """Run an algorithm with NumPy's overflow and invalid-operation flags raising, and report a hit as an
+    :class:`AttentionOverflowError` naming the function, the dtype and its inputs' magnitudes.
+
+    The inputs' own checks (finite values, :func:`check_score_range`) catch the common cases with a precise
+    message before any work; this catches what no cheap check can foresee (a huge V or dO whose products overflow),
+    so that no algorithm returns inf or NaN for finite inputs. It costs nothing when nothing overflows.
+    """
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        try:
+            with np.errstate(over="raise", invalid="raise"):
+                return function(*args, **kwargs)
+        except FloatingPointError as error:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            sizes = ", ".join(f"max |{name}| = {float(np.max(np.abs(bound[name]))):.3g}" for name in _ARRAY_ARGUMENTS
+                              if isinstance(bound.get(name), np.ndarray) and bound[name].size
+                              and bound[name].dtype.kind == "f")
+            dtypes = sorted({bound[name].dtype.name for name in _ARRAY_ARGUMENTS
+                             if isinstance(bound.get(name), np.ndarray)})
+            raise AttentionOverflowError(
+                f"{function.__name__}: an intermediate result left the range of its dtype ({error}); the inputs "
+                f"are too large in magnitude for {'/'.join(dtypes)} arithmetic ({sizes}). Rescale them, or pass "
+                f"float64 inputs") from error
+    return guarded
 
 
 @dataclass
@@ -138,6 +283,7 @@ class AttentionProblem:
 def _check_mask(mask, q_shape: tuple[int, ...], N_q: int, N_k: int) -> np.ndarray:
     if not isinstance(mask, np.ndarray):
         raise TypeError(f"mask must be a numpy.ndarray of bool (True = attend), got {type(mask).__name__}")
+    mask = _plain_array(mask, "mask")
     if mask.dtype != np.bool_:
         raise TypeError(f"mask must have dtype bool (True = attend, False = masked out), got {mask.dtype}")
     lead = q_shape[:-2]
@@ -152,11 +298,14 @@ def _check_mask(mask, q_shape: tuple[int, ...], N_q: int, N_k: int) -> np.ndarra
     return mask
 
 
-def prepare(Q, K, V, *, causal: bool = False, scale=None, mask=None, allow_mask: bool = True) -> AttentionProblem:
+def prepare(Q, K, V, *, causal: bool = False, scale=None, mask=None, allow_mask: bool = True,
+            score_dtype=None) -> AttentionProblem:
     """Check Q, K, V (and scale, mask) and put them in the algorithms' layout.
 
     Shapes: Q (..., N_q, d), K (..., N_k, d), V (..., N_k, d_v). With three or more axes the axis before N is heads:
     Q has H_q heads, K and V have H_kv, and H_q must be a multiple of H_kv (GQA/MQA); other leading axes must match.
+    The scores τ·QKᵀ must fit the dtype they are computed in (:func:`check_score_range`): ``score_dtype``, by
+    default the compute dtype (the float64 oracle passes float64).
     """
     Q = _check_array(Q, "Q")
     K = _check_array(K, "K")
@@ -194,6 +343,7 @@ def prepare(Q, K, V, *, causal: bool = False, scale=None, mask=None, allow_mask:
     G = H_q // H_kv
     Q5 = Q.astype(work, copy=False).reshape(Z, H_kv, G, N_q, d)
     K5 = K.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, d)
+    check_score_range(Q5, K5, tau, work if score_dtype is None else score_dtype)
     V5 = V.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, V.shape[-1])
     mask5 = None
     if mask is not None:
