@@ -125,8 +125,11 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
     dropout_p, seed = check_dropout(dropout_p, seed)
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
     N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
-    run = start_run("flash2_forward", N_q, N_k, d, M=M, block_sizes=block_sizes, rule=block_sizes_q_outer,
-                    working_set=lambda br, bc: flash2_forward_working_set(br, bc, d, d_v), hbm=hbm, flops=flops)
+    # Alg. 1 line 1: choose B_r, B_c; divide Q into T_r row blocks, K and V into T_c blocks (run's tiles).
+    run = start_run("flash2_forward", N_q, N_k, d, M=M, block_sizes=block_sizes,
+                    rule=block_sizes_q_outer,
+                    working_set=lambda br, bc: flash2_forward_working_set(br, bc, d, d_v),
+                    hbm=hbm, flops=flops)
     mem, sram, count = run.hbm, run.sram, run.flops
     lead = problem.lead                                        # (Z, H_kv, G)
     heads = lead[1] * lead[2]
@@ -151,7 +154,8 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
         for cols in run.col_tiles:
             c = cols.stop - cols.start
             # FA2 Section 3.1 (causal masking): blocks entirely above the diagonal are skipped: no load, no FLOP.
-            kind, share, visible = classify_block(N_q, N_k, rows, cols, problem.causal, problem.mask)
+            kind, share, visible = classify_block(N_q, N_k, rows, cols, problem.causal,
+                                                  problem.mask)
             if kind is BlockKind.SKIP:
                 continue
             # Alg. 1 line 7: load K_j, V_j from HBM to on-chip SRAM.
@@ -199,6 +203,7 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
         mem.write("L", rows, L_i, line="Alg 1 line 15")
         sram.free("Q_i", "O_i", "l_i", "m_i", "K_j", "V_j")
 
+    # Alg. 1 line 17: return O and L, in the caller's layout (and O in the input dtype).
     O = cast_output(problem.from_q_layout(mem["O"]), problem.in_dtype, "O")
     return Flash2Forward(O, problem.from_q_layout(mem["L"]))
 
