@@ -179,6 +179,310 @@ def render(paths, out_dir):
     return written
 
 
+# -- the book's figures (chapter 10) ------------------------------------------------------------------------------
+#
+# Each returns a matplotlib Figure drawn through pyplot (so a notebook shows it), at most two panels side by side,
+# 7 inches wide: shown in a ~700-pixel column at 100 dpi, every font is at least 9 pt. The data come from
+# benchmarks.book; these functions only draw.
+
+BOOK_WIDTH = 7.0                    # inches
+BOOK_RC = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9,
+           "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 10, "axes.grid": True,
+           "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False}
+#: One colour per implementation, the same in every figure of the chapter.
+IMPL_STYLE = {
+    "kg_flash2": ("tab:orange", "^", "teaching FA2 (fp32)"),
+    "kg_flash2_fast": ("tab:red", "o", "fast FA2 (fp32)"),
+    "kg_standard": ("tab:gray", "s", "standard attention (fp32)"),
+    "torch_eager": ("tab:blue", "D", "PyTorch eager (fp32)"),
+    "sdpa_efficient": ("tab:purple", "P", "SDPA mem-efficient (fp32)"),
+    "sdpa_flash": ("black", "*", "SDPA flash (fp16, tensor cores)"),
+}
+VERDICT_COLOR = {"inside": "tab:green", "below": "tab:red", "above": "tab:blue"}
+
+
+def _book_figure(ncols=2, height=3.3, **kwargs):
+    import matplotlib.pyplot as plt
+    with plt.rc_context(BOOK_RC):
+        fig, axes = plt.subplots(1, ncols, figsize=(BOOK_WIDTH, height), squeeze=False, **kwargs)
+    return fig, list(axes[0])
+
+
+def _styled(fig):
+    """Apply the book's font sizes to every text of ``fig`` (rc_context only reaches artists made inside it)."""
+    for ax in fig.axes:
+        for label in ax.get_xticklabels() + ax.get_yticklabels():
+            label.set_fontsize(max(label.get_fontsize(), BOOK_RC["xtick.labelsize"]))
+    return fig
+
+
+def _lengths_axis(ax, lengths):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length N")
+
+
+def _finish(fig, title, dev, legend_inches=0.0, legend=None, ncol=2):
+    """Title (with the device and the dates of its results), a legend under the panels taking
+    ``legend_inches`` of the height, tight layout, the book's tick sizes."""
+    fig.suptitle(f"{title}\n{dev.name}, {dev.dates}", fontsize=BOOK_RC["figure.titlesize"])
+    if legend is not None:
+        handles, labels = legend
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False, handletextpad=0.4,
+                   columnspacing=1.2)
+    fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
+    return _styled(fig)
+
+
+def ladder_figure(rows, base, dev):
+    """Bars: each forward rung's TFLOP/s at one N, a panel per d; lines: the baselines and the fp32 ceiling.
+
+    ``rows``: :func:`benchmarks.book.ladder_table`; ``base``: d → {impl: TFLOP/s} (:func:`book.baselines`);
+    ``dev``: :func:`book.device`."""
+    import matplotlib.pyplot as plt
+    ds = sorted({r.d for r in rows})
+    fig, axes = _book_figure(len(ds), 3.9, sharey=True)
+    cmap = plt.get_cmap("viridis")
+    for ax, d in zip(axes, ds):
+        mine = [r for r in rows if r.d == d]
+        x = range(len(mine))
+        colors = ["tab:orange"] + [cmap(0.15 + 0.7 * k / max(1, len(mine) - 2)) for k in range(len(mine) - 1)]
+        bars = ax.bar(x, [r.tflops for r in mine], color=colors, width=0.7, zorder=2)
+        for bar, r in zip(bars, mine):
+            ax.text(bar.get_x() + bar.get_width() / 2, r.tflops + 0.8, f"{r.tflops:.0f}", ha="center",
+                    va="bottom", fontsize=9)
+        ax.set_xticks(list(x), ["teach." if r.rung == "teaching" else r.rung for r in mine])
+        for impl, style in (("torch_eager", "--"), ("sdpa_efficient", "-."), ("kg_standard", ":")):
+            if impl in base[d]:
+                color, _, label = IMPL_STYLE[impl]
+                ax.axhline(base[d][impl], color=color, ls=style, lw=1.5, label=label, zorder=3)
+        ax.axhline(dev.matmul_tflops, color="black", lw=1.2, label="fp32 matmul ceiling (measured)", zorder=3)
+        ax.set_title(f"d = {d}")
+        ax.set_xlabel("rung of the ladder")
+        ax.grid(axis="x", visible=False)
+    axes[0].set_ylabel("TFLOP/s (FA2 FLOP model)")
+    axes[0].set_ylim(0, dev.matmul_tflops * 1.12)
+    return _finish(fig, f"Forward, fp32, not causal, N = {rows[0].N}, batch × N = 16k tokens", dev, 0.5,
+                   axes[0].get_legend_handles_labels())
+
+
+def prediction_figure(checks, dev, split=1.15):
+    """Each prediction's range (a bar) and the same-run measurements (a dot per N), as % change over the rung
+    below: left the large bets (predicted upper end ≥ ``split``), right the small ones. ``checks``: a list of
+    :class:`benchmarks.book.PredictionCheck` with a prediction."""
+    checks = [c for c in checks if c.prediction is not None]
+    groups = [[c for c in checks if c.ratio_range[1] >= split], [c for c in checks if c.ratio_range[1] < split]]
+    height = 0.9 + 0.32 * max(len(g) for g in groups)
+    fig, axes = _book_figure(2, height)
+    for ax, group, title in zip(axes, groups, ("large predicted gains", "small predicted gains")):
+        for row, c in enumerate(reversed(group)):
+            lo, hi = c.ratio_range
+            ax.barh(row, (hi - lo) * 100, left=(lo - 1) * 100, height=0.55, color="0.85", zorder=1)
+            for N, ratio in c.ratios.items():
+                value = c.measured[N]
+                where = "below" if value < c.prediction.low else "above" if value > c.prediction.high \
+                    else "inside"
+                ax.plot((ratio - 1) * 100, row, "o", ms=5, color=VERDICT_COLOR[where], zorder=3)
+        ax.set_yticks(range(len(group)), [f"{c.rung}, d = {c.d}" for c in reversed(group)])
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_xlabel("change over the rung below (%)")
+        ax.set_title(title)
+        ax.grid(axis="y", visible=False)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    handles = [Patch(color="0.85", label="predicted range")] + [
+        Line2D([], [], marker="o", ls="", color=color, label=f"measured, {name}")
+        for name, color in VERDICT_COLOR.items()]
+    return _finish(fig, "Predicted before the run, measured in one run with the rung below (a dot per N)",
+                   dev, 0.3, (handles, [h.get_label() for h in handles]), ncol=4)
+
+
+def wave_figure(runs, v6_steps, v8_steps, tiles, dev):
+    """Left: the time of one call against its block count (``runs``: :func:`book.wave_runs`) with the
+    whole-wave model; right: the busy block slots over the last waves of the benchmark's call for v6's and v8's
+    plans (:func:`book.busy_slots`, time in K/V tiles of one block, ``tiles`` per row block)."""
+    fig, axes = _book_figure(2, 3.6)
+    ax = axes[0]
+    slots = runs[0].slots
+    full = next(r for r in runs if r.blocks % slots == 0)          # a call of whole waves sets the wave's cost
+    per_wave = full.ms / full.paid_waves
+    lo, hi = min(r.blocks for r in runs) - 70, max(r.blocks for r in runs) + 50
+    blocks = list(range(lo, hi + 1))
+    ax.step(blocks, [per_wave * -(-b // slots) for b in blocks], where="post", color="0.5",
+            label="whole waves × one wave's cost")
+    for k, r in enumerate(runs):
+        # Labels alternate below and above the points, so that neighbours do not collide.
+        ax.annotate(f"{r.heads} heads\n{r.waves:.2f} waves", (r.blocks, r.ms), textcoords="offset points",
+                    xytext=(0, -9 if k % 2 == 0 else 9), ha="center", va="top" if k % 2 == 0 else "bottom",
+                    fontsize=9)
+        ax.plot(r.blocks, r.ms, "o", color="tab:red", ms=6, zorder=3)
+    ax.plot([], [], "o", color="tab:red", label="measured (v6)")
+    ax.set_ylim(per_wave * (full.paid_waves - 2.4), per_wave * (full.paid_waves + 3.0))
+    ax.set_xlabel(f"row blocks in the call ({slots} resident at once)")
+    ax.set_ylabel("time per call (ms)")
+    ax.set_title("time comes in whole waves")
+    ax.legend(loc="upper left")
+    ax = axes[1]
+    for steps, color, label in ((v6_steps, "tab:orange", "v6"), (v8_steps, "tab:blue", "v8 (stream-K)")):
+        xs, ys = [], []
+        for start, end, busy in steps:
+            xs += [start / tiles, end / tiles]
+            ys += [busy, busy]
+        xs.append(xs[-1])
+        ys.append(0)
+        ax.plot(xs, ys, color=color, lw=2, label=f"{label}: ends at {xs[-1]:.2f}")
+        ax.fill_between(xs, ys, color=color, alpha=0.12)
+    end = max(s[1] for s in v6_steps) / tiles
+    ax.set_xlim(end - 3.2, end + 0.3)
+    ax.set_ylim(0, slots * 1.7)
+    ax.set_xlabel("time (waves of one row block)")
+    ax.set_ylabel("busy block slots")
+    ax.set_title("the last waves, as planned")
+    ax.legend(loc="upper left", fontsize=9)
+    return _finish(fig, "Waves: v6 at d = 128, N = 2048 (one block per SM)", dev)
+
+
+def causal_figure(speedups, dev):
+    """Wall time without the mask over wall time with it, against N; ``speedups``: d → {impl: {N: ratio}}
+    (:func:`book.causal_speedups`)."""
+    ds = sorted(speedups)
+    fig, axes = _book_figure(len(ds), 4.0, sharey=True)
+    for ax, d in zip(axes, ds):
+        lengths = sorted({N for series in speedups[d].values() for N in series})
+        for impl, series in speedups[d].items():
+            color, marker, label = IMPL_STYLE[impl]
+            ax.plot(list(series), list(series.values()), marker=marker, color=color, label=label, ms=5)
+        ax.axhline(2, color="black", lw=1, ls="--")
+        ax.axhline(1, color="black", lw=0.8)
+        ax.text(lengths[0], 2.03, "half the FLOPs: 2×", fontsize=9, va="bottom")
+        _lengths_axis(ax, lengths)
+        ax.set_title(f"d = {d}")
+    axes[0].set_ylabel("time not causal / time causal")
+    axes[0].set_ylim(0.5, 2.3)
+    return _finish(fig, "What the causal mask saves, forward, batch × N = 16k tokens", dev, 0.85,
+                   axes[0].get_legend_handles_labels())
+
+
+def backward_figure(series, dev):
+    """Backward TFLOP/s against N, a panel per d; ``series``: d → {impl: {N: TFLOP/s}}."""
+    ds = sorted(series)
+    fig, axes = _book_figure(len(ds), 4.0, sharey=True)
+    for ax, d in zip(axes, ds):
+        lengths = sorted({N for s in series[d].values() for N in s})
+        for impl, s in series[d].items():
+            color, marker, label = IMPL_STYLE[impl]
+            ax.plot(list(s), list(s.values()), marker=marker, color=color, label=label, ms=5)
+        ax.axhline(dev.matmul_tflops, color="black", lw=1.2, label="fp32 matmul ceiling (measured)")
+        _lengths_axis(ax, lengths)
+        ax.set_title(f"d = {d}")
+    axes[0].set_ylabel("TFLOP/s (FA2 FLOP model)")
+    axes[0].set_ylim(0, dev.matmul_tflops * 1.1)
+    return _finish(fig, "Backward pass, fp32, not causal, batch × N = 16k tokens", dev, 0.85,
+                   axes[0].get_legend_handles_labels())
+
+
+def roofline_figure(points, dev):
+    """The roofline of the measured ceilings (and, faint, the datasheet's fp16 tensor-core roof), with every
+    forward rung, standard attention and eager PyTorch; ``points``: d → [:class:`book.RooflinePoint`]."""
+    import numpy as np
+    ds = sorted(points)
+    fig, axes = _book_figure(len(ds), 4.8, sharey=True)
+    intensity = np.logspace(0, 3.5, 200)
+    for ax, d in zip(axes, ds):
+        ax.plot(intensity, np.minimum(dev.matmul_tflops, intensity * dev.copy_tbps), color="black", lw=1.5,
+                label="fp32 roof (measured)")
+        if dev.profile is not None:
+            tc = dev.profile.fp16_tensor / 1e12
+            ax.plot(intensity, np.minimum(tc, intensity * dev.profile.hbm_bandwidth / 1e12), color="0.6",
+                    lw=1, ls="--", label="fp16 tensor-core roof (datasheet)")
+        rungs = [p for p in points[d] if not p.label.startswith(("kg_", "torch_"))]
+        ax.plot([p.intensity for p in rungs[1:]], [p.tflops for p in rungs[1:]], "o", color="tab:red", ms=4,
+                label="fast rungs v1 … v8")
+        ax.plot(rungs[0].intensity, rungs[0].tflops, "^", color="tab:orange", ms=7, label="teaching FA2")
+        top = max(rungs, key=lambda p: p.tflops)
+        ax.annotate(top.label, (top.intensity, top.tflops), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=9)
+        ax.plot(top.once_intensity, top.tflops, "o", mfc="none", color="tab:red", ms=7,
+                label="same, DRAM bytes if L2 holds re-reads")
+        ax.annotate("", (top.once_intensity, top.tflops), (top.intensity * 1.25, top.tflops),
+                    arrowprops=dict(arrowstyle="->", color="tab:red", lw=0.8))
+        for p in points[d]:
+            if p.label in IMPL_STYLE:
+                color, marker, label = IMPL_STYLE[p.label]
+                ax.plot(p.intensity, p.tflops, marker, color=color, ms=6, label=label.replace(" (fp32)", ""))
+        ax.axvline(dev.ridge, color="black", lw=0.6, ls=":")
+        ax.text(dev.ridge / 1.1, 1.3, f"ridge\n{dev.ridge:.0f}", fontsize=9, ha="right")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(1, intensity[-1])
+        ax.set_ylim(1, 1500)
+        ax.set_xlabel("arithmetic intensity (FLOP per byte)")
+        ax.set_title(f"d = {d}, N = {points[d][0].N}")
+    axes[0].set_ylabel("TFLOP/s")
+    return _finish(fig, "Roofline of the forward kernels (bytes: the two-level model, each kernel's tiles)",
+                   dev, 1.0, axes[0].get_legend_handles_labels())
+
+
+def memory_figure(series, model, dev, title):
+    """Peak memory of one call against N (log–log), measured points over the model's wide pale line;
+    ``series``: impl → [(N, bytes)]; ``model(impl, N)`` → bytes."""
+    fig, (ax,) = _book_figure(1, 4.0)
+    for impl, pts in sorted(series.items()):
+        Ns = [n for n, _ in pts]
+        color, marker, label = IMPL_STYLE.get(impl, ("tab:red", "o", impl))
+        if impl == "kg_flash2_v3":
+            color, marker, label = "tab:red", "o", "fast FA2 v3 (fp32)"
+        # Hollow, larger markers for the teaching kernel: its points lie under v3's (the same tensors).
+        hollow = dict(mfc="none", ms=9) if impl == "kg_flash2" else dict(ms=5)
+        ax.plot(Ns, [b / 2**30 for _, b in pts], marker=marker, color=color, label=label, **hollow)
+        ax.plot(Ns, [model(impl, n) / 2**30 for n in Ns], color=color, lw=6, alpha=0.2)
+    ax.plot([], [], color="0.5", lw=6, alpha=0.3, label="the model")
+    ax.axhline(dev.memory_bytes / 2**30, color="black", lw=1, ls=":")
+    ax.text(1024, dev.memory_bytes / 2**30 / 1.6, f"the device's memory, {dev.memory_bytes / 2**30:.0f} GiB",
+            fontsize=9, va="top")
+    lengths = sorted({n for pts in series.values() for n, _ in pts})
+    _lengths_axis(ax, lengths)
+    ax.set_yscale("log")
+    ax.set_ylabel("peak memory of one call (GiB)")
+    return _finish(fig, title, dev, 0.6, ax.get_legend_handles_labels())
+
+
+def ncu_figure(rows, dev):
+    """Measured bytes against modelled bytes per profiled call (log–log, one dot per call and model): left the
+    load bytes at L1 (ledger × 4 B and the sector model), right the DRAM reads (ledger and each tensor once)."""
+    from benchmarks.book import compulsory_read_bytes
+    MiB = 2**20
+    fig, axes = _book_figure(2, 3.9)
+    panels = (("ncu_load_bytes", "loads requested at L1 (MiB)",
+               (("model_load_bytes", "ledger × 4 B", "tab:blue"),
+                ("model_sector_load_bytes", "sector model", "tab:cyan"))),
+              ("dram_read_bytes", "reads from DRAM (MiB)",
+               (("model_load_bytes", "ledger × 4 B", "tab:blue"), (None, "each tensor once", "tab:gray"))))
+    for ax, (measured, ylabel, models) in zip(axes, panels):
+        values = []
+        for key, label, color in models:
+            xs = [(r[key] if key else compulsory_read_bytes(r)) / MiB for r in rows]
+            ys = [r[measured] / MiB for r in rows]
+            ax.plot(xs, ys, "o", color=color, label=label, ms=5, alpha=0.85)
+            values += xs + ys
+        lo, hi = min(values) / 1.5, max(values) * 1.5
+        ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="measured = model")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("model (MiB)")
+        ax.set_ylabel(ylabel)
+    axes[0].set_title("L1: every sector counts")
+    axes[1].set_title("DRAM: L2 absorbs the re-reads")
+    legend = {}
+    for ax in axes:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    return _finish(fig, f"Nsight Compute against the IO model, {len(rows)} calls of the teaching kernels", dev,
+                   0.35, (list(legend.values()), list(legend)), ncol=4)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.plot",
                                      description="Render FA2-paper-style figures from benchmark results JSON.")
