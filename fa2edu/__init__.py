@@ -17,8 +17,10 @@ from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
 from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward, flash1_forward
 from fa2edu.flash2 import flash2_backward, flash2_forward
 from fa2edu.flops import count_flops
+from fa2edu.inference import DecodeResult, decode_attention, padded_batch_io, varlen_attention
 from fa2edu.io import IOReport, simulate_io
 from fa2edu.memory import HBM, SRAM, FlopCounter, SRAMOverflowError
+from fa2edu.merge import merge_attention_states
 from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.standard import standard_attention, standard_attention_backward
 
@@ -29,6 +31,7 @@ __all__ = [
     "standard_attention", "standard_attention_backward",
     "flash1_forward", "flash1_backward", "flash1_block_sparse_forward", "flash1_block_sparse_backward",
     "flash2_forward", "flash2_backward",
+    "merge_attention_states", "decode_attention", "DecodeResult", "varlen_attention", "padded_batch_io",
     "simulate_io", "IOReport", "count_flops",
     "HBM", "SRAM", "FlopCounter", "SRAMOverflowError",
     "DEFAULT_M", "block_sizes_kv_outer", "block_sizes_q_outer",
