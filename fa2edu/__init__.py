@@ -10,7 +10,9 @@ simulated memory hierarchy, and proven exact against a float64 oracle::
     print(fa2edu.simulate_io(4096, 64, 98_304))                        # HBM traffic, by execution
 
 Modules, bottom-up (the dependency direction is one-way): ``memory`` ← ``softmax``, ``masks``, ``dropout``,
-``blocks`` ← ``reference``, ``standard``, ``flash1``, ``flash2`` ← ``io``, ``flops`` ← ``cli``.
+``blocks`` ← ``reference``, ``standard``, ``flash1``, ``flash2`` ← ``io``, ``flops`` ← ``cli``. Inference:
+``softmax`` ← ``merge`` (the one merge of partial attentions); ``flash2``, ``merge`` ← ``inference`` (KV-cache
+decoding, paged and split-KV; packed variable-length batches).
 """
 
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
