@@ -340,8 +340,8 @@ def flash1_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
         ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
-        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
-        ``block_sizes``) and an unbounded SRAM that records its peak.
+        raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of
+        :data:`~fa2edu.blocks.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). Default None: the rule applied to ``M``.
@@ -409,8 +409,8 @@ def flash1_backward(Q, K, V, O, l, m, dO, M=None, block_sizes=None, causal=False
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
         ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
-        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
-        ``block_sizes``) and an unbounded SRAM that records its peak.
+        raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of
+        :data:`~fa2edu.blocks.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). They need not match the forward pass's.
@@ -475,8 +475,8 @@ def flash1_block_sparse_forward(Q, K, V, block_mask, M=None, block_sizes=None, c
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
         ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
-        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
-        ``block_sizes``) and an unbounded SRAM that records its peak.
+        raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of
+        :data:`~fa2edu.blocks.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). Default None: the rule applied to ``M``.
@@ -547,8 +547,8 @@ def flash1_block_sparse_backward(Q, K, V, O, l, m, dO, block_mask, M=None, block
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA1 Alg. 1 line 1,
         ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``; explicit ``block_sizes`` that need more SRAM than M holds
-        raise :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
-        ``block_sizes``) and an unbounded SRAM that records its peak.
+        raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of
+        :data:`~fa2edu.blocks.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). Default None: the rule applied to ``M``.

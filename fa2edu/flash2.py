@@ -91,8 +91,9 @@ def flash2_forward(Q, K, V, M=None, block_sizes=None, causal=False, scale=None, 
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by the Q-outer rule
         ``B_r = ceil(M/4d)``, ``B_c = min(ceil(M/4d), d)`` (:func:`~fa2edu.blocks.block_sizes_q_outer`); explicit
-        ``block_sizes`` that need more SRAM than M holds raise :class:`~fa2edu.SRAMOverflowError`. Default None: the
-        block sizes of :data:`~fa2edu.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its peak.
+        ``block_sizes`` that need more SRAM than M holds raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None:
+        the block sizes of :data:`~fa2edu.blocks.DEFAULT_M` (or ``block_sizes``) and an unbounded SRAM that records its
+        peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). Default None: the rule applied to ``M``.
@@ -273,7 +274,7 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by the K/V-outer rule of FA1 Alg. 1
         line 1, ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)`` (:func:`~fa2edu.blocks.block_sizes_kv_outer`), since
         the outer loop runs over K/V blocks; explicit ``block_sizes`` that need more SRAM than M holds raise
-        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.blocks.DEFAULT_M` (or
         ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is

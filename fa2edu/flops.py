@@ -56,7 +56,7 @@ def count_flops(algorithm: str, pass_: str, N: int, d: int, *, M: int | None = N
         Head dimension, positive.
     M : int, optional
         SRAM size in elements, which sets the tiled algorithms' block sizes by their rules (standard attention's FLOPs
-        do not depend on it). Default None: :data:`~fa2edu.DEFAULT_M`'s block sizes.
+        do not depend on it). Default None: :data:`~fa2edu.blocks.DEFAULT_M`'s block sizes.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)`` for the tiled algorithms, overriding the rule. Default None: from ``M``.
     causal : bool, default False

@@ -170,7 +170,7 @@ def standard_attention(Q, K, V, causal=False, scale=None, mask=None, *, dropout_
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA2's Q-outer rule, of which only
         B_r = ceil(M/4d) is used; explicit ``block_sizes`` that need more SRAM than M holds raise
-        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.blocks.DEFAULT_M` (or
         ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``; only B_r, the rows streamed through SRAM per block, is used (B_c is accepted for a uniform
@@ -293,7 +293,7 @@ def standard_attention_backward(Q, K, V, P, dO, causal=False, scale=None, mask=N
     M : int, optional
         SRAM size in elements (FA1 Theorem 2). Without ``block_sizes`` it sets them by FA2's Q-outer rule, of which only
         B_r = ceil(M/4d) is used; explicit ``block_sizes`` that need more SRAM than M holds raise
-        :class:`~fa2edu.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.DEFAULT_M` (or
+        :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.blocks.DEFAULT_M` (or
         ``block_sizes``) and an unbounded SRAM that records its peak.
     block_sizes : tuple of int, optional
         ``(B_r, B_c)``; only B_r, the rows streamed through SRAM per block, is used (B_c is accepted for a uniform

@@ -292,7 +292,7 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             Default None: from ``M`` by the conventions' rules on the CPU, and
             :func:`kernels_gpu.runtime.default_block_sizes` on CUDA.
         M (int, optional): SRAM size in elements, for the tiled algorithms on the CPU only (the kernels take
-            ``block_sizes``). Default None: the block sizes of :data:`fa2edu.DEFAULT_M`.
+            ``block_sizes``). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
