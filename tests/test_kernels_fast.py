@@ -14,6 +14,8 @@ What these tests prove, on tiny ragged shapes (N_q, N_k not multiples of any til
 * v7 (the last wave split along the keys) and v8 (work units from a counter: whole items, then the last items'
   steps in equal stream-K ranges, the split items merged) on launches that really split, the plans checked
   against their specification;
+* v7's and v8's merges of split items compute fa2edu.merge_attention_states (the specification) row by row,
+  log-sum-exps near ±1e4 included;
 * v5's and v6's per-head-dimension defaults (tiling and register cap) are tilings the kernel accepts, within the shared
   memory the GPU allows, and a bad register cap is refused with a ValueError naming ``max_registers``.
 """
@@ -270,3 +272,83 @@ def test_v8_stream_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, slots):
     Q, K, V = _problem(11, Z, H_q, H_kv, N_q, N_k, d)
     for causal in (False, True):
         _check("v8", Q, K, V, causal, tiling, slots=slots)
+
+
+# -- the merges of split items against fa2edu's merge operator ---------------------------------------------------
+
+def _merged(pieces):
+    """fa2edu.merge_attention_states folded over (O_p, L_p) pieces, in float64: the specification."""
+    O, L = pieces[0]
+    for O_p, L_p in pieces[1:]:
+        O, L = fa2edu.merge_attention_states(O, L, O_p, L_p)
+    return O, L
+
+
+def _check_merged_rows(O, L, expected):
+    """Rows a merge wrote against the operator; every other row still holds the poison (NaN)."""
+    written = np.zeros(L.shape, bool)
+    for (z, h, row), (O_ref, L_ref) in expected.items():
+        np.testing.assert_allclose(O[z, h, row], O_ref, rtol=0, atol=2e-6 * max(1.0, np.abs(O_ref).max()))
+        np.testing.assert_allclose(L[z, h, row], L_ref, rtol=2e-7, atol=2e-6)
+        written[z, h, row] = True
+    assert np.isnan(L[~written]).all() and np.isnan(O[~written]).all()
+
+
+def test_v7_merge_kernel_is_the_merge_operator():
+    """split.merge_kernel on random pieces (log-sum-exps near 0, +1e4 and −1e4, one centre per split item) gives
+    what fa2edu.merge_attention_states gives for the same pieces, row by row. Every piece here saw keys (finite
+    L): split launches are never causal, so a piece always holds at least one key, and the kernel has no guard
+    for the operator's empty side (L = +inf)."""
+    Z, H, N, B_r, d_v, S, item0, n_split = 1, 2, 7, 4, 5, 3, 1, 3           # items 1, 2, 3 of T_r · H = 4
+    T_r = -(-N // B_r)
+    rng = np.random.default_rng(13)
+    Opart = rng.standard_normal((n_split * S, B_r, d_v)).astype(np.float32)
+    centre = np.repeat([0.0, 1e4, -1e4], S)[:, None]
+    Lpart = (centre + 5 * rng.standard_normal((n_split * S, B_r))).astype(np.float32)
+    O, L = np.full((Z, H, N, d_v), np.nan, np.float32), np.full((Z, H, N), np.nan, np.float32)
+    d_O, d_L = cuda.to_device(O), cuda.to_device(L)
+    merger = split.merge_kernel(B_r, d_v)
+    merger[-(-n_split * B_r // split.MERGE_ROWS), split.MERGE_THREADS](cuda.to_device(Opart), cuda.to_device(Lpart),
+                                                                      d_O, d_L, item0, S, T_r, n_split)
+    expected = {}
+    for g in range(n_split):
+        item = item0 + g
+        z, h, i = item // (T_r * H), (item // T_r) % H, item % T_r
+        for r in range(B_r):
+            if i * B_r + r < N:
+                pieces = [(Opart[s, r:r + 1].astype(np.float64), Lpart[s, r:r + 1].astype(np.float64))
+                          for s in range(g * S, g * S + S)]
+                O_ref, L_ref = _merged(pieces)
+                expected[(z, h, i * B_r + r)] = (O_ref[0], L_ref[0])
+    _check_merged_rows(d_O.copy_to_host(), d_L.copy_to_host(), expected)
+
+
+def test_v8_stream_merge_kernel_is_the_merge_operator():
+    """split.stream_merge_kernel merges each split item's pieces (slots from split.stream_pieces) exactly as
+    fa2edu.merge_attention_states does; whole items are left alone."""
+    Z, H, N, B_r, d_v, T_c, slots = 1, 3, 10, 4, 6, 5, 5
+    T_r = -(-N // B_r)
+    items = Z * H * T_r                                                      # 9 items: 5 whole, 4 in 5 ranges
+    n_whole, R = split.stream_plan(items, T_c, slots)
+    pieces = split.stream_pieces(items, T_c, slots)
+    split_items = sorted({p[1] for p in pieces if p[4] >= 0})
+    assert split_items                                                       # the case really splits
+    rng = np.random.default_rng(17)
+    Opart = rng.standard_normal((2 * R, B_r, d_v)).astype(np.float32)
+    Lpart = (30 * rng.standard_normal((2 * R, B_r))).astype(np.float32)
+    O, L = np.full((Z, H, N, d_v), np.nan, np.float32), np.full((Z, H, N), np.nan, np.float32)
+    d_O, d_L = cuda.to_device(O), cuda.to_device(L)
+    merger = split.stream_merge_kernel(B_r, d_v)
+    merger[-(-(R - 1) * B_r // split.MERGE_ROWS), split.MERGE_THREADS](
+        cuda.to_device(Opart), cuda.to_device(Lpart), d_O, d_L, T_r, T_c, R, n_whole)
+    expected = {}
+    for item in split_items:
+        slots_of_item = [p[4] for p in pieces if p[1] == item]
+        assert all(s >= 0 for s in slots_of_item) and len(slots_of_item) >= 2
+        z, h, i = item // (T_r * H), (item // T_r) % H, item % T_r
+        for r in range(B_r):
+            if i * B_r + r < N:
+                O_ref, L_ref = _merged([(Opart[s, r:r + 1].astype(np.float64), Lpart[s, r:r + 1].astype(np.float64))
+                                        for s in slots_of_item])
+                expected[(z, h, i * B_r + r)] = (O_ref[0], L_ref[0])
+    _check_merged_rows(d_O.copy_to_host(), d_L.copy_to_host(), expected)
