@@ -11,7 +11,8 @@ blocks of B_c rows, and computes the softmax one tile at a time with the running
 * Both statistics ℓ and m are saved for the backward pass (FA2 saves only L = m + log ℓ).
 
 Block sizes (Alg. 1 line 1): ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``
-(:func:`fa2edu.blocks.block_sizes_kv_outer`). HBM traffic per (batch, head), N_q = N_k = N, d_v = d, no mask (exact for ragged N):
+(:func:`fa2edu.blocks.block_sizes_kv_outer`). HBM traffic per (batch, head), N_q = N_k = N, d_v = d, no mask
+(exact for ragged N):
 
 | pass | HBM reads | HBM writes |
 | --- | --- | --- |

@@ -409,8 +409,8 @@ def flash2_backward(Q, K, V, O, L, dO, block_sizes=None, causal=False, scale=Non
     V : array, shape (..., N_k, d_v)
         Values, of the same kind as Q, with K's leading axes.
     O : array, shape (..., N_q, d_v)
-        The output of :func:`flash2_forward` (or :func:`fa2edu.flash2.flash2_forward`), of the same kind as Q (NumPy or device
-        float32).
+        The output of :func:`flash2_forward` (or :func:`fa2edu.flash2.flash2_forward`), of the same kind as Q (NumPy
+        or device float32).
     L : array, shape (..., N_q)
         The forward pass's log-sum-exp (+inf on fully masked rows), of the same kind as Q (NumPy or device float32).
     dO : array, shape (..., N_q, d_v)
