@@ -57,10 +57,52 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_inherit_docstrings = False   # torch.autograd.Function's inherited docstrings point at PyTorch's own labels
 autodoc_default_options = {"show-inheritance": True}
+autodoc_typehints_description_target = "documented_params"   # types join the documented entries, no bare ones
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True
+napoleon_use_ivar = True             # "Attributes" as a field list: the fields are not described twice
+
+
+def _reexports() -> dict[str, list[str]]:
+    """Per module, the names in its ``__all__`` that are defined in another module of the two packages.
+
+    kernels_gpu's modules re-export fa2edu's result types (``kernels_gpu.flash2.Flash2Forward`` *is*
+    ``fa2edu.flash2.Flash2Forward``). Documented on both pages, one object would get two descriptions, and
+    sphinx.ext.viewcode keeps one back-link per object: the source page's "[docs]" link would then pair one page
+    with the other page's anchor. So each object is described once, where it is defined, and the module template
+    lists a re-export as a link to it (``autosummary_context`` below).
+    """
+    import importlib
+    import pkgutil
+
+    import kernels_gpu
+    found = {}
+    for package in (fa2edu, kernels_gpu):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            names = [name for name in getattr(module, "__all__", [])
+                     if getattr(getattr(module, name, None), "__module__", module.__name__) != module.__name__]
+            if names:
+                found[info.name] = {name: f"{getattr(module, name).__module__}.{name}" for name in names}
+    return found
+
+
+autosummary_context = {"reexports": _reexports()}
+
+
+def _skip_namedtuple_fields(app, what, name, obj, skip, options):
+    """A NamedTuple's fields are described in its docstring's Attributes; skip their "Alias for field" entries."""
+    if isinstance(obj, property) or type(obj).__name__ == "_tuplegetter":
+        if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
+            return True
+    return None
 
 # -- HTML --------------------------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"fa2edu {release}: FlashAttention you can run"
 html_theme_options = {"navigation_with_keys": True}
+html_css_files = ["fa2edu.css"]     # a content column wide enough for 88-character code lines (docs/_static)
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_namedtuple_fields)
