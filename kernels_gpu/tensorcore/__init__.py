@@ -1,3 +1,42 @@
-"""Tensor-core FlashAttention-2 from Python: numba kernels that issue ``mma.sync`` (f16 and bf16)."""
+"""Tensor-core FlashAttention-2 from Python: numba kernels whose bodies are Python and whose matrix products are
+``mma.sync`` instructions (f16 and bf16 inputs, f32 accumulators), issued through inline PTX.
+
+A ladder of forward kernels, each rung one file whose header says what it changed, what it predicted before its
+first run, and what it measured::
+
+    v1  mma.sync on tiles in shared memory, every operand register a plain shared load, P̃ through shared memory
+    v2  ldmatrix (.trans for V): one instruction loads a warp's fragments
+    v3  P̃ stays in registers: S's accumulators are P̃·V's A operand (FA2's "keep it on chip", one level down)
+    v4  cp.async, double-buffered K/V: the next tile's copy runs under this tile's MMAs
+    v5  base-2 softmax with the scale folded into one FMA, Õ rescaled only when the row maximum moves
+
+``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
+
+    from kernels_gpu import tensorcore
+    O, L = tensorcore.flash2_forward(Q, K, V, causal=True)      # Q (…, N_q, d), K, V (…, N_k, d): f16 / bf16
+
+Modules: :mod:`~kernels_gpu.tensorcore.ptx` (the instructions and their simulator twins),
+:mod:`~kernels_gpu.tensorcore.fragments` (which lane holds which element: tables and NumPy functions),
+:mod:`~kernels_gpu.tensorcore.steps` (the device functions every rung shares), :mod:`~kernels_gpu.tensorcore.launch`
+(inputs and outputs). In numba's CUDA simulator every rung runs unchanged (the twins emulate each warp-level
+instruction), which is how CI tests them.
+"""
 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
+from kernels_gpu.tensorcore import (  # noqa: E402
+    flash2_forward_v1,
+    flash2_forward_v2,
+    flash2_forward_v3,
+    flash2_forward_v4,
+    flash2_forward_v5,
+)
+
+#: the forward rungs: name → ``flash2_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
+VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
+            "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
+            "v5": flash2_forward_v5.flash2_forward}
+
+#: the fastest measured forward rung
+flash2_forward = flash2_forward_v5.flash2_forward
+
+__all__ = ["VERSIONS", "flash2_forward"]

@@ -225,13 +225,15 @@ def _pending() -> list:
 
 def _cp_async16_twin(smem, s_index, gmem, g_index, src_bytes):
     """Simulator twin of ``cp.async.cg.shared.global [smem + 4·s_index], [gmem + 4·g_index], 16, src_bytes``: four
-    32-bit words, queued in this thread's open group (zeros when ``src_bytes`` is 0)."""
+    32-bit words (``gmem`` a C-contiguous array of any rank, ``g_index`` the flat index of the first), queued in
+    this thread's open group (zeros when ``src_bytes`` is 0)."""
     s, g, n = int(s_index), int(g_index), int(src_bytes)
     if n not in (0, 16):
         raise ValueError("cp_async16: src_bytes must be 0 or 16")
-    if s % 4:
-        raise RuntimeError("cp_async16: the shared-memory destination must be 16-byte aligned")
-    data = np.array(gmem.reshape(-1)[g:g + 4], copy=True) if n else np.zeros(4, dtype=smem.dtype)
+    if s % 4 or g % 4:
+        raise RuntimeError("cp_async16: source and destination must be 16-byte aligned")
+    flat = np.asarray(getattr(gmem, "_ary", gmem)).reshape(-1)
+    data = np.array(flat[g:g + 4], copy=True) if n else np.zeros(4, dtype=smem.dtype)
     _pending()[-1].append((smem, s, data))
 
 
@@ -320,10 +322,11 @@ def _build_gpu() -> dict:
         return builder.ptrtoint(sptr, i32)
 
     def global_address(context, builder, aryty, ary, index, indexty):
+        """The address of element ``index`` of a C-contiguous array of any rank, counted from its first element
+        (the flat index: the kernels compute it from the array's shape)."""
         array = context.make_array(aryty)(context, builder, ary)
         idx = context.cast(builder, index, indexty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
-        return builder.ptrtoint(ptr, i64)
+        return builder.ptrtoint(builder.gep(array.data, [idx]), i64)
 
     def make_mma(kind):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "

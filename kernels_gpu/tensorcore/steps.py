@@ -37,7 +37,10 @@ from numba import cuda, float32, uint32
 
 from kernels_gpu.tensorcore import ptx
 
-__all__ = ["Config", "make_steps", "device"]
+__all__ = ["Config", "make_steps", "device", "LOG2E", "LN2"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def device(simulated: bool):
@@ -123,6 +126,40 @@ def make_steps(cfg: Config):
                     value = uint32(X[z, h, row0 + r, w])
                 sm[off + r * RS + w] = value
         return load_rows
+
+    mma = ptx.mma_f16 if cfg.dtype == "float16" else ptx.mma_bf16
+
+    @jit
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        """acc[4n … 4n+3] += A·B for one 16 × 8 × 16 product (``mma.sync.m16n8k16``, f32 accumulators): the
+        accumulator tile n of S or O, updated in place."""
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+        acc[4 * n] = c0
+        acc[4 * n + 1] = c1
+        acc[4 * n + 2] = c2
+        acc[4 * n + 3] = c3
+
+    CH = cfg.D // 8                                      # 16-byte chunks per (padded) row
+
+    def make_copy_rows_async(ROWS: int):
+        @jit
+        def copy_rows_async(sm, off, X, z, h, row0, N, tid):
+            """Start the copy of rows row0 … row0 + ROWS − 1 of X[z, h] into ``sm`` (word ``off`` on, row stride
+            RS) with ``cp.async``: 16 bytes per thread and step, straight from global to shared memory, no
+            registers on the way; nothing waits here (the caller commits the group and waits for it later). Rows
+            past N and chunks between d and D are filled with zeros (source size 0; the address is clamped to a
+            valid one, never read). X must be C-contiguous."""
+            H = X.shape[1]
+            N_all = X.shape[2]
+            for e in range(tid, ROWS * CH, T):
+                r = e // CH
+                c = e - r * CH
+                valid = row0 + r < N and 4 * c < DW
+                rr = min(row0 + r, N - 1)
+                cc = c if 4 * c < DW else 0
+                src = ((z * H + h) * N_all + rr) * DW + 4 * cc
+                ptx.cp_async16(sm, off + r * RS + 4 * c, X, src, 16 if valid else 0)
+        return copy_rows_async
 
     @jit
     def zero(x, n):
@@ -211,7 +248,63 @@ def make_steps(cfg: Config):
         finish_row(o, m, l, 0, O, L, z, head, row0, N_q, scale)
         finish_row(o, m, l, 1, O, L, z, head, row0 + 8, N_q, scale)
 
-    return dict(load_q=make_load_rows(cfg.B_r), load_kv=make_load_rows(cfg.B_c), zero=zero,
+    ex2 = ptx.ex2
+
+    @jit
+    def row_softmax_exp2(s, o, m, l, h, row, col0, N_k, scale_log2, diag):
+        """:func:`row_softmax` in base 2 with the scale folded in: exp(τ(x − m)) = 2^(x·τlog₂e − m·τlog₂e), one
+        FMA and one ``ex2.approx`` per element (the ``MUFU.EX2`` unit) instead of a subtract, a multiply and
+        libdevice's expf; and Õ, ℓ are rescaled only when the row maximum moved (α = 1 otherwise: skip 4·D/8
+        multiplies per row)."""
+        mx = neg_inf
+        for n in range(NT):
+            for e in range(2):
+                col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                if col >= N_k or (causal and col > row + diag):
+                    s[4 * n + 2 * h + e] = neg_inf
+                mx = max(mx, s[4 * n + 2 * h + e])
+        mx = max(mx, shfl_xor(mx, 1))
+        mx = max(mx, shfl_xor(mx, 2))
+        m_new = max(m[h], mx)
+        # Guard (fully masked so far): P̃ = 0 for the whole row, nothing to rescale.
+        if m_new == neg_inf:
+            for n in range(NT):
+                for e in range(2):
+                    s[4 * n + 2 * h + e] = float32(0.0)
+            return
+        m_scaled = m_new * scale_log2
+        # Alg. 1 line 10: rescale only if the maximum moved (uniform over the row's group of four lanes).
+        if m_new != m[h]:
+            alpha = ex2(m[h] * scale_log2 - m_scaled)
+            l[h] *= alpha
+            for n in range(NO):
+                for e in range(2):
+                    o[4 * n + 2 * h + e] *= alpha
+        # Alg. 1 line 9: P̃_ij = 2^(S·τlog₂e − m·τlog₂e), and the lane's part of its row sum.
+        rowsum = float32(0.0)
+        for n in range(NT):
+            for e in range(2):
+                p = ex2(s[4 * n + 2 * h + e] * scale_log2 - m_scaled)
+                s[4 * n + 2 * h + e] = p
+                rowsum += p
+        l[h] += rowsum
+        m[h] = m_new
+
+    @jit
+    def online_softmax_exp2(s, o, m, l, row0, col0, N_k, scale_log2, diag):
+        """:func:`online_softmax` with :func:`row_softmax_exp2` (``scale_log2`` = τ·log₂e)."""
+        row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag)
+        row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag)
+
+    @jit
+    def finish_rows_exp2(o, m, l, O, L, z, head, row0, N_q, scale_log2):
+        """:func:`finish_rows` for base-2 statistics: L = (m·τlog₂e + log₂ ℓ)·ln 2, in natural units."""
+        finish_row(o, m, l, 0, O, L, z, head, row0, N_q, scale_log2 * LN2)
+        finish_row(o, m, l, 1, O, L, z, head, row0 + 8, N_q, scale_log2 * LN2)
+
+    return dict(online_softmax_exp2=online_softmax_exp2, finish_rows_exp2=finish_rows_exp2,
+                load_q=make_load_rows(cfg.B_r), load_kv=make_load_rows(cfg.B_c), zero=zero, mma_into=mma_into,
+                copy_q_async=make_copy_rows_async(cfg.B_r), copy_kv_async=make_copy_rows_async(cfg.B_c),
                 init_stats=init_stats, online_softmax=online_softmax, finish_rows=finish_rows)
 
 
