@@ -187,6 +187,7 @@ def cast_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
 
 
 _ARRAY_ARGUMENTS = ("Q", "K", "V", "O", "dO", "P")
+_SAVED_ARGUMENTS = ("O", "L", "l", "m", "P")
 
 
 def guard_overflow(function):
@@ -211,10 +212,13 @@ def guard_overflow(function):
                               and bound[name].dtype.kind == "f")
             dtypes = sorted({bound[name].dtype.name for name in _ARRAY_ARGUMENTS
                              if isinstance(bound.get(name), np.ndarray)})
+            remedy = "rescale them" if dtypes == ["float64"] else "rescale them, or pass float64 inputs"
+            stats = [name for name in _SAVED_ARGUMENTS if name in bound]
+            if stats:
+                remedy += f"; and check that {', '.join(stats)} come from the forward pass on these inputs"
             raise AttentionOverflowError(
                 f"{function.__name__}: an intermediate result left the range of its dtype ({error}); the inputs "
-                f"are too large in magnitude for {'/'.join(dtypes)} arithmetic ({sizes}). Rescale them, or pass "
-                f"float64 inputs") from error
+                f"are too large in magnitude for {'/'.join(dtypes)} arithmetic ({sizes}): {remedy}") from error
     return guarded
 
 
