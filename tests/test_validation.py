@@ -158,11 +158,13 @@ CASES = [
 ]
 
 
-def applicable():
-    for fname, (call, features) in FUNCTIONS.items():
-        for case_id, feature, pattern, mutate in CASES:
-            if feature is None or feature in features:
-                yield pytest.param(call, pattern, mutate, id=f"{fname}: {case_id}")
+def applicable() -> list:
+    """Every (function, case) pair whose function takes the case's argument. A list: parametrize wants a
+    collection (a generator is deprecated)."""
+    return [pytest.param(call, pattern, mutate, id=f"{fname}: {case_id}")
+            for fname, (call, features) in FUNCTIONS.items()
+            for case_id, feature, pattern, mutate in CASES
+            if feature is None or feature in features]
 
 
 @pytest.mark.parametrize("call, pattern, mutate", applicable())
