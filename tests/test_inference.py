@@ -30,8 +30,10 @@ from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 from fa2edu import HBM, FlopCounter
+from fa2edu.hardware import DEVICES
 from fa2edu.inference import (DECODE_SMS, IndexDtypeError, check_cu_seqlens, decode_block_size,
                               default_num_splits, split_ranges)
+from fa2edu.partition import sm_utilisation
 
 DECODE_ARGS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "causal", "scale", "num_splits",
                "block_size")
@@ -164,16 +166,18 @@ def test_ledger_reads_the_cache_once_per_kv_head(G, num_splits):
 
 
 def test_default_num_splits_rule():
-    assert DECODE_SMS == fa2edu.hardware.DEVICES["H100-SXM"].sms
-    assert default_num_splits(1, 8, 1000) == math.ceil(DECODE_SMS / 8)        # one long sequence: fill the SMs
-    assert default_num_splits(1, 8, 5) == 5                                  # never more than the blocks
-    assert default_num_splits(64, 8, 1000) == 1                              # 512 programs already fill them
-    assert default_num_splits(2, 1, 1) == 1
-    assert default_num_splits(2, 1, 0) == 1                                  # nothing cached at all
-    for batch, H_kv, blocks in [(1, 1, 500), (3, 2, 40), (7, 4, 9)]:
+    """The smallest S whose SM utilisation is within 90 % of the best S ≤ min(blocks, SMs); 1 when the programs
+    fill the SMs already or there is at most one block."""
+    assert DECODE_SMS == DEVICES["H100-SXM"].sms == 132
+    assert default_num_splits(1, 8, 1000) == 15            # 8 programs: 15 splits → 120 of 132 SMs (91 %)
+    assert default_num_splits(1, 8, 5) == 5                # never more splits than blocks
+    assert default_num_splits(64, 8, 1000) == 1            # 512 programs already fill the SMs
+    assert default_num_splits(2, 1, 1) == 1 and default_num_splits(2, 1, 0) == 1
+    for batch, H_kv, blocks in [(1, 1, 500), (3, 2, 40), (7, 4, 9), (5, 5, 300), (1, 3, 1000)]:
         S = default_num_splits(batch, H_kv, blocks)
-        # the fewest splits that give every SM a program, capped by the blocks
-        assert S == blocks or (batch * H_kv * S >= DECODE_SMS > batch * H_kv * (S - 1))
+        util = [sm_utilisation(batch * H_kv * s, DECODE_SMS)
+                for s in range(1, min(blocks, DECODE_SMS) + 1)]
+        assert util[S - 1] >= 0.9 * max(util) and all(u < 0.9 * max(util) for u in util[:S - 1])
 
 
 def test_decode_without_num_splits_uses_the_rule():

@@ -1,0 +1,1278 @@
+"""Exercises that check themselves: a hidden property test behind every coding exercise of the book.
+
+Each chapter ends with exercises: a question, a cell to try it in, a hint, and a worked solution folded away.
+Where an exercise asks for code, this module checks the reader's function::
+
+    from fa2edu import exercises
+    exercises.list_exercises()                    # the exercises with a checker, one line each
+    exercises.hint("6.2")                         # a nudge, not the answer
+    result = exercises.check("6.2", fa2_update)   # runs the hidden cases, prints a report; truthy on a pass
+
+**How a check works.** Each exercise owns a fixed, deterministic list of cases: hand-picked edge cases first
+(sizes of 1, sizes that are not powers of two, a block larger than N, N_q ≠ N_k with the causal mask aligned
+bottom-right, fully masked rows, logits of ±10⁴), then cases drawn from a generator with a fixed seed, biased
+towards small and ragged sizes. A case is a handful of parameters (sizes, a mask kind, a logit kind, a seed) from
+which the inputs are built. The reader's function runs on each case, and what it returns is compared with ground
+truth computed by fa2edu itself — the float64 oracle :func:`fa2edu.attention_reference`, the executed HBM ledger,
+the element-wise causal mask, the FLOP model — never with the worked solution.
+
+**What a failure report holds.** On the first failing case the checker *shrinks* it: it lowers each size (to its
+minimum, to half, by one) and simplifies each kind, keeping every change under which the function still fails.
+The report then shows the smallest failing case found, the call's arguments (their values when they are small),
+what was expected and what came back: the largest error and where, the positions of NaNs, a wrong shape, a wrong
+infinity, or the exception raised and the line of the reader's code that raised it. ``result.failure`` keeps the
+inputs, the expected values and what came back, to debug with.
+
+A stub that raises ``NotImplementedError`` is reported as "not attempted yet" and nothing is raised, so a chapter
+with its try cells still empty runs top to bottom.
+
+Only NumPy and fa2edu are needed; exercise 9.4 also needs numba (its CUDA simulator runs it without a GPU:
+``NUMBA_ENABLE_CUDASIM=1`` before numba is imported).
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+import textwrap
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from fa2edu.blocks import block_sizes_kv_outer, num_blocks, tiles
+from fa2edu.flops import model_flops
+from fa2edu.io import simulate_io
+from fa2edu.masks import BlockKind, causal_mask
+from fa2edu.memory import HBM
+from fa2edu.reference import attention_reference, attention_reference_backward
+from fa2edu.softmax import Stats, block_stats, exp_minus, safe_softmax
+from fa2edu.standard import standard_attention
+
+__all__ = ["check", "hint", "list_exercises", "solution", "CheckResult", "Failure", "Exercise", "Catalogue"]
+
+
+# -- the parts of an exercise ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Size:
+    """An integer parameter in [lo, hi]. Drawn with extra weight on the edges; shrunk towards ``lo``."""
+
+    lo: int
+    hi: int
+
+    def draw(self, rng: np.random.Generator) -> int:
+        if rng.random() < 0.3:
+            return int(rng.choice([self.lo, min(self.lo + 1, self.hi), self.hi]))
+        return int(rng.integers(self.lo, self.hi + 1))
+
+    def smaller(self, value: int) -> list[int]:
+        """Candidates below ``value``, most aggressive first: the minimum, half, one less."""
+        return [v for v in dict.fromkeys((self.lo, value // 2, value - 1)) if self.lo <= v < value]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A categorical parameter; ``values`` run from the simplest to the hardest, and shrinking moves left."""
+
+    values: tuple
+
+    def draw(self, rng: np.random.Generator):
+        return self.values[int(rng.integers(len(self.values)))]
+
+    def smaller(self, value) -> list:
+        return list(self.values[:self.values.index(value)])
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One checked exercise: what it asks, its hint, its cases and how one case is judged.
+
+    ``run(fn, case)`` builds the inputs of ``case`` (a dict of the ``params`` plus ``seed``), calls ``fn`` through
+    :class:`_Calls`, and raises :class:`_Mismatch` on a wrong answer. ``edge_cases`` are partial cases completed by
+    ``base``; ``n_random`` more are drawn from ``params`` with a seed fixed by the exercise id.
+    """
+
+    id: str
+    title: str
+    signature: str
+    hint: str
+    covers: str
+    params: dict
+    base: dict
+    edge_cases: tuple
+    n_random: int
+    run: Callable
+    solution: Callable
+    valid: Callable = lambda case: True
+    shrink_budget: int = 200
+
+
+@dataclass
+class Failure:
+    """The smallest failing case found: its parameters, the call's arguments, what was expected, what came back."""
+
+    exercise: str
+    case: dict
+    first_case: dict
+    case_number: int
+    shrink_steps: int
+    lines: list
+    inputs: dict
+    expected: Any = None
+    got: Any = None
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclass
+class CheckResult:
+    """What :func:`check` found. True when every case passed; ``failure`` describes the first wrong case, shrunk."""
+
+    exercise: str
+    passed: bool
+    attempted: bool
+    cases: int
+    failure: Failure | None
+    report: str = field(repr=False)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        return self.report
+
+
+class _Mismatch(Exception):
+    """A wrong answer: readable lines, plus the values behind them."""
+
+    def __init__(self, lines, expected=None, got=None):
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
+        self.expected, self.got = expected, got
+        self.inputs: dict = {}
+        self.call = ""
+
+
+class _NotAttempted(Exception):
+    """The reader's function raised NotImplementedError: the stub is still a stub."""
+
+
+class _Calls:
+    """Calls the reader's function with copies of the inputs; the last call made is kept for the report."""
+
+    last: "_Calls | None" = None
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+        self.inputs: dict = {}
+        self.where = ""
+
+    def __call__(self, *named, where: str = ""):
+        _Calls.last = self
+        self.inputs = dict(named)
+        self.where = where
+        args = [np.array(v, copy=True) if isinstance(v, np.ndarray) else v for _, v in named]
+        try:
+            with np.errstate(all="ignore"):
+                return self.fn(*args)
+        except NotImplementedError:
+            raise _NotAttempted from None
+        except Exception as error:  # noqa: BLE001  (any exception of the reader's code is a finding)
+            raise _Mismatch([f"your function raised {type(error).__name__}: {error}", *_raising_line(error)]) \
+                from None
+
+
+def _raising_line(error: BaseException) -> list[str]:
+    """The last line of the reader's own code in the traceback (not NumPy's, not this module's)."""
+    library = (__file__, sysconfig.get_paths()["stdlib"], "site-packages", "dist-packages")
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not any(f.filename == part or f.filename.startswith(part) or part in f.filename
+                         for part in library)]
+    if not frames:
+        return []
+    frame = frames[-1]
+    source = f": {frame.line.strip()}" if frame.line else ""
+    return [f"  (raised in {frame.name}, line {frame.lineno}{source})"]
+
+
+# -- comparing what came back with what was expected -------------------------------------------------------------
+
+def _fmt(x) -> str:
+    """A number as a reader wants to see it: ±inf, nan, or 6 significant digits."""
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "+inf" if x > 0 else "-inf"
+    return f"{x:.6g}"
+
+
+def _index(idx) -> str:
+    return "[" + ", ".join(str(int(i)) for i in idx) + "]"
+
+
+def _unpack(got, n: int, names: str):
+    """The reader's result as a tuple of ``n`` parts, or a mismatch saying what shape of answer was expected."""
+    if not isinstance(got, (tuple, list)) or len(got) != n:
+        kind = "None" if got is None else (f"a {type(got).__name__} of length {len(got)}"
+                                           if isinstance(got, (tuple, list)) else f"a {type(got).__name__}")
+        raise _Mismatch([f"your function returned {kind}; expected a tuple {names}"], got=got)
+    return tuple(got)
+
+
+def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -> None:
+    """Raise a :class:`_Mismatch` unless ``got`` matches ``expected`` (float64) in shape, NaNs, infinities, values.
+
+    The tolerance is ``atol + rtol · scale`` with ``scale`` the largest finite ``|expected|``: one yardstick for a
+    whole array, so an entry that is 0 by cancellation is not held to a relative tolerance it cannot meet.
+    """
+    expected = np.asarray(expected, dtype=np.float64)
+    if got is None:
+        raise _Mismatch([f"{name}: your function returned None; expected an array of shape {expected.shape}"],
+                        expected, got)
+    try:
+        g = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise _Mismatch([f"{name}: what came back ({type(got).__name__}) is not an array of numbers: {error}"],
+                        expected, got) from None
+    if g.shape != expected.shape:
+        raise _Mismatch([f"{name}: wrong shape {g.shape}; expected {expected.shape}"], expected, g)
+    bad_nan = np.isnan(g) & ~np.isnan(expected)
+    if bad_nan.any():
+        where = np.argwhere(bad_nan)
+        shown = ", ".join(f"{name}{_index(i)} (expected {_fmt(expected[tuple(i)])})" for i in where[:4])
+        more = f" and {len(where) - 4} more" if len(where) > 4 else ""
+        raise _Mismatch([f"{name}: NaN in {len(where)} of {g.size} entries: {shown}{more}"], expected, g)
+    bad_inf = (np.isinf(g) | np.isinf(expected)) & (g != expected)
+    if bad_inf.any():
+        i = tuple(np.argwhere(bad_inf)[0])
+        raise _Mismatch([f"{name}{_index(i)}: expected {_fmt(expected[i])}, got {_fmt(g[i])} "
+                         f"({int(bad_inf.sum())} entries disagree about infinity)"], expected, g)
+    finite = np.isfinite(expected)
+    if not finite.any():
+        return
+    tol = atol + rtol * float(np.abs(expected[finite]).max())
+    err = np.where(finite, np.abs(g - np.where(finite, expected, 0.0)), 0.0)
+    if err.max() > tol:
+        i = np.unravel_index(int(np.argmax(err)), err.shape)
+        raise _Mismatch([f"{name}: max |got − expected| = {err.max():.2e} at {name}{_index(i)}: expected "
+                         f"{_fmt(expected[i])}, got {_fmt(g[i])} (tolerance {tol:.1e}; "
+                         f"{int((err > tol).sum())} of {g.size} entries are off)"], expected, g)
+
+
+def _expect_equal_ints(names: tuple, got, expected: tuple, *, explain: str = "") -> None:
+    """Exact integer answers (element counts): each part of ``got`` must equal its part of ``expected``."""
+    parts = _unpack(got, len(expected), "(" + ", ".join(names) + ")")
+    wrong = []
+    for name, g, e in zip(names, parts, expected):
+        try:
+            ok = float(g) == float(e)
+        except (TypeError, ValueError):
+            raise _Mismatch([f"{name}: expected a number, got {type(g).__name__} {g!r}"], expected, got) from None
+        if not ok:
+            wrong.append(f"{name}: expected {int(e):,}, got {_fmt(g) if not float(g).is_integer() else f'{int(g):,}'}"
+                         f" (off by {float(g) - e:+,.0f})")
+    if wrong:
+        raise _Mismatch(wrong + ([explain] if explain else []), expected, got)
+
+
+def _offset(offset: int) -> str:
+    return "i" if offset == 0 else (f"i + {offset}" if offset > 0 else f"i − {-offset}")
+
+
+def _picture(visible: np.ndarray, max_rows: int = 12, max_cols: int = 24) -> list[str]:
+    """A boolean tile drawn as text: ■ where the query may attend to the key, · where it is masked."""
+    if visible.shape[0] > max_rows or visible.shape[1] > max_cols:
+        return []
+    return ["  " + " ".join("■" if v else "·" for v in row) for row in visible]
+
+
+def _show(name: str, value) -> str:
+    """One argument of a call: its values when small, else its shape."""
+    if isinstance(value, Stats):
+        return f"{name} = Stats(m={_show_array(value.m)}, l={_show_array(value.l)})"
+    if isinstance(value, np.ndarray):
+        return f"{name} = {_show_array(value)}"
+    if isinstance(value, slice):
+        return f"{name} = slice({value.start}, {value.stop})"
+    return f"{name} = {value!r}"
+
+
+def _show_array(a: np.ndarray) -> str:
+    if a.size <= 12:
+        text = np.array2string(a, precision=4, separator=", ", max_line_width=10_000)
+        return " ".join(text.split())
+    return f"<array of shape {a.shape}, {a.dtype}>"
+
+
+# -- inputs: scores, masks, logits of every size -----------------------------------------------------------------
+
+LOGIT_SCALES = {"normal": 1.0, "spread": 20.0, "large": 1.0e4, "tiny": 1.0e-12}
+
+
+def _logits(rng: np.random.Generator, shape: tuple, kind: str) -> np.ndarray:
+    """Scores of the given kind: N(0, 1); ×20; ×10⁴ (exp overflows without the max trick); ×10⁻¹² (near
+    uniform); or "rising", which drifts upwards along each row so that the running maximum keeps moving."""
+    x = rng.standard_normal(shape)
+    if kind == "rising":
+        return x + np.linspace(0.0, 8.0, shape[-1])
+    return x * LOGIT_SCALES[kind]
+
+
+def _visible(rng: np.random.Generator, N_q: int, N_k: int, kind: str, first: int = 1) -> np.ndarray:
+    """Which (query, key) pairs are visible: all ("none"), the bottom-right causal mask ("causal"), or a random
+    mask ("random") in which row 0 sees no key at all and row 1 sees nothing in its first ``first`` keys."""
+    if kind == "none":
+        return np.ones((N_q, N_k), dtype=bool)
+    if kind == "causal":
+        return causal_mask(N_q, N_k)
+    visible = rng.random((N_q, N_k)) < 0.6
+    visible[0] = False
+    if N_q >= 2:
+        visible[1, :first] = False
+        if N_k > first:
+            visible[1, first] = True
+    return visible
+
+
+def _masked(S: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Masked scores are a real −inf (chapter 2), never a finite sentinel."""
+    return np.where(visible, S, -np.inf)
+
+
+def _prefix_state(S: np.ndarray, V: np.ndarray, stop: int):
+    """Ground truth after the keys [0, stop) of each row: (m, ℓ, Õ = e^{S − m} V, O = Õ / ℓ), with the guards."""
+    S_seen = S[:, :stop]
+    m = S_seen.max(axis=1)
+    P = exp_minus(S_seen, m)
+    l = P.sum(axis=1)
+    O_tilde = P @ V[:stop]
+    return m, l, O_tilde, O_tilde / np.where(l == 0.0, 1.0, l)[:, None]
+
+
+def _oracle(S: np.ndarray, V: np.ndarray):
+    """The float64 oracle on given scores: attention_reference with Q = S (masked entries zeroed), K = I and τ = 1,
+    so that τ·QKᵀ is S exactly and the mask is passed as a mask. Returns (O, L), L = +inf on fully masked rows."""
+    visible = np.isfinite(S)
+    return attention_reference(np.where(visible, S, 0.0), np.eye(S.shape[1]), V, scale=1.0, mask=visible)
+
+
+def _row_note(S_seen: np.ndarray, tile: np.ndarray | None = None) -> list[str]:
+    """Context for a failure on scores: which rows have seen no key yet, which see none in this tile."""
+    notes = []
+    empty = np.flatnonzero(~np.isfinite(S_seen).any(axis=1))
+    if empty.size:
+        notes.append(f"rows that have seen no visible key so far: {empty.tolist()} (m = −inf, ℓ = 0 there)")
+    if tile is not None:
+        masked_tile = np.flatnonzero(~np.isfinite(tile).any(axis=1))
+        if masked_tile.size:
+            notes.append(f"rows whose scores in this tile are all −inf: {masked_tile.tolist()}")
+    return notes
+
+
+# -- 1.3 standard attention's HBM traffic -------------------------------------------------------------------------
+
+def _run_standard_io(fn, case):
+    N_q, N_k, d = case["N_q"], case["N_k"], case["d"]
+    rng = np.random.default_rng(case["seed"])
+    hbm = HBM()
+    standard_attention(rng.standard_normal((N_q, d)), rng.standard_normal((N_k, d)),
+                       rng.standard_normal((N_k, d)), hbm=hbm)
+    calls = _Calls(fn, "standard_io")
+    got = calls(("N_q", N_q), ("N_k", N_k), ("d", d))
+    lines = [f"  {line}: reads {c['read']:,}, writes {c['write']:,}" for line, c in hbm.by_line().items()]
+    _expect_equal_ints(("reads", "writes"), got, (hbm.reads, hbm.writes),
+                       explain="the executed ledger, line by line:\n" + "\n".join(lines))
+
+
+def _solution_standard_io(N_q, N_k, d):
+    # Alg. 0 line 1: read Q, K; write S = QKᵀ (N_q × N_k).
+    reads, writes = N_q * d + N_k * d, N_q * N_k
+    # Alg. 0 line 2: read S; write P = softmax(S).
+    reads, writes = reads + N_q * N_k, writes + N_q * N_k
+    # Alg. 0 line 3: read P and V; write O = PV (N_q × d).
+    reads, writes = reads + N_q * N_k + N_k * d, writes + N_q * d
+    return reads, writes
+
+
+# -- 2.2 the (m, ℓ) merge -----------------------------------------------------------------------------------------
+
+def _run_merge(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    rows = case["rows"]
+    x_a = _logits(rng, (rows, case["n_a"]), case["logits"])
+    x_b = _logits(rng, (rows, case["n_b"]), case["logits"])
+    empty = case["empty"]
+    if empty in ("a", "both"):
+        x_a[:] = -np.inf
+    if empty in ("b", "both"):
+        x_b[:] = -np.inf
+    if empty == "rows":
+        x_a[0] = -np.inf                       # row 0 saw nothing in block a ...
+        if rows >= 2:
+            x_b[0] = -np.inf                   # ... nor in block b: a fully masked row
+            x_b[1] = -np.inf                   # row 1 saw nothing in block b only
+    expected = block_stats(np.concatenate([x_a, x_b], axis=1))   # ground truth: the statistics of the whole row
+    calls = _Calls(fn, "merge")
+    got = calls(("a", block_stats(x_a)), ("b", block_stats(x_b)))
+    m, l = _unpack(got, 2, "(m, l)")
+    _expect_close("m", m, expected.m, rtol=1e-13)
+    _expect_close("l", l, expected.l, rtol=1e-10)
+
+
+def _solution_merge(a, b):
+    m = np.maximum(a.m, b.m)
+    # Guard m = −inf (both sides empty): e^{−inf − 0} = 0 instead of e^{−inf − (−inf)} = NaN.
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    return Stats(m, np.exp(a.m - m_safe) * a.l + np.exp(b.m - m_safe) * b.l)
+
+
+# -- 2.3 online softmax -------------------------------------------------------------------------------------------
+
+def _run_online_softmax(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    rows, n, block = case["rows"], case["n"], case["block"]
+    x = _logits(rng, (rows, n), case["logits"])
+    masked = case["masked"]
+    if masked == "entries":
+        hide = rng.random((rows, n)) < 0.3
+        hide[np.arange(rows), rng.integers(n, size=rows)] = False       # every row keeps a visible entry
+        x[hide] = -np.inf
+    elif masked == "rows":
+        x[0] = -np.inf
+    elif masked == "first block":
+        x[:, :block] = -np.inf
+    calls = _Calls(fn, "online_softmax")
+    got = calls(("x", x), ("block", block))
+    try:
+        _expect_close("p", got, safe_softmax(x), rtol=1e-10, atol=1e-300)
+    except _Mismatch as mismatch:
+        mismatch.lines += _row_note(x)
+        raise
+
+
+def _solution_online_softmax(x, block):
+    m = np.full(x.shape[:-1], -np.inf)
+    l = np.zeros(x.shape[:-1])
+    for start in range(0, x.shape[-1], block):
+        x_b = x[..., start:start + block]
+        m_new = np.maximum(m, x_b.max(axis=-1))
+        # Rescale the old sum to the new maximum; exp_minus guards m_new = −inf (nothing seen yet).
+        l = exp_minus(m[..., None], m_new)[..., 0] * l + exp_minus(x_b, m_new).sum(axis=-1)
+        m = m_new
+    # The second pass: normalise (guard ℓ = 0 on a fully masked row).
+    return exp_minus(x, m) / np.where(l == 0.0, 1.0, l)[..., None]
+
+
+# -- 3.3 and 6.2: one tile's update of a row block ----------------------------------------------------------------
+
+def _tile_problem(case):
+    rng = np.random.default_rng(case["seed"])
+    N_q, N_k = case["N_q"], case["N_k"]
+    S = _masked(_logits(rng, (N_q, N_k), case["logits"]), _visible(rng, N_q, N_k, case["mask"], case["B_c"]))
+    V = rng.standard_normal((N_k, case["d_v"]))
+    return S, V
+
+
+def _run_tile_updates(fn, case, *, unscaled: bool):
+    """Stream the tiles of S through the reader's update; check (m, ℓ, O or Õ) after every tile, then O and L."""
+    S, V = _tile_problem(case)
+    N_q, N_k = S.shape
+    name = "O_tilde" if unscaled else "O"
+    calls = _Calls(fn, "fa2_update" if unscaled else "fa1_update")
+    # FA1 Alg. 1 line 2 / FA2 Alg. 1 line 5: O = 0, ℓ = 0, m = −inf.
+    O, l, m = np.zeros((N_q, V.shape[1])), np.zeros(N_q), np.full(N_q, -np.inf)
+    col_tiles = tiles(N_k, case["B_c"])
+    for j, cols in enumerate(col_tiles):
+        where = f"tile {j + 1} of {len(col_tiles)}: columns {cols.start}:{cols.stop}"
+        got = calls((name, O), ("l", l), ("m", m), ("S_ij", S[:, cols]), ("V_j", V[cols]), where=where)
+        try:
+            O, l, m = _unpack(got, 3, f"({name}, l, m)")
+            m_exp, l_exp, O_tilde_exp, O_exp = _prefix_state(S, V, cols.stop)
+            _expect_close("m", m, m_exp, rtol=1e-13)
+            _expect_close("l", l, l_exp, rtol=1e-10)
+            _expect_close(name, O, O_tilde_exp if unscaled else O_exp, rtol=1e-10)
+        except _Mismatch as mismatch:
+            mismatch.lines += _row_note(S[:, :cols.stop], S[:, cols])
+            raise
+        O, l, m = (np.asarray(v, dtype=np.float64) for v in (O, l, m))
+    if unscaled:
+        # FA2 Alg. 1 lines 12-13, done here: O = Õ / ℓ and L = m + log ℓ (0 and +inf on fully masked rows).
+        l_safe = np.where(l == 0.0, 1.0, l)
+        O_final = O / l_safe[:, None]
+        with np.errstate(divide="ignore"):
+            L_final = np.where(l == 0.0, np.inf, m + np.log(l_safe))
+        O_ref, L_ref = _oracle(S, V)
+        _expect_close("O = Õ / ℓ after the last tile", O_final, O_ref, rtol=1e-10)
+        _expect_close("L = m + log ℓ after the last tile", L_final, L_ref, rtol=1e-10)
+
+
+def _solution_fa1_update(O_i, l_i, m_i, S_ij, V_j):
+    # Alg. 1 line 10: this tile alone: m̃ = rowmax(S_ij), P̃ = exp(S_ij − m̃), ℓ̃ = rowsum(P̃) (guarded m̃ = −inf).
+    m_tilde = S_ij.max(axis=1)
+    P_tilde = exp_minus(S_ij, m_tilde)
+    l_tilde = P_tilde.sum(axis=1)
+    # Alg. 1 line 11: m_new = max(m_i, m̃), ℓ_new = e^{m_i − m_new} ℓ_i + e^{m̃ − m_new} ℓ̃.
+    m_new = np.maximum(m_i, m_tilde)
+    alpha = exp_minus(m_i[:, None], m_new)[:, 0]
+    beta = exp_minus(m_tilde[:, None], m_new)[:, 0]
+    l_new = alpha * l_i + beta * l_tilde
+    # Alg. 1 line 12: O ← diag(ℓ_new)⁻¹ (diag(ℓ_i) e^{m_i − m_new} O_i + e^{m̃ − m_new} P̃ V_j); guard ℓ_new = 0.
+    O_new = ((l_i * alpha)[:, None] * O_i + beta[:, None] * (P_tilde @ V_j)) / np.where(l_new == 0, 1, l_new)[:, None]
+    return O_new, l_new, m_new
+
+
+def _solution_fa2_update(O_tilde, l, m, S_ij, V_j):
+    # Alg. 1 line 9: m_new = max(m, rowmax(S_ij)); P̃ = exp(S_ij − m_new), guarded where m_new = −inf.
+    m_new = np.maximum(m, S_ij.max(axis=1))
+    P_tilde = exp_minus(S_ij, m_new)
+    alpha = exp_minus(m[:, None], m_new)[:, 0]          # e^{m − m_new}: 0 while m = −inf
+    # Alg. 1 line 9: ℓ_new = e^{m − m_new} ℓ + rowsum(P̃).
+    l_new = alpha * l + P_tilde.sum(axis=1)
+    # Alg. 1 line 10: Õ_new = diag(e^{m − m_new}) Õ + P̃ V_j (no inverse: erratum 4).
+    return alpha[:, None] * O_tilde + P_tilde @ V_j, l_new, m_new
+
+
+# -- 4.3 FA1 forward's HBM traffic --------------------------------------------------------------------------------
+
+def _valid_flash1_io(case) -> bool:
+    N, d, M = case["N"], case["d"], case["M"]
+    if M < 4 * d:
+        return False
+    B_r, B_c = block_sizes_kv_outer(M, d)
+    return num_blocks(N, B_r) * num_blocks(N, B_c) <= 600       # keeps the executed ledger quick
+
+
+def _run_flash1_io(fn, case):
+    N, d, M = case["N"], case["d"], case["M"]
+    row = simulate_io(N, d, M, method="execute", algorithms=("flash1",), passes=("forward",),
+                      seed=case["seed"]).row("flash1", "forward")
+    calls = _Calls(fn, "flash1_forward_io")
+    got = calls(("N", N), ("d", d), ("M", M))
+    B_r, B_c = row.block_sizes
+    T_c = num_blocks(N, B_c)
+    _expect_equal_ints(("reads", "writes"), got, (row.reads, row.writes),
+                       explain=f"(the executed run used B_r = {B_r}, B_c = {B_c}, so T_c = {T_c}; its last column "
+                               f"block has {N - (T_c - 1) * B_c} of {B_c} rows)")
+
+
+def _solution_flash1_io(N, d, M):
+    # Alg. 1 line 1: B_c = ceil(M / 4d); T_c = ceil(N / B_c), the last block ragged.
+    B_c = math.ceil(M / (4 * d))
+    T_c = math.ceil(N / B_c)
+    # Line 6 reads K_j, V_j once (2Nd in all); each outer step reads Q, O, ℓ, m (lines 8) and writes O, ℓ, m
+    # (lines 12-13) for every row.
+    return 2 * N * d + T_c * (2 * N * d + 2 * N), T_c * (N * d + 2 * N)
+
+
+# -- 5.1 the softmax backward -------------------------------------------------------------------------------------
+
+def _run_softmax_backward(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    N_q, N_k = case["N_q"], case["N_k"]
+    S = _masked(_logits(rng, (N_q, N_k), case["logits"]), _visible(rng, N_q, N_k, case["mask"]))
+    P = safe_softmax(S)
+    dP = rng.standard_normal((N_q, N_k))
+    # Ground truth, by definition: the Jacobian of each row's softmax, diag(p) − ppᵀ, applied to its dp.
+    jacobians = np.einsum("ij,jk->ijk", P, np.eye(N_k)) - np.einsum("ij,ik->ijk", P, P)
+    expected = np.einsum("ijk,ik->ij", jacobians, dP)
+    calls = _Calls(fn, "softmax_backward")
+    got = calls(("P", P), ("dP", dP))
+    try:
+        _expect_close("dS", got, expected, rtol=1e-10, atol=1e-12)
+    except _Mismatch as mismatch:
+        mismatch.lines += _row_note(S)
+        raise
+
+
+def _solution_softmax_backward(P, dP):
+    # FA1 Alg. 4 lines 19-20: D_i = rowsum(P ∘ dP) (= rowsum(dO ∘ O)), dS = P ∘ (dP − D).
+    D = (P * dP).sum(axis=-1, keepdims=True)
+    return P * (dP - D)
+
+
+# -- 7.4 split-K: merging the warps' partials ---------------------------------------------------------------------
+
+def _run_merge_warps(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    r, c, W = case["r"], case["c"], case["W"]
+    S = _masked(_logits(rng, (r, c), case["logits"]), _visible(rng, r, c, case["mask"]))
+    V = rng.standard_normal((c, case["d_v"]))
+    # Split-K: warp w owns a contiguous slice of the tile's columns (none at all when W > c).
+    m_w, l_w, O_w = [], [], []
+    for cols in np.array_split(np.arange(c), W):
+        S_w = S[:, cols] if cols.size else np.full((r, 1), -np.inf)
+        m = S_w.max(axis=1)
+        P = exp_minus(S_w, m)
+        m_w.append(m)
+        l_w.append(P.sum(axis=1))
+        O_w.append(P @ V[cols] if cols.size else np.zeros((r, V.shape[1])))
+    m_exp, l_exp, O_tilde_exp, _ = _prefix_state(S, V, c)
+    calls = _Calls(fn, "merge_partials")
+    got = calls(("m", np.stack(m_w)), ("l", np.stack(l_w)), ("O_tilde", np.stack(O_w)))
+    try:
+        m, l, O_tilde = _unpack(got, 3, "(m, l, O_tilde)")
+        _expect_close("m", m, m_exp, rtol=1e-13)
+        _expect_close("l", l, l_exp, rtol=1e-10)
+        _expect_close("O_tilde", O_tilde, O_tilde_exp, rtol=1e-10)
+    except _Mismatch as mismatch:
+        mismatch.lines += _row_note(S)
+        empty = [w for w, cols in enumerate(np.array_split(np.arange(c), W)) if cols.size == 0]
+        if empty:
+            mismatch.lines.append(f"warps with no column of this tile: {empty} (m = −inf, ℓ = 0, Õ = 0)")
+        raise
+
+
+def _solution_merge_warps(m, l, O_tilde):
+    # The merged maximum; a row that every warp saw as empty keeps m = −inf.
+    m_all = m.max(axis=0)
+    # Rescale each warp's partial from its own maximum to the merged one (exp_minus guards m_all = −inf).
+    scale = exp_minus(m.T, m_all).T                                   # (W, r): e^{m_w − m}
+    return m_all, (scale * l).sum(axis=0), (scale[..., None] * O_tilde).sum(axis=0)
+
+
+# -- 8.1 causal block classification ------------------------------------------------------------------------------
+
+def _as_kind(value) -> str | None:
+    if isinstance(value, BlockKind):
+        return value.value
+    if isinstance(value, str) and value.strip().lower() in ("skip", "mask", "plain"):
+        return value.strip().lower()
+    return None
+
+
+def _run_block_kind(fn, case):
+    N_q, N_k, B_r, B_c = case["N_q"], case["N_k"], case["B_r"], case["B_c"]
+    calls = _Calls(fn, "block_kind")
+    for rows in tiles(N_q, B_r):
+        for cols in tiles(N_k, B_c):
+            visible = causal_mask(N_q, N_k, rows, cols)      # ground truth: the element mask of the tile
+            expected = "skip" if not visible.any() else ("plain" if visible.all() else "mask")
+            got = calls(("N_q", N_q), ("N_k", N_k), ("rows", rows), ("cols", cols),
+                        where=f"rows {rows.start}:{rows.stop}, columns {cols.start}:{cols.stop}")
+            kind = _as_kind(got)
+            if kind is None:
+                raise _Mismatch([f"your function returned {got!r}; expected 'skip', 'mask' or 'plain' "
+                                 "(or a fa2edu.masks.BlockKind)"], expected, got)
+            if kind != expected:
+                raise _Mismatch([f"tile rows {rows.start}:{rows.stop}, columns {cols.start}:{cols.stop}: expected "
+                                 f"{expected!r}, got {kind!r}",
+                                 f"query i sees key j iff j ≤ i + N_k − N_q = {_offset(N_k - N_q)}; the tile "
+                                 "(■ visible, · masked):", *_picture(visible)], expected, got)
+
+
+def _solution_block_kind(N_q, N_k, rows, cols):
+    offset = N_k - N_q                         # bottom-right alignment: query i sees key j iff j <= i + offset
+    if cols.start > rows.stop - 1 + offset:    # even the tile's bottom-left entry is masked
+        return "skip"
+    if cols.stop - 1 <= rows.start + offset:   # even the tile's top-right entry is visible
+        return "plain"
+    return "mask"
+
+
+# -- 9.4 a numba.cuda kernel in the simulator ---------------------------------------------------------------------
+
+def _run_row_stats_kernel(kernel, case):
+    from numba import cuda  # numba only for this exercise; its CUDA simulator when NUMBA_ENABLE_CUDASIM=1
+
+    if not cuda.is_available():
+        raise RuntimeError("exercise 9.4 launches your kernel with numba.cuda, but there is no GPU and numba's CUDA "
+                           "simulator is off: set the environment variable NUMBA_ENABLE_CUDASIM=1 before numba is "
+                           "imported (at the top of the notebook, or restart the kernel)")
+    if not hasattr(kernel, "__getitem__"):
+        raise _Mismatch([f"expected a kernel decorated with @cuda.jit (launched as kernel[blocks, threads](S, m, l)); "
+                         f"got {type(kernel).__name__}"], None, kernel)
+    rng = np.random.default_rng(case["seed"])
+    rows, cols, threads = case["rows"], case["cols"], case["threads"]
+    S = _logits(rng, (rows, cols), case["logits"])
+    if case["masked"] == "entries":
+        hide = rng.random((rows, cols)) < 0.3
+        hide[:, 0] = False
+        S[hide] = -np.inf
+    elif case["masked"] == "rows":
+        S[0] = -np.inf
+        S[rows // 2, :cols // 2] = -np.inf
+    S = S.astype(np.float32)
+    expected = block_stats(S.astype(np.float64))
+    blocks = num_blocks(rows, threads)
+
+    def launch(S_host, m_host, l_host):
+        S_dev, m_dev, l_dev = cuda.to_device(S_host), cuda.to_device(m_host), cuda.to_device(l_host)
+        kernel[blocks, threads](S_dev, m_dev, l_dev)
+        return m_dev.copy_to_host(), l_dev.copy_to_host()
+
+    # m and l start as NaN: a row the kernel never writes shows up as NaN.
+    unwritten = np.full(rows, np.nan, dtype=np.float32)
+    calls = _Calls(launch, "row_stats")
+    m, l = calls(("S", S), ("m", unwritten), ("l", unwritten), where=f"launched as kernel[{blocks}, {threads}]")
+    try:
+        _expect_close("m", m, expected.m, rtol=1e-6)
+        _expect_close("l", l, expected.l, rtol=2e-5, atol=1e-6)
+    except _Mismatch as mismatch:
+        mismatch.lines.append(f"the grid has {blocks} × {threads} threads for {rows} rows; m and l start as NaN, so "
+                              "a NaN row was never written (or was computed as NaN)")
+        mismatch.lines += _row_note(S.astype(np.float64))
+        raise
+
+
+_KERNELS: dict = {}
+cuda = None        # numba.cuda, imported by _solution_row_stats on first use (import fa2edu never needs numba)
+
+
+def _solution_row_stats():
+    """The worked kernel for 9.4, compiled on first use (numba is imported only here)."""
+    global cuda
+    if "row_stats" not in _KERNELS:
+        # A module global, not a local: the CUDA simulator swaps the `cuda` module in the kernel's globals.
+        from numba import cuda
+
+        @cuda.jit
+        def row_stats(S, m, l):
+            i = cuda.grid(1)
+            if i >= S.shape[0]:               # threads past the last row have nothing to do
+                return
+            m_i = -math.inf
+            l_i = 0.0
+            for j in range(S.shape[1]):
+                x = S[i, j]
+                if x == -math.inf:            # a masked entry adds e^{−inf} = 0: skip it (and its −inf − −inf)
+                    continue
+                m_new = max(m_i, x)
+                # Rescale the running sum to the new maximum, then add this entry (online softmax, chapter 2).
+                l_i = l_i * math.exp(m_i - m_new) + math.exp(x - m_new)
+                m_i = m_new
+            m[i] = m_i
+            l[i] = l_i
+
+        _KERNELS["row_stats"] = row_stats
+    return _KERNELS["row_stats"]
+
+
+# -- 10.1 TFLOP/s from a results record ---------------------------------------------------------------------------
+
+def _run_tflops(fn, case):
+    record = {"impl": "kg_flash2", "pass": case["pass"], "dtype": "float32", "batch": case["batch"],
+              "heads": case["heads"], "N": case["N"], "d": case["d"], "causal": case["causal"], "ms": case["ms"],
+              "status": "ok"}
+    flops = model_flops(case["batch"], case["heads"], case["N"], case["d"], case["causal"], case["pass"])
+    expected = flops / (case["ms"] * 1e-3) / 1e12
+    calls = _Calls(fn, "tflops")
+    got = calls(("record", record))
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        raise _Mismatch([f"your function returned {type(got).__name__} {got!r}; expected a number (TFLOP/s)"],
+                        expected, got) from None
+    if not math.isclose(value, expected, rel_tol=1e-9):
+        raise _Mismatch([f"expected {_fmt(expected)} TFLOP/s ({flops:.6g} model FLOPs in {record['ms']} ms), "
+                         f"got {_fmt(value)} (ratio got / expected = {value / expected:.4g})"], expected, got)
+
+
+def _solution_tflops(record):
+    # FA2 §4.1: forward 4·N²·d FLOPs per (batch, head); halved with a causal mask; backward 2.5×, both 3.5×.
+    flops = 4 * record["N"] ** 2 * record["d"] * record["heads"] * record["batch"]
+    if record["causal"]:
+        flops /= 2
+    flops *= {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}[record["pass"]]
+    return flops / (record["ms"] * 1e-3) / 1e12
+
+
+# -- 11.4 standard attention backward -----------------------------------------------------------------------------
+
+def _run_attention_backward(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    N_q, N_k, d, d_v = case["N_q"], case["N_k"], case["d"], case["d_v"]
+    Q = rng.standard_normal((N_q, d)) * (300.0 if case["logits"] == "large" else 1.0)
+    K, V, dO = rng.standard_normal((N_k, d)), rng.standard_normal((N_k, d_v)), rng.standard_normal((N_q, d_v))
+    expected = attention_reference_backward(Q, K, V, dO, causal=case["causal"])
+    calls = _Calls(fn, "attention_backward")
+    got = calls(("Q", Q), ("K", K), ("V", V), ("dO", dO), ("causal", case["causal"]))
+    dQ, dK, dV = _unpack(got, 3, "(dQ, dK, dV)")
+    try:
+        for name, g, e in (("dV", dV, expected.dV), ("dK", dK, expected.dK), ("dQ", dQ, expected.dQ)):
+            _expect_close(name, g, e, rtol=1e-9, atol=1e-10)
+    except _Mismatch as mismatch:
+        if case["causal"] and N_q > N_k:
+            mismatch.lines.append(f"rows 0 to {N_q - N_k - 1} see no key (causal, N_q > N_k, bottom-right): "
+                                  "their O and gradients are 0")
+        raise
+
+
+def _solution_attention_backward(Q, K, V, dO, causal=False):
+    N_q, N_k, d = Q.shape[0], K.shape[0], Q.shape[1]
+    tau = 1.0 / np.sqrt(d)
+    S = tau * Q @ K.T
+    if causal:                                   # bottom-right aligned: j <= i + N_k − N_q
+        S = np.where(np.arange(N_k)[None, :] <= np.arange(N_q)[:, None] + N_k - N_q, S, -np.inf)
+    m = S.max(axis=1)
+    P = exp_minus(S, m)                          # guarded: 0 on a fully masked row, not NaN
+    l = P.sum(axis=1)
+    P = P / np.where(l == 0.0, 1.0, l)[:, None]
+    O = P @ V
+    dV = P.T @ dO                                # FA1 Alg. 3 line 2
+    dP = dO @ V.T                                # line 2
+    dS = P * (dP - (dO * O).sum(axis=1, keepdims=True))   # line 4
+    dQ = tau * dS @ K                            # line 5
+    dK = tau * dS.T @ Q                          # line 5: dSᵀ Q (FA2 §2.2 prints Q dSᵀ, erratum 1)
+    return dQ, dK, dV
+
+
+# -- 12.4 the causal mask for SDPA --------------------------------------------------------------------------------
+
+def _run_sdpa_mask(fn, case):
+    N_q, N_k = case["N_q"], case["N_k"]
+    expected = causal_mask(N_q, N_k)
+    calls = _Calls(fn, "sdpa_causal_mask")
+    got = calls(("N_q", N_q), ("N_k", N_k))
+    try:
+        mask = np.asarray(got)
+    except Exception as error:  # noqa: BLE001
+        raise _Mismatch([f"what came back ({type(got).__name__}) is not an array: {error}"], expected, got) from None
+    if mask.dtype != np.bool_:
+        raise _Mismatch([f"expected a boolean mask (True where query i may attend to key j); got dtype "
+                         f"{mask.dtype}"], expected, got)
+    if mask.shape != expected.shape:
+        raise _Mismatch([f"wrong shape {mask.shape}; expected (N_q, N_k) = {expected.shape}"], expected, got)
+    wrong = mask != expected
+    if wrong.any():
+        i, j = (int(v) for v in np.argwhere(wrong)[0])
+        lines = [f"entry [{i}, {j}]: expected {'visible' if expected[i, j] else 'masked'} (True = attend), got "
+                 f"{'visible' if mask[i, j] else 'masked'}; {int(wrong.sum())} of {wrong.size} entries differ"]
+        if _picture(expected):
+            lines += ["expected (■ visible, · masked):", *_picture(expected), "got:", *_picture(mask)]
+        raise _Mismatch(lines, expected, mask)
+
+
+def _solution_sdpa_mask(N_q, N_k):
+    i = np.arange(N_q)[:, None]
+    j = np.arange(N_k)[None, :]
+    return j <= i + (N_k - N_q)                  # bottom-right: the last query sees every key
+
+
+# -- the catalogue -------------------------------------------------------------------------------------------------
+
+_ALL_LOGITS = Kind(("normal", "rising", "large"))
+_MASKS = Kind(("none", "causal", "random"))
+
+_EXERCISES = [
+    Exercise(
+        id="1.3",
+        title="standard attention's HBM reads and writes (FA1 Algorithm 0) for N_q queries, N_k keys",
+        signature="standard_io(N_q, N_k, d) -> (reads, writes), in elements",
+        hint="Go through Algorithm 0 line by line and write down, for each line, which matrices it reads from HBM "
+             "and which it writes, with their shapes: Q is N_q × d, K and V are N_k × d, S and P are N_q × N_k. "
+             "A matrix that one line writes and the next line reads is counted twice.",
+        covers="N_q ≠ N_k both ways, sizes of 1, against the executed ledger of fa2edu.standard_attention",
+        params={"N_q": Size(1, 40), "N_k": Size(1, 40), "d": Size(1, 16)},
+        base={"N_q": 1, "N_k": 1, "d": 1},
+        edge_cases=({}, {"N_q": 5, "N_k": 5, "d": 3}, {"N_q": 3, "N_k": 8, "d": 2}, {"N_q": 8, "N_k": 3, "d": 4},
+                    {"N_q": 17, "N_k": 10, "d": 7}),
+        n_random=15, run=_run_standard_io, solution=_solution_standard_io),
+    Exercise(
+        id="2.2",
+        title="the (m, ℓ) merge of two blocks' softmax statistics (FA1 §3.1)",
+        signature="merge(a, b) -> (m, l); a, b are Stats(m, l) with m, l of shape (rows,)",
+        hint="The merged maximum is the larger of the two. Each side's ℓ was summed against its own maximum: "
+             "multiply it by e^(its max − the merged max) before adding. Then think about a row where a side saw "
+             "no key at all: its (m, ℓ) is (−inf, 0). What is −inf − (−inf)?",
+        covers="blocks of different widths, one side or both sides empty (m = −inf, ℓ = 0) for some rows or all, "
+               "logits ×20 and ×10⁴, against the statistics of the concatenated row",
+        params={"rows": Size(1, 6), "n_a": Size(1, 9), "n_b": Size(1, 9),
+                "empty": Kind(("none", "rows", "a", "b", "both")), "logits": Kind(("normal", "spread", "large"))},
+        base={"rows": 1, "n_a": 1, "n_b": 1, "empty": "none", "logits": "normal"},
+        edge_cases=({}, {"rows": 3, "n_a": 4, "n_b": 7}, {"rows": 1, "empty": "both"},
+                    {"rows": 2, "n_a": 3, "n_b": 2, "empty": "a"}, {"rows": 2, "n_a": 2, "n_b": 3, "empty": "b"},
+                    {"rows": 3, "n_a": 3, "n_b": 3, "empty": "rows"}, {"rows": 2, "n_a": 5, "n_b": 4,
+                                                                      "logits": "large"}),
+        n_random=25, run=_run_merge, solution=_solution_merge),
+    Exercise(
+        id="2.3",
+        title="online softmax: one streaming pass for (m, ℓ), then a normalising pass",
+        signature="online_softmax(x, block) -> p, the softmax of each row of x (rows, n), reading blocks of columns",
+        hint="Keep a running maximum m and a running sum ℓ per row, starting from (−inf, 0). For each block, the "
+             "new maximum is max(m, rowmax(block)); the old ℓ must be multiplied by e^(m_old − m_new) before the "
+             "block's terms are added. A row whose entries are all −inf needs a guard, twice: in the exponent and "
+             "in the final division.",
+        covers="blocks of 1, blocks that do not divide n, a block wider than the row, rows whose maximum keeps "
+               "rising, −inf entries, fully masked rows (p = 0), rows whose first block is all −inf, logits ×10⁴ "
+               "and ×10⁻¹², against fa2edu.softmax.safe_softmax",
+        params={"rows": Size(1, 5), "n": Size(1, 40), "block": Size(1, 48),
+                "masked": Kind(("none", "entries", "rows", "first block")),
+                "logits": Kind(("normal", "rising", "large", "tiny"))},
+        base={"rows": 1, "n": 1, "block": 1, "masked": "none", "logits": "normal"},
+        edge_cases=({}, {"rows": 2, "n": 5, "block": 2, "logits": "rising"}, {"rows": 3, "n": 7, "block": 10},
+                    {"rows": 2, "n": 9, "block": 4, "masked": "rows"},
+                    {"rows": 3, "n": 12, "block": 5, "masked": "first block"},
+                    {"rows": 2, "n": 6, "block": 3, "logits": "large"},
+                    {"rows": 2, "n": 6, "block": 3, "logits": "tiny"}),
+        n_random=30, run=_run_online_softmax, solution=_solution_online_softmax),
+    Exercise(
+        id="3.3",
+        title="FA1 Algorithm 1 lines 10-12: one tile's update of a row block's normalised (O, ℓ, m)",
+        signature="fa1_update(O, l, m, S_ij, V_j) -> (O, l, m); shapes (B_r, d_v), (B_r,), (B_r,), (B_r, B_c), "
+                  "(B_c, d_v)",
+        hint="Compute the tile's own statistics first (line 10: m̃, P̃ = e^(S_ij − m̃), ℓ̃), merge them with (m, ℓ) "
+             "(line 11), then line 12: O is normalised, so undo its old normaliser (multiply by ℓ), move it to the "
+             "new maximum, add e^(m̃ − m_new) P̃ V_j and divide by the new ℓ. Rows that have seen no key yet have "
+             "m = −inf and ℓ = 0: guard the exponent and the division.",
+        covers="tiles that do not divide N_k, a tile wider than N_k, rows whose maximum keeps rising, causal "
+               "masks with N_q > N_k and N_q < N_k (bottom-right), fully masked rows and fully masked tiles, a row "
+               "whose first tile is all −inf, logits ×10⁴; (m, ℓ, O) checked after every tile",
+        params={"N_q": Size(1, 10), "N_k": Size(1, 24), "d_v": Size(1, 5), "B_c": Size(1, 30), "mask": _MASKS,
+                "logits": _ALL_LOGITS},
+        base={"N_q": 1, "N_k": 1, "d_v": 1, "B_c": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_q": 3, "N_k": 7, "d_v": 2, "B_c": 3, "logits": "rising"}, {"N_q": 2, "N_k": 5, "B_c": 8},
+                    {"N_q": 6, "N_k": 4, "d_v": 3, "B_c": 3, "mask": "causal"},
+                    {"N_q": 4, "N_k": 9, "d_v": 2, "B_c": 4, "mask": "causal"},
+                    {"N_q": 5, "N_k": 10, "d_v": 2, "B_c": 3, "mask": "random"},
+                    {"N_q": 3, "N_k": 8, "d_v": 2, "B_c": 3, "logits": "large"}),
+        n_random=30, run=lambda fn, case: _run_tile_updates(fn, case, unscaled=False), solution=_solution_fa1_update),
+    Exercise(
+        id="4.3",
+        title="FA1 forward's HBM reads and writes from N, d and M (FA1's block rule, ragged N)",
+        signature="flash1_forward_io(N, d, M) -> (reads, writes), in elements per (batch, head)",
+        hint="FA1's rule (Algorithm 1 line 1) gives B_c = ceil(M / 4d), and there are T_c = ceil(N / B_c) column "
+             "blocks (the last one may be short). K and V are read once in all; every outer step reads and writes "
+             "O, ℓ and m for all N rows, and reads Q.",
+        covers="N smaller than one block, blocks of 1, ragged last blocks, M = 4d, against the executed ledger "
+               "(fa2edu.simulate_io(..., method='execute'))",
+        params={"N": Size(1, 200), "d": Size(1, 24), "M": Size(4, 3000)},
+        base={"N": 1, "d": 1, "M": 4},
+        edge_cases=({}, {"N": 10, "d": 2, "M": 8}, {"N": 7, "d": 3, "M": 200}, {"N": 100, "d": 8, "M": 1000},
+                    {"N": 150, "d": 16, "M": 700}, {"N": 64, "d": 4, "M": 64}),
+        n_random=15, run=_run_flash1_io, solution=_solution_flash1_io, valid=_valid_flash1_io, shrink_budget=120),
+    Exercise(
+        id="5.1",
+        title="the softmax backward: dS = P ∘ (dP − D) from P and dP, one row at a time",
+        signature="softmax_backward(P, dP) -> dS; all of shape (N_q, N_k), P's rows softmax probabilities",
+        hint="Write the Jacobian of one row's softmax, diag(p) − p pᵀ, and multiply it by dp. Expand the product: "
+             "one term is p ∘ dp, the other is p times a scalar per row. Which scalar?",
+        covers="N_q ≠ N_k, single rows and columns, causal and random masks with fully masked rows (P = 0, "
+               "dS = 0), near one-hot rows (logits ×10⁴), against the explicit Jacobian",
+        params={"N_q": Size(1, 8), "N_k": Size(1, 12), "mask": _MASKS, "logits": Kind(("normal", "large"))},
+        base={"N_q": 1, "N_k": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_k": 2}, {"N_q": 3, "N_k": 5, "mask": "causal"}, {"N_q": 5, "N_k": 3, "mask": "causal"},
+                    {"N_q": 4, "N_k": 6, "mask": "random"}, {"N_q": 3, "N_k": 4, "logits": "large"}),
+        n_random=25, run=_run_softmax_backward, solution=_solution_softmax_backward),
+    Exercise(
+        id="6.2",
+        title="FA2 Algorithm 1 lines 9-10: one tile's update of a row block's un-scaled (Õ, ℓ, m)",
+        signature="fa2_update(O_tilde, l, m, S_ij, V_j) -> (O_tilde, l, m); shapes (B_r, d_v), (B_r,), (B_r,), "
+                  "(B_r, B_c), (B_c, d_v)",
+        hint="Line 9: the new maximum is max(m, rowmax(S_ij)); P̃ = e^(S_ij − m_new); ℓ_new = e^(m − m_new) ℓ + "
+             "rowsum(P̃). Line 10: the old accumulator is scaled *down* by the same factor e^(m − m_new) (the "
+             "paper prints an inverse: erratum 4) before P̃ V_j is added. Õ is never divided by ℓ here. Rows with "
+             "m = −inf (no key seen yet) need a guard.",
+        covers="tiles that do not divide N_k, a tile wider than N_k, rows whose maximum keeps rising, causal "
+               "masks with N_q > N_k and N_q < N_k (bottom-right), fully masked rows (O = 0, L = +inf) and fully "
+               "masked tiles, a row whose first tile is all −inf, logits ×10⁴; (m, ℓ, Õ) checked after every tile, "
+               "then O = Õ/ℓ and L = m + log ℓ against the float64 oracle",
+        params={"N_q": Size(1, 10), "N_k": Size(1, 24), "d_v": Size(1, 5), "B_c": Size(1, 30), "mask": _MASKS,
+                "logits": _ALL_LOGITS},
+        base={"N_q": 1, "N_k": 1, "d_v": 1, "B_c": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_q": 3, "N_k": 7, "d_v": 2, "B_c": 3, "logits": "rising"}, {"N_q": 2, "N_k": 5, "B_c": 8},
+                    {"N_q": 6, "N_k": 4, "d_v": 3, "B_c": 3, "mask": "causal"},
+                    {"N_q": 4, "N_k": 9, "d_v": 2, "B_c": 4, "mask": "causal"},
+                    {"N_q": 5, "N_k": 10, "d_v": 2, "B_c": 3, "mask": "random"},
+                    {"N_q": 3, "N_k": 8, "d_v": 2, "B_c": 3, "logits": "large"}),
+        n_random=30, run=lambda fn, case: _run_tile_updates(fn, case, unscaled=True), solution=_solution_fa2_update),
+    Exercise(
+        id="7.4",
+        title="split-K: merge W warps' partial (m, ℓ, Õ) of one tile into the block's",
+        signature="merge_partials(m, l, O_tilde) -> (m, l, O_tilde); in: (W, r), (W, r), (W, r, d_v), each "
+                  "warp's partial against its own maximum; out: (r,), (r,), (r, d_v)",
+        hint="This is chapter 2's (m, ℓ) merge, W-way, with Õ along for the ride: take the maximum over the warps, "
+             "then rescale every warp's ℓ and Õ by e^(its m − the merged m) and sum. A warp with no column of the "
+             "tile, or whose columns are all masked for a row, has m = −inf, ℓ = 0, Õ = 0; a row can be empty "
+             "for every warp.",
+        covers="1 to 8 warps, more warps than columns (empty warps), causal tiles with fully masked rows, random "
+               "masks, logits ×20 and ×10⁴, against the statistics and Õ of the whole tile",
+        params={"r": Size(1, 8), "c": Size(1, 20), "W": Size(1, 8), "d_v": Size(1, 4), "mask": _MASKS,
+                "logits": Kind(("normal", "spread", "large"))},
+        base={"r": 1, "c": 1, "W": 1, "d_v": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"r": 3, "c": 7, "W": 4, "d_v": 2, "logits": "spread"}, {"r": 2, "c": 3, "W": 5},
+                    {"r": 5, "c": 3, "W": 2, "d_v": 2, "mask": "causal"},
+                    {"r": 4, "c": 9, "W": 3, "d_v": 2, "mask": "random"},
+                    {"r": 3, "c": 8, "W": 4, "d_v": 2, "logits": "large"}),
+        n_random=30, run=_run_merge_warps, solution=_solution_merge_warps),
+    Exercise(
+        id="8.1",
+        title="causal block classification, bottom-right aligned: skip, mask or plain",
+        signature="block_kind(N_q, N_k, rows, cols) -> 'skip' | 'mask' | 'plain'; rows, cols are slices of S",
+        hint="Query i sees key j iff j ≤ i + N_k − N_q. A tile is skipped when even its most visible entry (its "
+             "largest row, smallest column) is masked, and plain when even its least visible entry (smallest row, "
+             "largest column) is visible. The last row of a tile is rows.stop − 1.",
+        covers="every tile of each grid: N_q = N_k, N_q < N_k, N_q > N_k (rows that see nothing), tiles that do "
+               "not divide N, tiles larger than N, B_r ≠ B_c, against the element-wise causal mask",
+        params={"N_q": Size(1, 40), "N_k": Size(1, 40), "B_r": Size(1, 48), "B_c": Size(1, 48)},
+        base={"N_q": 1, "N_k": 1, "B_r": 1, "B_c": 1},
+        edge_cases=({}, {"N_q": 8, "N_k": 8, "B_r": 4, "B_c": 4}, {"N_q": 10, "N_k": 10, "B_r": 4, "B_c": 3},
+                    {"N_q": 6, "N_k": 10, "B_r": 4, "B_c": 4}, {"N_q": 10, "N_k": 6, "B_r": 4, "B_c": 4},
+                    {"N_q": 5, "N_k": 7, "B_r": 8, "B_c": 8}, {"N_q": 9, "N_k": 13, "B_r": 2, "B_c": 5}),
+        n_random=40, run=_run_block_kind, solution=_solution_block_kind),
+    Exercise(
+        id="9.4",
+        title="a numba.cuda kernel: one thread per row computes the row's (m, ℓ) in one pass",
+        signature="@cuda.jit row_stats(S, m, l); S (rows, cols) float32, m and l (rows,); launched as "
+                  "row_stats[ceil(rows / threads), threads](S, m, l)",
+        hint="Thread i = cuda.grid(1) owns row i; the grid has more threads than rows, so the extra ones must "
+             "return before touching S. Keep m_i and l_i in local variables (registers), update them entry by "
+             "entry as online softmax does (chapter 2), and write them once. A −inf entry contributes nothing; "
+             "a row of −inf ends with m = −inf, ℓ = 0.",
+        covers="grids with idle threads (rows not a multiple of the block), one-thread blocks, masked entries, "
+               "fully masked rows, rising maxima, logits ×10⁴, in float32 in numba's CUDA simulator",
+        params={"rows": Size(1, 9), "cols": Size(1, 10), "threads": Size(1, 4),
+                "masked": Kind(("none", "entries", "rows")), "logits": _ALL_LOGITS},
+        base={"rows": 1, "cols": 1, "threads": 1, "masked": "none", "logits": "normal"},
+        edge_cases=({}, {"rows": 5, "cols": 6, "threads": 4, "logits": "rising"},
+                    {"rows": 3, "cols": 4, "threads": 2, "masked": "rows"},
+                    {"rows": 4, "cols": 5, "threads": 3, "masked": "entries"},
+                    {"rows": 3, "cols": 4, "threads": 4, "logits": "large"}),
+        n_random=7, run=_run_row_stats_kernel, solution=lambda: _solution_row_stats(), shrink_budget=40),
+    Exercise(
+        id="10.1",
+        title="TFLOP/s from a results-file record, by FA2 §4.1's FLOP model",
+        signature="tflops(record) -> float; record has 'batch', 'heads', 'N', 'd', 'causal', 'pass' ('forward', "
+                  "'backward' or 'forward+backward') and 'ms'",
+        hint="The forward pass of one (batch, head) does two N × N × d matrix products, 2 FLOPs per multiply-add. "
+             "The causal mask halves it; the backward pass counts 2.5 times the forward. Mind the units: 'ms' is "
+             "in milliseconds, the answer in 10¹² FLOP/s.",
+        covers="forward, backward and both, causal or not, batch, heads, N and d from 1 up, against "
+               "fa2edu.flops.model_flops",
+        params={"batch": Size(1, 16), "heads": Size(1, 32), "N": Size(1, 16384), "d": Size(1, 256),
+                "ms": Kind((1.0, 0.25, 37.5)), "causal": Kind((False, True)),
+                "pass": Kind(("forward", "backward", "forward+backward"))},
+        base={"batch": 1, "heads": 1, "N": 1, "d": 1, "ms": 1.0, "causal": False, "pass": "forward"},
+        edge_cases=({}, {"batch": 4, "heads": 16, "N": 4096, "d": 64}, {"N": 1024, "d": 128, "causal": True},
+                    {"batch": 2, "heads": 8, "N": 2048, "d": 64, "pass": "backward", "ms": 37.5},
+                    {"N": 512, "d": 64, "causal": True, "pass": "forward+backward", "ms": 0.25}),
+        n_random=20, run=_run_tflops, solution=_solution_tflops),
+    Exercise(
+        id="11.4",
+        title="standard attention's backward pass from scratch (dK = dSᵀ Q: erratum 1)",
+        signature="attention_backward(Q, K, V, dO, causal) -> (dQ, dK, dV); Q (N_q, d), K (N_k, d), V (N_k, d_v), "
+                  "dO (N_q, d_v); scale τ = 1/√d; causal is bottom-right aligned",
+        hint="Recompute S = τ Q Kᵀ (masked with −inf), P = softmax(S) with the guards, O = P V. Then FA1 Algorithm "
+             "3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = τ dS K, dK = τ dSᵀ Q. Check every "
+             "shape: dK must be N_k × d.",
+        covers="N_q ≠ N_k both ways, d ≠ d_v, causal with N_q > N_k (rows that see no key: gradients 0), scores "
+               "in the hundreds, against fa2edu.attention_reference_backward",
+        params={"N_q": Size(1, 9), "N_k": Size(1, 9), "d": Size(1, 5), "d_v": Size(1, 4),
+                "causal": Kind((False, True)), "logits": Kind(("normal", "large"))},
+        base={"N_q": 1, "N_k": 1, "d": 1, "d_v": 1, "causal": False, "logits": "normal"},
+        edge_cases=({}, {"N_q": 3, "N_k": 5, "d": 2, "d_v": 3}, {"N_q": 5, "N_k": 3, "d": 3, "d_v": 2},
+                    {"N_q": 6, "N_k": 4, "d": 3, "d_v": 2, "causal": True},
+                    {"N_q": 3, "N_k": 7, "d": 2, "d_v": 2, "causal": True},
+                    {"N_q": 4, "N_k": 4, "d": 2, "d_v": 2, "logits": "large"}),
+        n_random=20, run=_run_attention_backward, solution=_solution_attention_backward),
+    Exercise(
+        id="12.4",
+        title="the bottom-right causal mask as a boolean attn_mask for SDPA",
+        signature="sdpa_causal_mask(N_q, N_k) -> bool array or tensor (N_q, N_k), True where query i may attend "
+                  "to key j",
+        hint="Row i of the queries is the token at position i + N_k − N_q of the whole sequence: it sees every key "
+             "up to that position. Build the index grids i (a column) and j (a row) and compare them.",
+        covers="N_q = N_k, N_q < N_k (decoding with a cache), N_q > N_k (rows with no visible key), sizes of 1, "
+               "against fa2edu.masks.causal_mask",
+        params={"N_q": Size(1, 40), "N_k": Size(1, 40)},
+        base={"N_q": 1, "N_k": 1},
+        edge_cases=({}, {"N_q": 3, "N_k": 3}, {"N_q": 2, "N_k": 5}, {"N_q": 5, "N_k": 2}, {"N_q": 1, "N_k": 9}),
+        n_random=20, run=_run_sdpa_mask, solution=_solution_sdpa_mask),
+]
+
+EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}
+
+
+# -- the public functions ------------------------------------------------------------------------------------------
+
+class _Text(str):
+    """A string that a notebook displays as text (no quotes, real line breaks)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Catalogue(tuple):
+    """The checked exercises; displays as a table of ids, titles and the function each one asks for."""
+
+    def __repr__(self) -> str:
+        width = max(len(e.id) for e in self) if self else 0
+        pad = " " * (width + 4)
+        return "\n".join(f"{e.id:>{width}}  {e.title}\n" + "\n".join(textwrap.wrap(
+            e.signature, 110, initial_indent=pad, subsequent_indent=pad + "  ")) for e in self)
+
+    __str__ = __repr__
+
+
+def _exercise(exercise_id) -> Exercise:
+    key = str(exercise_id).strip()
+    if key not in EXERCISES:
+        raise ValueError(f"exercise must be one of {', '.join(EXERCISES)} (the exercises with a checker); "
+                         f"got {exercise_id!r}")
+    return EXERCISES[key]
+
+
+def list_exercises(chapter: int | None = None) -> Catalogue:
+    """The exercises that have a checker (of one chapter, if given), with what each one asks for."""
+    if chapter is not None and not isinstance(chapter, int):
+        raise TypeError(f"chapter must be an int, got {type(chapter).__name__}")
+    return Catalogue(e for e in _EXERCISES if chapter is None or e.id.split(".")[0] == str(chapter))
+
+
+def hint(exercise_id) -> str:
+    """The hint of an exercise: a nudge towards the answer, not the answer."""
+    exercise = _exercise(exercise_id)
+    return _Text("\n".join([*_wrap(f"Exercise {exercise.id}: {exercise.signature}"),
+                             *_wrap(f"Hint: {exercise.hint}")]))
+
+
+def solution(exercise_id) -> Callable:
+    """The worked solution of an exercise as a function (for instructors and tests; the chapters show it too)."""
+    exercise = _exercise(exercise_id)
+    return exercise.solution() if exercise.id == "9.4" else exercise.solution
+
+
+def _cases(exercise: Exercise) -> list[dict]:
+    """The exercise's cases: its edge cases, then ``n_random`` drawn with a seed fixed by its id."""
+    cases = []
+    for partial in exercise.edge_cases:
+        case = {**exercise.base, "seed": 0, **partial}
+        if not exercise.valid(case):
+            raise AssertionError(f"exercise {exercise.id}: edge case {case} is not valid")
+        cases.append(case)
+    rng = np.random.default_rng(zlib.crc32(exercise.id.encode()))
+    while len(cases) < len(exercise.edge_cases) + exercise.n_random:
+        case = {name: spec.draw(rng) for name, spec in exercise.params.items()}
+        case["seed"] = int(rng.integers(2**31))
+        if exercise.valid(case):
+            cases.append(case)
+    return cases
+
+
+def _attempt(exercise: Exercise, fn, case: dict) -> _Mismatch | None:
+    """None if ``fn`` is right on ``case``; else the mismatch, with the arguments of the failing call attached."""
+    _Calls.last = None
+    try:
+        exercise.run(fn, case)
+    except _Mismatch as mismatch:
+        if _Calls.last is not None:
+            mismatch.inputs, mismatch.call = dict(_Calls.last.inputs), _Calls.last.where
+        return mismatch
+    return None
+
+
+def _smaller_cases(exercise: Exercise, case: dict):
+    for name, spec in exercise.params.items():
+        for value in spec.smaller(case[name]):
+            candidate = {**case, name: value}
+            if exercise.valid(candidate):
+                yield candidate
+
+
+def _shrink(exercise: Exercise, fn, case: dict, mismatch: _Mismatch):
+    """Greedy shrinking: take any smaller case that still fails, until none does (or the budget is spent)."""
+    steps = tried = 0
+    improved = True
+    while improved and tried < exercise.shrink_budget:
+        improved = False
+        for candidate in _smaller_cases(exercise, case):
+            tried += 1
+            try:
+                found = _attempt(exercise, fn, candidate)
+            except _NotAttempted:
+                found = None
+            if found is not None:
+                case, mismatch, improved = candidate, found, True
+                steps += 1
+                break
+            if tried >= exercise.shrink_budget:
+                break
+    return case, mismatch, steps
+
+
+def _describe_case(exercise: Exercise, case: dict) -> str:
+    parts = []
+    for name, spec in exercise.params.items():
+        parts.append(f"{name} = {case[name]}" if isinstance(spec, Size) else f"{name}: {case[name]}")
+    return ", ".join(parts) + f" (seed {case['seed']})"
+
+
+def _coverage(exercise: Exercise, cases: list[dict]) -> str:
+    parts = []
+    for name, spec in exercise.params.items():
+        values = [c[name] for c in cases]
+        if isinstance(spec, Size):
+            parts.append(f"{name} {min(values)}–{max(values)}")
+        else:
+            parts.append(f"{name}: " + ", ".join(str(v) for v in spec.values if v in values))
+    return "; ".join(parts)
+
+
+def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
+    """Run exercise ``exercise_id``'s hidden cases on ``fn`` and report; returns a :class:`CheckResult`.
+
+    The report (printed unless ``verbose=False``) says what was checked on a pass; on a failure it shows the
+    smallest failing case found by shrinking, the arguments of the failing call, and what was expected against what
+    came back. A function that raises ``NotImplementedError`` is "not attempted yet": no exception, a falsy result.
+    """
+    exercise = _exercise(exercise_id)
+    if not (callable(fn) or hasattr(fn, "__getitem__")):
+        raise TypeError(f"fn must be your function for exercise {exercise.id} ({exercise.signature}); "
+                        f"got {type(fn).__name__}")
+    cases = _cases(exercise)
+    header = f"Exercise {exercise.id}: {exercise.title}"
+    failure = None
+    try:
+        for number, case in enumerate(cases, start=1):
+            mismatch = _attempt(exercise, fn, case)
+            if mismatch is None:
+                continue
+            small, mismatch, steps = _shrink(exercise, fn, case, mismatch)
+            failure = Failure(exercise.id, small, case, number, steps, [], mismatch.inputs, mismatch.expected,
+                              mismatch.got)
+            failure.lines = _failure_lines(exercise, failure, mismatch, len(cases))
+            break
+    except _NotAttempted:
+        report = "\n".join([header, *_wrap(f"… Not attempted yet: your function raises NotImplementedError. Write "
+                                            f"it and run the cell again (exercises.hint({exercise.id!r}) gives a "
+                                            "hint).")])
+        return _finish(CheckResult(exercise.id, False, False, 0, None, report), verbose)
+    if failure is None:
+        report = "\n".join([header, *_wrap(f"✓ Passed all {len(cases)} cases: {_coverage(exercise, cases)}."),
+                            *_wrap(f"They include {exercise.covers}.", indent="  ")])
+        return _finish(CheckResult(exercise.id, True, True, len(cases), None, report), verbose)
+    report = header + "\n" + "\n".join(failure.lines)
+    return _finish(CheckResult(exercise.id, False, True, failure.case_number, failure, report), verbose)
+
+
+def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, total: int) -> list[str]:
+    shrunk = (f", shrunk in {failure.shrink_steps} steps from {_describe_case(exercise, failure.first_case)}"
+              if failure.shrink_steps else "")
+    lines = [f"✗ Wrong answer on case {failure.case_number} of {total}{shrunk}.",
+             f"  Smallest failing case found: {_describe_case(exercise, failure.case)}"]
+    if mismatch.inputs:
+        where = f" ({mismatch.call})" if mismatch.call else ""
+        lines.append(f"  The failing call{where} had")
+        lines += [f"    {_show(name, value)}" for name, value in mismatch.inputs.items()]
+    lines.append("  What came back:")
+    lines += ["    " + part for line in mismatch.lines for part in line.split("\n")]
+    lines.append("  (result.failure holds the inputs, the expected values and what came back.)")
+    # Long lines wrap, keeping their indentation; the drawn masks are short and stay as they are.
+    return [part for line in lines
+            for part in _wrap(line.lstrip(), indent=" " * (len(line) - len(line.lstrip())))]
+
+
+def _wrap(text: str, indent: str = "", width: int = 110) -> list[str]:
+    """``text`` wrapped at ``width``, its continuation lines indented two more spaces."""
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False) or [indent]
+
+
+def _finish(result: CheckResult, verbose: bool) -> CheckResult:
+    if verbose:
+        print(result.report)
+    return result
