@@ -25,6 +25,7 @@ from fa2edu.memory import HBM, SRAM, FlopCounter, SRAMOverflowError
 from fa2edu.merge import merge_attention_states
 from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.standard import standard_attention, standard_attention_backward
+from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
 
 __version__ = "0.1.0"
 
