@@ -229,6 +229,8 @@ def _tour_read_on(out) -> None:
         print(f"The book's chapters ({root / 'chapters'}), one notebook each (jupytext Markdown):", file=out)
         for path in chapters:
             print(f"  {path.name}", file=out)
+        print(f"Open them as notebooks in JupyterLab: bash {root / 'scripts' / 'lab.sh'}   (pip install -e "
+              f"\".[notebooks]\" first)", file=out)
     else:
         print("The chapters live in the source checkout's chapters/ folder (not installed with the package).",
               file=out)
