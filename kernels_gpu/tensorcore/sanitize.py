@@ -1,0 +1,36 @@
+"""One small launch of each tensor-core rung (f16 and bf16, d = 64 and 128, causal and not, ragged N), checked, for
+compute-sanitizer: ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and
+``--tool racecheck``). Prints one line per launch; exits non-zero on a wrong result."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    import torch
+
+    from kernels_gpu.tensorcore import VERSIONS
+    failures = 0
+    for version, forward in sorted(VERSIONS.items()):
+        for dtype in (torch.float16, torch.bfloat16):
+            for d, causal in ((64, False), (128, True)):
+                Q = torch.randn(1, 2, 150, d, device="cuda").to(dtype)
+                K = torch.randn(1, 1, 130, d, device="cuda").to(dtype)
+                V = torch.randn(1, 1, 130, d, device="cuda").to(dtype)
+                O, L = forward(Q, K, V, causal=causal)
+                torch.cuda.synchronize()
+                mask = torch.ones(150, 130, dtype=torch.bool, device="cuda").tril(-20) if causal else None
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    Q.float(), K.float().expand(1, 2, 130, d), V.float().expand(1, 2, 130, d),
+                    attn_mask=mask).nan_to_num(0.0)
+                err = (O.float() - ref).abs().max().item()
+                ok = err < 2e-2 and not O.isnan().any()
+                failures += not ok
+                print(f"{version} {dtype} d={d} causal={causal}: max error {err:.2e} {'ok' if ok else 'WRONG'}",
+                      flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
