@@ -276,10 +276,15 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
         the outer loop runs over K/V blocks; explicit ``block_sizes`` that need more SRAM than M holds raise
         :class:`~fa2edu.memory.SRAMOverflowError`. Default None: the block sizes of :data:`~fa2edu.blocks.DEFAULT_M` (or
         ``block_sizes``) and an unbounded SRAM that records its peak.
-    block_sizes : tuple of int, optional
+    block_sizes : tuple of int or "forward", optional
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
-        ragged). They need not match the forward pass's.
-        Default None: the rule applied to ``M``.
+        ragged). They need not match the forward pass's, but where they do, line 10 recomputes S = τQ_iK_jᵀ with
+        the very products that made L, bit for bit; with other tiles NumPy's matrix products may round S
+        differently, and exp(S − L) turns that into a relative error of about |S|·ε in P: in float32 at scores of
+        a few thousand, dV comes out several times less accurate (chapter 5, "Recomputation and rounding").
+        ``"forward"``: the forward pass's default tiles for this M, :func:`~fa2edu.blocks.block_sizes_q_outer`
+        (pass the forward's own tuple if it was given one); their smaller B_c costs more passes over Q, dO, L, D.
+        Default None: the K/V-outer rule applied to ``M``.
     causal : bool, default False
         Apply the causal mask aligned to the bottom-right corner: query i sees key j iff j ≤ i + N_k − N_q.
     scale : float, optional
@@ -315,7 +320,14 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
     problem = prepare(Q, K, V, causal=causal, scale=scale, mask=mask)
     O5, L5, dO5 = _check_saved(problem, O, L, dO)
     N_q, N_k, d, d_v, tau = problem.N_q, problem.N_k, problem.d, problem.d_v, problem.scale
-    run = start_run("flash2_backward", N_q, N_k, d, M=M, block_sizes=block_sizes, rule=block_sizes_kv_outer,
+    # The K/V-outer rule (the large block to the outer loop), or the forward pass's Q-outer tiles on request, so
+    # that line 10 recomputes S exactly as Alg. 1 line 8 computed it.
+    rule = block_sizes_kv_outer
+    if isinstance(block_sizes, str):
+        if block_sizes != "forward":
+            raise ValueError(f"block_sizes must be a pair (B_r, B_c) or 'forward', got {block_sizes!r}")
+        block_sizes, rule = None, block_sizes_q_outer
+    run = start_run("flash2_backward", N_q, N_k, d, M=M, block_sizes=block_sizes, rule=rule,
                     working_set=lambda br, bc: flash2_backward_working_set(br, bc, d, d_v,
                                                                            redundant_loads=redundant_loads),
                     hbm=hbm, flops=flops)
@@ -371,7 +383,8 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
                 # (loaded again at line 15 before it is used): erratum 9. Pure traffic, never read on chip.
                 sram.hold("O_i", mem.read("O", rows, line="Alg 2 line 9 (redundant)", share=share))
                 sram.hold("dQ_i", mem.read("dQ", rows, line="Alg 2 line 9 (redundant)", share=share))
-            # Alg. 2 line 10: S_i^(j) = τ Q_i K_jᵀ (the scale τ as in FA1 Alg. 4 line 11).
+            # Alg. 2 line 10: S_i^(j) = τ Q_i K_jᵀ (the scale τ as in FA1 Alg. 4 line 11). Bit for bit the
+            # forward's S only with the forward's tiles: line 11 has no normalisation to absorb a difference.
             S_ij = sram.hold("S_ij", tau * (Q_i @ np.swapaxes(K_j, -1, -2)))                     # (…, B_r, B_c)
             count.add_matmul(r, c, d, line="Alg 2 line 10", share=share)
             count.add_nonmatmul(r * c, line="Alg 2 line 10", share=share)
