@@ -11,6 +11,7 @@ the same rule holds with a bound near 1e-14.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -121,20 +122,32 @@ def test_the_bound_catches_a_faulty_attention(monkeypatch, honest, fault):
     assert exceeded(faulty["loss"], honest), f"{fault}: stayed within the bound"
 
 
-def test_command_line_writes_losses_and_plot(tmp_path, capsys):
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_writes_losses_and_plot_with_progress(tmp_path, capsys):
     argv = ["--steps", "3", "--batch", "4", "--context", "16", "--layers", "1", "--d-model", "16",
             "--block-sizes", "5", "7", "--out", str(tmp_path)]
-    assert train.main(argv) == 0
+    assert train.main(argv + ["--progress"]) == 0
     result = json.loads((tmp_path / "losses.json").read_text())
     assert set(result["runs"]) == set(train.RUNS)
     assert all(len(result[key]) == 3 for key in ("abs_diff", "noise", "envelope", "bound"))
-    assert result["config"]["block_sizes"] == [5, 7]
-    assert plot.main([str(tmp_path / "losses.json")]) == 0
-    png = tmp_path / "losses.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "within the bound" in capsys.readouterr().out
-    # One run alone: no comparison, no verdict, and the plot still draws it.
+    assert result["config"]["block_sizes"] == [5, 7] and "progress" not in result["config"]
+    png = tmp_path / "losses.png"                          # the same command draws the plot
+    assert png.read_bytes()[:8] == PNG
+    shown = capsys.readouterr()
+    assert "within the bound" in shown.out and f"wrote {png}" in shown.out
+    # One bar per run on stderr, counting steps, with the last loss of each run as tqdm prints it.
+    for name in train.RUNS:
+        last = result["runs"][name]["loss"][-1]
+        assert re.search(rf"{name}: 100%.*3/3.*loss={last:.4f}", shown.err), f"no finished bar for {name}"
+    # plot.py redraws from the saved file alone.
+    png.unlink()
+    assert plot.main([str(tmp_path / "losses.json")]) == 0 and png.read_bytes()[:8] == PNG
+    # One run alone: no comparison, no verdict, and the plot still draws it; no bar off a terminal by default.
+    capsys.readouterr()
     assert train.main(argv[:-2] + ["--attention", "sdpa", "--out", str(tmp_path / "one")]) == 0
     one = json.loads((tmp_path / "one" / "losses.json").read_text())
     assert set(one["runs"]) == {"sdpa"} and "within_bound" not in one
-    assert plot.main([str(tmp_path / "one" / "losses.json")]) == 0
+    assert (tmp_path / "one" / "losses.png").read_bytes()[:8] == PNG
+    assert capsys.readouterr().err == ""

@@ -2,6 +2,8 @@
 
     python -m examples.gpt.plot examples/gpt/results/cpu/losses.json        # writes losses.png beside it
 
+(``python -m examples.gpt.train --out DIR`` already draws DIR/losses.png; this redraws it from a saved file.)
+
 Top: the training loss of every run. Bottom (when the file compares runs): |loss_fa2edu − loss_sdpa| per step,
 the float noise |loss_reference − loss_sdpa| per step, and the bound ``k · envelope + floor`` built from that
 noise (``examples.gpt.train.agreement_bounds``). A file written before the noise reference existed (two runs, no

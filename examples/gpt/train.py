@@ -1,7 +1,6 @@
 """Train the small GPT with PyTorch's attention, a noise reference and fa2edu's FlashAttention-2, and compare.
 
-    python -m examples.gpt.train --steps 300 --attention both --out examples/gpt/results/cpu
-    python -m examples.gpt.plot examples/gpt/results/cpu/losses.json
+    python -m examples.gpt.train --steps 300 --attention both --out examples/gpt/results/cpu   # + losses.png
 
 Three runs start from the same initial weights (one seed, checked) and see the same batches in the same order:
 
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 from examples.gpt.data import CharData, generate_text
 from examples.gpt.model import GPT, GPTConfig
@@ -96,13 +96,16 @@ def agreement_bounds(reference, sdpa, dtype: torch.dtype = torch.float32) -> lis
 
 def train(attention: str, data: CharData, *, steps: int, batch: int = 16, context: int = 64, n_layer: int = 2,
           n_head: int = 2, d_model: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu",
-          dtype: torch.dtype = torch.float32, block_sizes=None, log_every: int = 0) -> dict:
+          dtype: torch.dtype = torch.float32, block_sizes=None, log_every: int = 0,
+          progress: bool | None = False) -> dict:
     """Train one model for ``steps`` AdamW steps; returns its per-step training losses, time and size.
 
     ``attention`` is one of :data:`RUNS`: ``"sdpa"``, ``"reference"`` (the SDPA model run under
     ``sdpa_kernel(SDPBackend.MATH)``, forward and backward) or ``"fa2edu"``. The weights come from
     ``torch.manual_seed(seed)`` and the batches from ``data.batches(..., seed)``, so calls that differ only in
-    ``attention`` start equal and see the same data.
+    ``attention`` start equal and see the same data. ``log_every``: print the loss every that many steps (0: never).
+    ``progress``: a progress bar on stderr, one tick per step with the current loss (True), none (False), or one
+    only when stderr is a terminal (None).
     """
     if attention not in RUNS:
         raise ValueError(f"attention must be one of {RUNS}, got {attention!r}")
@@ -119,15 +122,21 @@ def train(attention: str, data: CharData, *, steps: int, batch: int = 16, contex
     losses = []
     backend = sdpa_kernel(SDPBackend.MATH) if attention == "reference" else contextlib.nullcontext()
     start = time.perf_counter()
-    with backend:
+    bar = tqdm(total=steps, desc=f"{attention:>9}", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)
+    with backend, bar:
         for step, (x, y) in enumerate(data.batches(steps, batch, context, seed=seed)):
             _, loss = model(x.to(device), y.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            bar.update()
             if log_every and (step % log_every == 0 or step == steps - 1):
-                print(f"  {attention:>9} step {step:4d}  loss {losses[-1]:.6f}", flush=True)
+                # Through the bar, so that the line does not break it (plain print when it is off).
+                bar.write(f"  {attention:>9} step {step:4d}  loss {losses[-1]:.6f}", file=sys.stdout)
+                sys.stdout.flush()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -169,7 +178,7 @@ def compare(steps: int, *, attentions=RUNS, text_chars: int = 40_000, dtype: tor
     result = {
         "config": {"steps": steps, "text_chars": text_chars, "vocab_size": data.vocab_size,
                    "dtype": str(dtype).removeprefix("torch."), **{k: v for k, v in options.items()
-                                                                 if k != "log_every"}},
+                                                                 if k not in ("log_every", "progress")}},
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "threads": torch.get_num_threads(),
                         "device_name": (torch.cuda.get_device_name() if str(options.get("device", "cpu"))
@@ -188,7 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--attention", choices=RUNS + ("both",), default="both",
                         help="one run, or 'both' (default): sdpa, the noise reference and fa2edu, compared")
-    parser.add_argument("--out", type=Path, default=None, help="folder for losses.json (default: print only)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for losses.json and its plot losses.png (default: print only)")
     parser.add_argument("--device", default="cpu", help="'cpu' (fa2edu's NumPy FA2) or 'cuda' (kernels_gpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch", type=int, default=16)
@@ -200,7 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-sizes", type=int, nargs=2, default=None, metavar=("B_r", "B_c"),
                         help="fa2edu's tile sizes (default on the CPU: 16 16, so each row crosses several tiles)")
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=50, help="print the loss every that many steps")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar per run with the loss on stderr (default: when stderr is a terminal)")
     parser.add_argument("--threads", type=int, default=1,
                         help="PyTorch CPU threads (default 1: the model is tiny, more threads mostly spin-wait)")
     args = parser.parse_args(argv)
@@ -211,7 +223,7 @@ def main(argv=None) -> int:
     result = compare(args.steps, attentions=attentions, dtype=DTYPES[args.dtype], batch=args.batch,
                      context=args.context, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                      lr=args.lr, seed=args.seed, device=args.device, block_sizes=block_sizes,
-                     log_every=args.log_every)
+                     log_every=args.log_every, progress=args.progress)
     for name, run in result["runs"].items():
         print(f"{name:>9}: loss {run['loss'][0]:.4f} → {run['loss'][-1]:.4f} in {run['seconds']:.1f} s "
               f"({run['parameters']} parameters)")
@@ -226,6 +238,11 @@ def main(argv=None) -> int:
         path = args.out / "losses.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
+        # Imported here: examples.gpt.plot selects matplotlib's file backend, which a notebook importing this
+        # module must not get.
+        from examples.gpt import plot
+
+        print(f"wrote {plot.plot(result, path.with_suffix('.png'))}")
     ok = result.get("within_bound", True) and result.get("same_initial_weights", True)
     return 0 if ok and all(math.isfinite(x) for r in result["runs"].values() for x in r["loss"]) else 1
 
