@@ -1103,7 +1103,7 @@ class Catalogue(tuple):
         width = max(len(e.id) for e in self) if self else 0
         pad = " " * (width + 4)
         return "\n".join(f"{e.id:>{width}}  {e.title}\n" + "\n".join(textwrap.wrap(
-            e.signature, 110, initial_indent=pad, subsequent_indent=pad + "  ")) for e in self)
+            e.signature, 88, initial_indent=pad, subsequent_indent=pad + "  ")) for e in self)
 
     __str__ = __repr__
 
@@ -1266,7 +1266,7 @@ def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, to
             for part in _wrap(line.lstrip(), indent=" " * (len(line) - len(line.lstrip())))]
 
 
-def _wrap(text: str, indent: str = "", width: int = 110) -> list[str]:
+def _wrap(text: str, indent: str = "", width: int = 88) -> list[str]:
     """``text`` wrapped at ``width``, its continuation lines indented two more spaces."""
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
                          break_on_hyphens=False, break_long_words=False) or [indent]
