@@ -1243,7 +1243,7 @@ def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
         return _finish(CheckResult(exercise.id, False, False, 0, None, report), verbose)
     if failure is None:
         report = "\n".join([header, *_wrap(f"✓ Passed all {len(cases)} cases: {_coverage(exercise, cases)}."),
-                            *_wrap(f"They include {exercise.covers}.", indent="  ")])
+                            *_wrap(f"They include {exercise.covers}.", indent="  ", hang="")])
         return _finish(CheckResult(exercise.id, True, True, len(cases), None, report), verbose)
     report = header + "\n" + "\n".join(failure.lines)
     return _finish(CheckResult(exercise.id, False, True, failure.case_number, failure, report), verbose)
@@ -1266,9 +1266,9 @@ def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, to
             for part in _wrap(line.lstrip(), indent=" " * (len(line) - len(line.lstrip())))]
 
 
-def _wrap(text: str, indent: str = "", width: int = 88) -> list[str]:
-    """``text`` wrapped at ``width``, its continuation lines indented two more spaces."""
-    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+def _wrap(text: str, indent: str = "", width: int = 88, hang: str = "  ") -> list[str]:
+    """``text`` wrapped at ``width`` (the book's page), continuation lines indented by ``hang`` more."""
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
                          break_on_hyphens=False, break_long_words=False) or [indent]
 
 
