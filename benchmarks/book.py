@@ -9,8 +9,8 @@ GPU; ``kernels_gpu`` (for a launch plan or a default tile) is imported only by t
 The fast forward kernels form a ladder, :data:`FORWARD_LADDER`: each rung is one idea, with the file that
 measured it, the same-run comparison with the rung below, and the prediction its module header wrote *before*
 that measurement. The predictions are the only numbers typed here, and they are typed as the headers state them.
-Where a header states one figure ("+2 %"), the range is that figure ± 1 percentage point: the run-to-run spread
-of an unchanged kernel on this device is well under that (:func:`run_to_run_spread`).
+Where a header states one figure ("+2 %"), the range is that figure ± 1 percentage point, about twice the median
+run-to-run spread of an unchanged kernel on this device (:func:`run_to_run_spread`).
 
 Typical use (the chapter's)::
 

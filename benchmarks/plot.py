@@ -181,9 +181,9 @@ def render(paths, out_dir):
 
 # -- the book's figures (chapter 10) ------------------------------------------------------------------------------
 #
-# Each returns a matplotlib Figure drawn through pyplot (so a notebook shows it), at most two panels side by side,
-# 7 inches wide: shown in a ~700-pixel column at 100 dpi, every font is at least 9 pt. The data come from
-# benchmarks.book; these functions only draw.
+# Each draws one pyplot figure and returns it (a notebook shows it with ``plt.show()``): at most two panels side
+# by side, 7 inches wide, so that shown in a ~700-pixel column at 100 dpi every font is at least 9 pt. The data
+# come from benchmarks.book; these functions only draw.
 
 BOOK_WIDTH = 7.0                    # inches
 BOOK_RC = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9,
@@ -202,6 +202,7 @@ VERDICT_COLOR = {"inside": "tab:green", "below": "tab:red", "above": "tab:blue"}
 
 
 def _book_figure(ncols=2, height=3.3, **kwargs):
+    """A pyplot figure of ``ncols`` panels in one row, the book's width, made with the book's rc settings."""
     import matplotlib.pyplot as plt
     with plt.rc_context(BOOK_RC):
         fig, axes = plt.subplots(1, ncols, figsize=(BOOK_WIDTH, height), squeeze=False, **kwargs)
@@ -240,10 +241,10 @@ def ladder_figure(rows, base, dev):
 
     ``rows``: :func:`benchmarks.book.ladder_table`; ``base``: d → {impl: TFLOP/s} (:func:`book.baselines`);
     ``dev``: :func:`book.device`."""
-    import matplotlib.pyplot as plt
+    import matplotlib
     ds = sorted({r.d for r in rows})
     fig, axes = _book_figure(len(ds), 3.9, sharey=True)
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
     for ax, d in zip(axes, ds):
         mine = [r for r in rows if r.d == d]
         x = range(len(mine))
