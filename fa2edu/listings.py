@@ -86,6 +86,17 @@ def _comment_columns(text: str) -> dict[int, int]:
     return {tok.start[0]: tok.start[1] for tok in tokens if tok.type == tokenize.COMMENT}
 
 
+def _opens_cited_block(source: list[str], k: int) -> bool:
+    """Whether line ``k`` heads a block (``if active:``) whose body starts with a citing comment of its own.
+
+    Such a header belongs to the step its body cites, not to the step above it; it is left out of both.
+    """
+    if not source[k].split("#")[0].rstrip().endswith(":"):
+        return False
+    following = next((line for line in source[k + 1:] if line.strip()), "")
+    return re.match(r"\s*#\s*Alg\.? \d+ lines? \d", following) is not None
+
+
 def algorithm_steps(function: Callable, algorithm: int = 1) -> list[Step]:
     """Cut a function's source into the steps that its comments attribute to lines of an algorithm.
 
@@ -128,7 +139,7 @@ def algorithm_steps(function: Callable, algorithm: int = 1) -> list[Step]:
         previous_was_citation = False
         if current is None:
             continue
-        if not text.strip() or indent < current["indent"]:
+        if not text.strip() or indent < current["indent"] or _opens_cited_block(source, number - first_number):
             current = None
             continue
         current["last"] = number
@@ -161,17 +172,23 @@ def correspondence(left: Callable, right: Callable, algorithm: int = 1) -> list[
             for n in cited]
 
 
-def _cell(steps: list[Step], path: str, missing: str) -> str:
-    """A table cell: each step's file lines, then its code lines as code spans, indentation kept."""
+def _cell(line: int, steps: list[Step], path: str, missing: str) -> str:
+    """A table cell: each step's file lines, then its code lines as code spans, indentation kept.
+
+    A step that cites several algorithm lines is shown once, in the row of the first; later rows point up to it.
+    """
     if not steps:
         return f"*{missing}*"
     parts = []
     for step in steps:
         where = f"{path}:{step.first}" if step.last == step.first else f"{path}:{step.first}–{step.last}"
+        if step.lines[0] < line:
+            parts.append(f"<sub>{where}</sub><br>*the step of line {step.lines[0]}, above*")
+            continue
         code = []
-        for line in step.code:
-            stripped = line.lstrip(" ")
-            pad = "&nbsp;" * (len(line) - len(stripped))
+        for text in step.code:
+            stripped = text.lstrip(" ")
+            pad = "&nbsp;" * (len(text) - len(stripped))
             code.append(pad + "`" + stripped.replace("|", "\\|") + "`")
         parts.append(f"<sub>{where}</sub><br>" + "<br>".join(code))
     return "<br>".join(parts)
@@ -207,7 +224,8 @@ def correspondence_markdown(left: Callable, right: Callable, algorithm: int = 1,
     rows = []
     for row in correspondence(left, right, algorithm):
         says = missing.get(row.line, ("(not cited)", "(not cited)"))
-        rows.append(f"| {row.line} | {_cell(row.left, paths[0], says[0])} | {_cell(row.right, paths[1], says[1])} |")
+        left, right = _cell(row.line, row.left, paths[0], says[0]), _cell(row.line, row.right, paths[1], says[1])
+        rows.append(f"| {row.line} | {left} | {right} |")
     return "\n".join([header] + rows)
 
 

@@ -24,15 +24,21 @@ def _toy(x, y):
     for k in range(3):
         # Alg. 1 line 14: ends with its block
         d += k
-    return d
+    # Alg. 1 line 16: a block whose body cites a line of its own leaves its header to neither step
+    e = d * 2
+    if e > 0:
+        # Alg. 1 line 17: inside the block
+        e -= 1
+    return e
 
 
 def test_steps_merge_consecutive_citations_and_end_at_blank_lines_and_dedents():
     steps = listings.algorithm_steps(_toy)
-    assert [s.lines for s in steps] == [(8, 9), (12, 13, 15), (14,)]
+    assert [s.lines for s in steps] == [(8, 9), (12, 13, 15), (14,), (16,), (17,)]
     assert steps[0].code == ["a = x * y", "if a > 0:", "    b = a - 1"]
     assert steps[1].code == ["c = a + b"]
     assert steps[2].code == ["d += k"]
+    assert steps[3].code == ["e = d * 2"] and steps[4].code == ["e -= 1"]
     _, first = inspect.getsourcelines(_toy)
     source = inspect.getsource(_toy).splitlines()
     for step in steps:
@@ -64,6 +70,9 @@ def test_markdown_table_has_one_row_per_line_and_three_cells_per_row():
         cells = re.split(r"(?<!\\)\|", line)[1:-1]
         assert len(cells) == 3 and cells[0].strip() == str(row.line)
     assert "*the launch*" in body[[r.line for r in rows].index(2)]
+    # The kernel's step for lines 13 and 15 is shown at 13; row 15 points up to it.
+    kernel_15 = re.split(r"(?<!\\)\|", body[[r.line for r in rows].index(15)])[3]
+    assert "the step of line 13, above" in kernel_15 and "math.log" not in kernel_15
 
 
 def _without_docstrings(code: str) -> str:
