@@ -48,6 +48,7 @@ nb_execution_timeout = 600         # seconds per cell: the simulator chapters ar
 nb_execution_raise_on_error = True # a chapter that fails to execute fails the build
 nb_execution_show_tb = True
 nb_merge_streams = True
+nb_render_markdown_format = "myst"   # Markdown outputs (tables, highlighted listings) parse as the chapters do
 nb_execution_cache_path = str(ROOT / "docs" / "_build" / ".jupyter_cache")
 
 # -- the API reference -------------------------------------------------------------------------------------------
