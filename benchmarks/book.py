@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import csv
 import functools
-import math
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -41,7 +41,8 @@ __all__ = [
     "rung_tflops", "same_run_ratios", "PredictionCheck", "check_prediction", "LadderRow", "ladder_table",
     "baselines", "resident_blocks", "WaveRun", "wave_runs", "busy_slots", "kernel_durations",
     "causal_speedups", "RooflinePoint", "roofline", "ncu_rows", "compulsory_read_bytes", "memory_series",
-    "model_memory", "pytest_counts", "TestRun", "gpu_test_summary", "SanitizerRun", "sanitizer_summary",
+    "model_memory", "pytest_counts", "TestRun", "gpu_test_summary", "SanitizerRun", "parse_sanitizer_log",
+    "sanitizer_summary",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -252,10 +253,6 @@ class Rung(NamedTuple):
 
 def _each_d(value_64, value_128=None):
     return {64: value_64, 128: value_128 if value_128 is not None else value_64}
-
-
-def _per_d(fmt: str) -> dict:
-    return {d: fmt.format(d=d) for d in (64, 128)}
 
 
 FORWARD_LADDER: tuple[Rung, ...] = (
@@ -639,7 +636,6 @@ def ncu_rows(folder=None) -> list[dict]:
     """The profiled calls of ``ncu_io.json`` with the ratios the chapter discusses added: ``L1_ld``/``L1_st``
     (L1 sector bytes over the ledger × 4 B), ``sec_ld``/``sec_st`` (over the sector model), ``dram_ld`` (DRAM
     reads over the ledger) and ``once`` (DRAM reads over :func:`compulsory_read_bytes`)."""
-    import json
     payload = json.loads((_folder(folder) / "ncu_io.json").read_text())
     rows = []
     for r in payload["records"]:

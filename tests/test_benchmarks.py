@@ -700,3 +700,299 @@ def test_fast_kernels_parses_a_register_cap():
     assert fast_kernels._parse_impl("v4@32x8x4x4")[2][2] is None               # no cap unless one is named
     assert fast_kernels._parse_impl("v5")[2][1:] == (None, None)               # the version's own defaults
     assert spec.passes == ("forward",) and not spec.default
+
+
+# ---------------------------------------------------------------------------------------------- book (chapter 10)
+#
+# benchmarks.book reads the committed results of benchmarks/results/<device>/ for chapter 10. The tests below check
+# its arithmetic on synthetic files and its answers on the committed ones (the same files the chapter reads).
+
+def _book_file(folder, name, records, date, **header):
+    results_io.write_results(str(folder / name), {"device": "NVIDIA H200", "date": date, **header}, records)
+
+
+def test_book_finds_the_device_folder_and_its_ceilings():
+    from benchmarks import book
+    folder = book.device_folder()
+    assert folder.parent == book.RESULTS and list(folder.glob("sweep*.json"))
+    dev = book.device(folder)
+    final = book.run("final.json", folder).header
+    assert dev.sms == final["device_properties"]["multiprocessors"]
+    assert dev.ridge == pytest.approx(dev.matmul_tflops / dev.copy_tbps)
+    assert dev.first_date <= dev.last_date and dev.profile is not None
+    # the measured ceilings lie below the datasheet's peaks
+    assert dev.matmul_tflops < dev.profile.fp32 / 1e12 and dev.copy_tbps < dev.profile.hbm_bandwidth / 1e12
+
+
+def test_book_sweep_keeps_the_newer_file_and_the_papers_grid(tmp_path):
+    from benchmarks import book
+    settings = {"tokens": 128}
+    old = [_record(batch=2, N=64, d=16, heads=2, ms=2.0, tflops=1.0),
+           _record(batch=1, N=64, d=16, heads=2, ms=9.0, tflops=9.0, impl="kg_standard")]  # off the grid
+    new = [_record(batch=2, N=64, d=16, heads=2, ms=1.0, tflops=2.0)]
+    folder = tmp_path / "some-gpu"
+    _book_file(folder, "sweep_a.json", new, "2026-01-02", settings=settings)
+    _book_file(folder, "sweep_b.json", old, "2026-01-01", settings=settings)
+    combined = book.sweep(folder)
+    assert list(combined) == [("kg_flash2", "forward", 16, False, 64)]      # batch x N = 64: not the grid's 128
+    assert combined[("kg_flash2", "forward", 16, False, 64)]["tflops"] == 2.0   # the newer file wins
+    _book_file(tmp_path / "older-gpu", "sweep.json", new, "2025-12-31", settings=settings)
+    assert book.device_folder(tmp_path) == folder       # the folder whose newest sweep is newest
+
+
+def test_book_run_refuses_ambiguous_and_missing_files(tmp_path):
+    from benchmarks import book
+    _book_file(tmp_path, "twice.json", [_record(), _record(ms=11.0)], "2026-01-01")
+    with pytest.raises(ValueError, match="two timed records"):
+        book.run("twice.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match="absent.json"):
+        book.run("absent.json", tmp_path)
+    with pytest.raises(KeyError, match="no timed record"):
+        _book_file(tmp_path, "one.json", [_record()], "2026-01-01")
+        book.tflops("one.json", "kg_flash2", 64, 4096, folder=tmp_path)
+
+
+def test_book_inventory_counts_and_failed_records(tmp_path):
+    from benchmarks import book
+    records = [_record(), _record(N=16384, status="skipped", ms=None, tflops=None, error="out of memory: 9 GiB"),
+               _record(N=4096, status="wrong", ms=None, tflops=None, error="rel error 0.5 > 0.001")]
+    _book_file(tmp_path, "a.json", records, "2026-01-01")
+    (summary,) = book.inventory(tmp_path)
+    assert (summary.records, summary.timed) == (3, 1)
+    assert summary.not_timed == {("skipped", "out of memory"): 1, ("wrong", "rel error # > #"): 1}
+    assert [r["N"] for _, r in book.failed_records(tmp_path)] == [4096]
+    assert book.failed_records() == []                  # the committed files: nothing failed its check
+
+
+def test_book_run_to_run_spread(tmp_path):
+    from benchmarks import book
+    settings = {"tokens": 8192 * 2}
+    for k, rate in enumerate((30.0, 30.3, 29.7)):
+        _book_file(tmp_path, f"r{k}.json", [_record(impl="torch_eager", tflops=rate)], f"2026-01-0{k + 1}",
+                   settings=settings)
+    spread = book.run_to_run_spread("torch_eager", tmp_path)
+    assert spread == {(64, False, 8192): (3, pytest.approx(30.3 / 29.7 - 1))}
+    assert book.run_to_run_spread("torch_eager", tmp_path, min_files=4) == {}
+
+
+def test_book_ladder_points_at_files_that_hold_its_records():
+    from benchmarks import book
+    names = [r.name for r in book.FORWARD_LADDER]
+    assert names == ["teaching"] + [f"v{k}" for k in range(1, 9)]
+    for rung in book.FORWARD_LADDER:
+        for d in (64, 128):
+            name, impl = rung.measured[d]
+            assert any(k[0] == impl and k[2] == d for k in book.run(name).ok), (rung.name, d)
+            if d in rung.test:
+                file, new, old = rung.test[d]
+                assert book.same_run_ratios(file, new, old, d), (rung.name, d)
+            p = rung.predicted.get(d)
+            assert p is None or (p.low < p.high and p.unit in ("ratio", "TFLOP/s") and p.words)
+    with pytest.raises(ValueError, match="rung"):
+        book.rung("v9")
+
+
+def test_book_tiles_are_the_kernels_defaults():
+    # the tiles the results files recorded for v6 are the module's defaults today: B_r = NY·TR, B_c = NX·TC
+    from benchmarks import book
+    from kernels_gpu.fast import flash2_forward_v6
+    for d in (64, 128):
+        t = flash2_forward_v6.default_tiling(d)
+        assert book.tiling("v6", d) == (t.NY * t.TR, t.NX * t.TC)
+
+
+def test_book_same_run_ratio_is_the_files_ratio():
+    from benchmarks import book
+    ok = book.run("fast_forward.json").ok
+    ratios = book.same_run_ratios("fast_forward.json", "fast_v2", "fast_v1", 128)
+    assert set(ratios) == {k[4] for k in ok if k[:4] == ("fast_v1", "forward", 128, False)}
+    N = max(ratios)
+    assert ratios[N] == ok[("fast_v2", "forward", 128, False, N)]["tflops"] \
+        / ok[("fast_v1", "forward", 128, False, N)]["tflops"]
+
+
+def test_book_verdicts():
+    from benchmarks import book
+    p = book.Prediction(1.01, 1.03, "ratio", "+2 %")
+    assert book._verdict(p, [1.015, 1.02]) == "held"
+    assert book._verdict(p, [1.02, 1.05]) == "beaten"
+    assert book._verdict(p, [0.99, 1.0]) == "failed"
+    assert book._verdict(p, [0.99, 1.02]) == "mixed"
+    assert book._verdict(None, [2.0]) == "none"
+
+
+def test_book_checks_predictions_on_the_committed_runs():
+    from benchmarks import book
+    c = book.check_prediction("v4", 64)
+    assert c.prediction.unit == "TFLOP/s" and min(c.measured) >= c.prediction.N_min
+    for N, value in c.measured.items():             # a TFLOP/s prediction is judged on the rate itself
+        assert value == book.tflops(c.file, "fast_v4", 64, N)
+    lo, hi = c.ratio_range
+    assert lo == pytest.approx(c.prediction.low / c.below_rate) and hi > lo
+    assert c.verdict == book._verdict(c.prediction, c.measured.values())
+    ratio = book.check_prediction("v7", 128)
+    assert ratio.measured == ratio.ratios and ratio.ratio_range == (ratio.prediction.low, ratio.prediction.high)
+    with pytest.raises(ValueError, match="no same-run"):
+        book.check_prediction("v1", 64)
+    rows = book.ladder_table(N=4096)
+    assert len(rows) == 2 * len(book.FORWARD_LADDER)
+    assert [r.gain is None for r in rows if r.d == 64] == [not r.test for r in book.FORWARD_LADDER]
+
+
+def test_book_resident_blocks_match_the_occupancy_the_headers_report():
+    # v8's header: the occupancy calculator gave 132 slots at d = 128 and 396 at d = 64 on 132 SMs; backward v1:
+    # one block per SM uncapped at d = 64, three under its 168-register cap; v3 at d = 64: two blocks of 8 warps
+    from benchmarks import book
+    sram = book.device().profile.sram_per_sm
+    res = {d: book.run(f"fast_v8e_explore_d{d}.json").header["resources"][f"v6/d{d}"] for d in (64, 128)}
+    assert book.resident_blocks(res[128], sram) == 1 and book.resident_blocks(res[64], sram) == 3
+    bwd = book.run("fast_backward_v1.json").header["resources"]
+    assert book.resident_blocks(bwd["v1/d64"], sram) == 1
+    assert book.resident_blocks(bwd["v1@8x16x4x4r168/d64"], sram) == 3
+    assert book.resident_blocks(book.run("fast_forward.json").header["resources"]["v3/d64"], sram) == 2
+    # shared memory binds when registers do not: 2 blocks of 100 KiB fit in 228 KiB, 3 do not
+    fat = {"tiling": [4, 8, 1, 1], "registers": 32, "shared_floats": 100 * 256}
+    assert book.resident_blocks(fat, sram) == 2
+
+
+def test_book_wave_runs():
+    from benchmarks import book
+    runs = book.wave_runs()
+    assert [r.heads for r in runs] == sorted(r.heads for r in runs) and len(runs) == 3
+    for r in runs:
+        assert r.blocks == r.heads * -(-2048 // book.tiling("v6", 128)[0])
+        assert r.paid_waves == math.ceil(r.blocks / r.slots) and r.waves <= r.paid_waves
+
+
+@pytest.mark.parametrize("items, tiles, slots", [(2048, 32, 132), (8192, 64, 396), (264, 16, 132), (7, 5, 3)])
+def test_book_busy_slots_conserve_the_work(items, tiles, slots):
+    from benchmarks import book
+    plans = {plan: book.busy_slots(items, tiles, slots, plan) for plan in ("waves", "stream")}
+    for steps in plans.values():
+        assert sum((end - start) * busy for start, end, busy in steps) == pytest.approx(items * tiles)
+        assert all(busy <= slots for _, _, busy in steps)
+    end = {plan: steps[-1][1] for plan, steps in plans.items()}
+    assert end["stream"] <= end["waves"] and end["stream"] == pytest.approx(items * tiles / slots, abs=tiles)
+    with pytest.raises(ValueError, match="plan"):
+        book.busy_slots(items, tiles, slots, "sideways")
+
+
+def test_book_kernel_durations(tmp_path):
+    from benchmarks import book
+    v8 = book.kernel_durations("ncu_v8b_v8_N1024.csv")
+    assert set(v8) == {"zero_counter", "flash2_forward_fast", "merge_stream"}
+    assert set(book.kernel_durations("ncu_v8b_v6_N1024.csv")) == {"flash2_forward_fast"}
+    assert all(v > 0 for v in v8.values())
+    text = ("  mod::first_kernel[v1,abc](Array)\n    gpu__time_duration.sum   us   12.50\n"
+            "  mod::second[v2,def]\n    gpu__time_duration.sum   ms   1.5\n")
+    (tmp_path / "named.txt").write_text(text)
+    assert book.kernel_durations("named.txt", tmp_path) == {"first_kernel": 12.5, "second": 1500.0}
+    (tmp_path / "bare.txt").write_text("    gpu__time_duration.sum   ns   500\n")
+    assert book.kernel_durations("bare.txt", tmp_path) == {"launch 0": 0.5}
+
+
+def test_book_causal_speedups_are_wall_time_ratios():
+    from benchmarks import book
+    ok = book.run("final.json").ok
+    s = book.causal_speedups("final.json", 128, impls=["kg_flash2_fast"])["kg_flash2_fast"]
+    for N, ratio in s.items():
+        assert ratio == ok[("kg_flash2_fast", "forward", 128, False, N)]["ms"] \
+            / ok[("kg_flash2_fast", "forward", 128, True, N)]["ms"]
+
+
+def test_book_roofline():
+    from benchmarks import book
+    from fa2edu.io import closed_form
+    dev = book.device()
+    for d in (64, 128):
+        points = {p.label: p for p in book.roofline(d, 4096)}
+        batch, heads = 16384 // 4096, 2048 // d
+        for name in ("teaching", "v8"):
+            p = points[name]
+            B_r, B_c = book.tiling(name, d)
+            assert p.model_bytes == 4 * batch * heads * sum(closed_form("flash2", "forward", 4096, d, B_r, B_c))
+            assert p.intensity == pytest.approx(B_r / 2, rel=0.05)       # K, V re-read T_r times
+            assert p.once_intensity > 10 * p.intensity
+        assert points["kg_standard"].intensity == pytest.approx(d / 4, rel=0.05)   # S and P through HBM
+        for p in points.values():
+            assert p.roof_tflops == min(dev.matmul_tflops, p.intensity * dev.copy_tbps) and 0 < p.of_roof < 1
+
+
+def test_book_ncu_rows_and_the_long_run():
+    from benchmarks import book
+    rows = book.ncu_rows()
+    fa2 = next(r for r in rows if (r["impl"], r["pass"]) == ("kg_flash2", "forward"))
+    assert book.compulsory_read_bytes(fa2) == 4 * 3 * fa2["N"] * fa2["d"] * fa2["batch"] * fa2["heads"]
+    assert fa2["L1_ld"] == fa2["ncu_load_bytes"] / fa2["model_load_bytes"]
+    run = book.run("long.json")
+    for r in run.ok.values():       # the allocator holds exactly the modelled tensors
+        assert r["peak_mem_bytes"] == book.model_memory(r["impl"], r["N"], r["batch"], r["heads"], r["d"])
+    series = book.memory_series()
+    assert all([n for n, _ in pts] == sorted(n for n, _ in pts) for pts in series.values())
+
+
+def test_book_pytest_counts():
+    from benchmarks import book
+    counts = book.pytest_counts("...\n==== 3 failed, 10 passed, 2 skipped, 1 error, 4 deselected in 12.5s ====\n")
+    assert counts == {"failed": 3, "passed": 10, "skipped": 2, "error": 1, "deselected": 4, "seconds": 12.5}
+    assert book.pytest_counts("1 passed in 0.1s\n...\n7 passed, 2 warnings in 3.0s (0:00:03)")["passed"] == 7
+    with pytest.raises(ValueError, match="summary"):
+        book.pytest_counts("collected 0 items")
+    logs = book.gpu_test_summary()
+    assert logs and all(log.clean and log.seconds > 0 for log in logs)
+
+
+def test_book_sanitizer_logs():
+    from benchmarks import book
+    text = "\n".join([
+        "========= COMPUTE-SANITIZER", "ok: case 1", "ok: case 2", "========= ERROR SUMMARY: 2 errors",
+        "compute-sanitizer memcheck exit status: 9 (0 clean, 9 errors found, 124 timed out)",
+        "ok: case 1", "========= RACECHECK SUMMARY: 1 hazard displayed (1 errors, 0 warnings)",
+        "racecheck exit 0",
+        "ok: case 1", "compute-sanitizer racecheck exit status: 124 (0 clean, 9 errors found, 124 timed out)"])
+    runs = book.parse_sanitizer_log(text, "x.log")
+    assert [(r.tool, r.problems, r.exit_status, r.cases) for r in runs] == [
+        ("memcheck", 2, 9, 2), ("racecheck", 1, 0, 1), ("racecheck", None, 124, 1)]
+    assert not any(r.clean for r in runs)
+    committed = book.sanitizer_summary()
+    assert {r.tool for r in committed} == {"memcheck", "racecheck"} and all(r.cases > 0 for r in committed)
+    assert all(r.clean for r in committed if r.exit_status != 124)
+
+
+def test_book_figures_fit_the_page():
+    """Every figure of chapter 10: at most two panels, 7 inches wide (700 px at 100 dpi), no text under 9 pt."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from benchmarks import book, plot
+    dev = book.device()
+    rows = book.ladder_table(N=4096)
+    runs = book.wave_runs()
+    checks = [book.check_prediction(r, d) for r in book.FORWARD_LADDER if r.predicted for d in (64, 128)]
+    series = book.memory_series()
+    figures = [
+        plot.ladder_figure(rows, {d: book.baselines(d, 4096) for d in (64, 128)}, dev),
+        plot.prediction_figure(checks, dev),
+        plot.wave_figure(runs, book.busy_slots(2048, 32, 132, "waves"), book.busy_slots(2048, 32, 132, "stream"),
+                         32, dev),
+        plot.causal_figure({d: book.causal_speedups(d=d, impls=["kg_flash2_fast", "torch_eager"])
+                            for d in (64, 128)}, dev),
+        plot.backward_figure({d: {"torch_eager": {1024: 30.0, 4096: 31.0}} for d in (64, 128)}, dev),
+        plot.roofline_figure({d: book.roofline(d, 4096) for d in (64, 128)}, dev),
+        plot.memory_figure(series, lambda impl, N: book.model_memory(impl, N, 1, 16, 64), dev, "memory"),
+        plot.ncu_figure(book.ncu_rows(), dev),
+    ]
+    try:
+        for fig in figures:
+            fig.canvas.draw()
+            assert fig.get_size_inches()[0] == pytest.approx(plot.BOOK_WIDTH) and plot.BOOK_WIDTH <= 7.0
+            assert 1 <= len(fig.axes) <= 2
+            small = [(t.get_text(), t.get_fontsize()) for t in fig.findobj(Text)
+                     if t.get_visible() and t.get_text().strip() and t.get_fontsize() < 9]
+            assert not small, small
+            assert dev.name in fig._suptitle.get_text() and dev.first_date in fig._suptitle.get_text()
+    finally:
+        for fig in figures:
+            plt.close(fig)
