@@ -233,8 +233,8 @@ def _reflow(code: str, width: int) -> str:
     """Fit the comments of ``code`` in ``width`` columns; the code lines stay as they are.
 
     A run of comment lines (one indentation, no citation ``Alg. …`` inside the run) that overflows is re-wrapped as
-    one paragraph. A trailing comment that overflows moves above its code line, together with the comments that
-    continue it on the next lines (``#  …``, indented one more space).
+    one paragraph. A trailing comment that overflows moves two spaces after its code if it fits there, else above
+    its code line, together with the comments that continue it on the next lines (``#  …``, one more space).
     """
     comments = _comment_columns(code + "\n")
     lines = code.splitlines()
@@ -262,6 +262,9 @@ def _reflow(code: str, width: int) -> str:
             else:
                 out += lines[k:end]
             k = end
+        elif text is not None and len(lines[k]) > width and len(f"{body}  # {text.strip()}") <= width:
+            out.append(f"{body}  # {text.strip()}")                # the comment fits closer to its code
+            k += 1
         elif text is not None and len(lines[k]) > width:         # code, then a comment that overflows
             end, merged = k + 1, text.strip()
             while end < len(lines) and parsed[end][2] is not None and parsed[end][2].startswith("  "):
