@@ -349,12 +349,13 @@ def rung_tflops(rung_: Rung | str, d: int, N: int, folder=None) -> float:
     return tflops(name, impl, d, N, folder=folder)
 
 
-def same_run_ratios(name: str, new: str, old: str, d: int, causal: bool = False, folder=None) -> dict:
-    """N → rate of ``new`` / rate of ``old`` (forward), at every N where one file times both."""
+def same_run_ratios(name: str, new: str, old: str, d: int, causal: bool = False, folder=None,
+                    pass_: str = "forward") -> dict:
+    """N → rate of ``new`` / rate of ``old``, at every N where one file times both."""
     ok = run(name, folder).ok
     return {N: ok[(new, p, dd, c, N)]["tflops"] / ok[(old, p, dd, c, N)]["tflops"]
             for (impl, p, dd, c, N) in sorted(ok, key=lambda k: k[4])
-            if impl == new and p == "forward" and dd == d and c == causal and (old, p, dd, c, N) in ok}
+            if impl == new and p == pass_ and dd == d and c == causal and (old, p, dd, c, N) in ok}
 
 
 class PredictionCheck(NamedTuple):
