@@ -25,6 +25,7 @@ from fa2edu.memory import HBM, SRAM, FlopCounter, SRAMOverflowError
 from fa2edu.merge import merge_attention_states
 from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.standard import standard_attention, standard_attention_backward
+from fa2edu.validation import AttentionOverflowError
 from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
 
 __version__ = "0.1.0"
@@ -36,6 +37,6 @@ __all__ = [
     "flash2_forward", "flash2_backward",
     "merge_attention_states", "decode_attention", "DecodeResult", "varlen_attention", "padded_batch_io",
     "simulate_io", "IOReport", "count_flops",
-    "HBM", "SRAM", "FlopCounter", "SRAMOverflowError",
+    "HBM", "SRAM", "FlopCounter", "SRAMOverflowError", "AttentionOverflowError",
     "DEFAULT_M", "block_sizes_kv_outer", "block_sizes_q_outer",
 ]
