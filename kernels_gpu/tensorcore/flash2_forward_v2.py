@@ -18,7 +18,11 @@ tiles are the same size, so B_c = 64 up to d = 128 (shared memory beyond 48 KiB 
 **Prediction (before the first GPU run).** The instruction count of the inner loops falls ~3× and the transposed
 16-bit V stores disappear: 1.5-2.5× v1's TFLOP/s.
 
-**Measured.** See ``benchmarks/results/<device>/tensorcore_*.json``.
+**Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
+N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 17.6 / 23.2 / 26.8; d = 128: 20.0 / 24.6 / 30.4 (1.2-1.3× v1).
+The prediction (1.5-2.5×) failed for the reason v4 exposed: the tiles' synchronous HBM copies dominate, so
+fewer instructions between them moved the total little.
 """
 
 from __future__ import annotations

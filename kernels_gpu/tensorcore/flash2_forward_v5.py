@@ -15,7 +15,19 @@ The statistics stay in raw score units (m) and L is converted back to natural un
 **Prediction (before the first GPU run).** The softmax is about a third of the instructions of v4's inner loop at
 d = 64 (fewer at 128): +10-20 % at d = 64, +5-10 % at d = 128.
 
-**Measured.** See ``benchmarks/results/<device>/tensorcore_*.json``.
+**Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
+N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 65.0 / 94.3 / 99.7; d = 128: 81.9 / 108.6 / 115.4 (+34-72 % at d = 64, +26-29 %
+at d = 128 over v4); causal at N = 8192: 1.82× (d = 64) and 1.76× (d = 128) faster in wall time than non-causal;
+bf16 within a few % of fp16. The prediction (+10-20 % / +5-10 %) was too low: libdevice's ``expf`` and the
+per-tile rescale were a larger share of v4's instructions than counted.
+
+**What limits it, and what would come next.** v5 reaches 0.25-0.34× SDPA flash and 16-18 % of the mma.sync
+ceiling measured in the same run (624 TFLOP/s): below the project's targets (≥ 150 TFLOP/s, ≥ 0.5× SDPA flash).
+Each warp owns 16 rows, so every K and V fragment it loads from shared memory (one ldmatrix per two MMAs) serves
+a single MMA row tile: shared-memory traffic per FLOP is twice that of FlashAttention-2's kernels, whose warps own
+32 or more rows. Next: two row tiles per warp (B_r = 128 with 4 warps), masks computed only on the tiles that
+need them, and wgmma on Hopper (mma.sync itself tops out at about 60 % of the tensor cores' peak).
 """
 
 from __future__ import annotations
