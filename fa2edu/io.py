@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from fa2edu import flash1, flash2, standard
@@ -425,7 +426,7 @@ def execute_io(algorithm: str, pass_: str, N_q: int, N_k: int, d: int, M: int | 
     The backward pass first runs its own forward pass uncounted, for the statistics it needs (P, or O and ℓ, m, or
     O and L). ``block_mask`` (T_r, T_c) is on this pass's block grid: FA1 Algorithm 5 for flash1; for flash2 it is
     expanded to the element mask, whose zero blocks FA2's block classification skips.
-    Cost: the algorithm's own, one NumPy step per visited block (about 5 s for the six passes at N = 8192, d = 64).
+    Cost: the algorithm's own, one NumPy step per visited block (seconds for the six passes at N = 8192, d = 64).
     """
     _check_pair(algorithm, pass_)
     hbm = HBM()
@@ -455,8 +456,11 @@ def _execute_plan(plan, N_q: int, N_k: int, d: int, M, causal: bool, block_sizes
         total = sum(_formula_row(algorithm, pass_, N_q, N_k, d, bs, causal, mask).total
                     for algorithm, pass_, bs, mask in plan)
     rows, forwards = [], {}
-    with tqdm(total=total, desc="executing", unit=" elements", unit_scale=True, file=sys.stderr, leave=False,
-              dynamic_ncols=True, disable=None if progress is None else not progress) as bar:
+    bar = tqdm(total=total, desc="executing", unit=" elements", unit_scale=True, file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None if progress is None else not progress)
+    # One BLAS thread: the products are tile-sized (B_r × d by d × B_c), where extra threads only wait for each
+    # other, and on a machine busy with other work that waiting made N = 8192 run 10× slower.
+    with threadpool_limits(limits=1, user_api="blas"), bar:
         for algorithm, pass_, _, block_mask in plan:
             bar.set_description(f"executing {algorithm} {pass_}")
             mask = (_flash2_mask(block_mask, pass_, N_q, N_k, d, M, block_sizes) if algorithm == "flash2"
@@ -664,7 +668,7 @@ def simulate_io(N: int, d: int, M: int | None, causal: bool = False, *, N_k: int
     """HBM reads and writes of standard attention, FlashAttention and FlashAttention-2, forward and backward.
 
     ``simulate_io(65536, 64, 98304)`` answers in milliseconds (closed forms); executing costs one NumPy step per
-    visited block (about 5 s at N = 8192, d = 64, M = 49152).
+    visited block (several seconds at N = 8192, d = 64, M = 49152).
 
     Parameters
     ----------
