@@ -3,7 +3,11 @@
 #
 #   bash scripts/build_docs.sh            # executes the chapters that changed since the last build (cache)
 #   FA2EDU_DOCS_EXECUTE=force bash scripts/build_docs.sh     # re-execute every chapter
+#   FA2EDU_DOCS_EXECUTE=off bash scripts/build_docs.sh       # no execution: the API reference and the text only
 #   bash scripts/build_docs.sh -W         # extra arguments go to sphinx-build (here: warnings are errors)
+#
+# Warnings are printed but do not fail the build unless -W is given. The internal links of the built site are
+# checked afterwards (docs/check_links.py): a link to a missing page or anchor fails the script.
 #
 # Offline once the `docs` extra is installed; if it is missing, this script installs it (that step needs PyPI).
 # No GPU is needed: the GPU chapters run in numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 unless you set it).
@@ -14,4 +18,5 @@ if ! python3 -c "import importlib, sphinx, myst_nb, furo, jupytext, fa2edu; impo
 fi
 export NUMBA_ENABLE_CUDASIM="${NUMBA_ENABLE_CUDASIM:-1}"
 python3 -m sphinx -b html docs docs/_build/html "$@"
+python3 docs/check_links.py docs/_build/html
 echo "The book is in docs/_build/html/index.html (open it in a browser)."

@@ -204,3 +204,24 @@ def test_parser_agrees_with_napoleon():
         rendered = set(re.findall(r"^:(?:param|keyword|ivar)\s+(?:[^:]*\s)?\\?\**(\w+):", rest, re.MULTILINE))
         sections = CLASS_SECTIONS if inspect.isclass(obj) else PARAMETER_SECTIONS
         assert set(documented_parameters(doc, sections)) == rendered, name
+
+
+# -- the built site's internal links (docs/check_links.py, run by scripts/build_docs.sh) ------------------------
+
+def test_link_checker_finds_a_link_to_a_missing_anchor(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "check_links", Path(__file__).resolve().parent.parent / "docs" / "check_links.py")
+    check_links = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_links)
+    (tmp_path / "_modules").mkdir()
+    (tmp_path / "api.html").write_text('<dl><dt id="fa2edu.flash2.flash2_forward">flash2_forward</dt></dl>')
+    (tmp_path / "_modules" / "flash2.html").write_text(
+        '<a href="../api.html#fa2edu.flash2.flash2_forward">[docs]</a>'
+        '<a href="../api.html#kernels_gpu.flash2.Flash2Forward">[docs]</a>'
+        '<a href="../gone.html">gone</a><a href="https://example.org/#x">outside</a>')
+    broken = check_links.broken_links(tmp_path)
+    assert len(broken) == 2
+    assert "no anchor #kernels_gpu.flash2.Flash2Forward" in broken[0] and "no such page" in broken[1]
