@@ -280,7 +280,7 @@ def flash2_backward(Q, K, V, O, L, dO, M=None, block_sizes=None, causal=False, s
         ``(B_r, B_c)``: rows of Q and rows of K/V per block; N_q and N_k need not be multiples (the last block is
         ragged). They need not match the forward pass's, but where they do, line 10 recomputes S = τQ_iK_jᵀ with
         the very products that made L, bit for bit; with other tiles NumPy's matrix products may round S
-        differently, and exp(S − L) turns that into a relative error of about |S|·ε in P: in float32 at scores of
+        differently, and exp(S − L) turns that into a relative error of about ``|S|·ε`` in P: in float32 at scores of
         a few thousand, dV comes out several times less accurate (chapter 5, "Recomputation and rounding").
         ``"forward"``: the forward pass's default tiles for this M, :func:`~fa2edu.blocks.block_sizes_q_outer`
         (pass the forward's own tuple if it was given one); their smaller B_c costs more passes over Q, dO, L, D.

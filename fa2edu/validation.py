@@ -133,10 +133,10 @@ def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, stor
     naming Q and K, instead of inf and then NaN (inf − inf) in the softmax.
 
     Every algorithm forms the products q·k in ``dtype``, scales them by τ, then subtracts a row maximum m. Every
-    partial sum of q·k, in any order a matrix product may use, is at most Σ_l |q_l k_l|; so the arithmetic stays
+    partial sum of q·k, in any order a matrix product may use, is at most ``Σ_l |q_l k_l|``; so the arithmetic stays
     finite when ``max(1, τ)·max Σ_l |q_l k_l| ≤ max(dtype)/2`` (the half keeps S − m finite). The test is cheap
     first, ``d·max|Q|·max|K|`` in O(N·d); only where that bound fails is the exact ``max Σ_l |q_l k_l|`` computed
-    (one float64 product of |Q| and |K|ᵀ, in row blocks). Scores of 1e4 (inputs ×1000) are far inside both.
+    (one float64 product of ``|Q|`` and ``|K|ᵀ``, in row blocks). Scores of 1e4 (inputs ×1000) are far inside both.
 
     ``stored``: the name of an algorithm that *stores* S in ``dtype`` (standard attention in float16 writes S to
     HBM): then the limit is the dtype's largest value itself.
