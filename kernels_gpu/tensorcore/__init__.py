@@ -9,6 +9,7 @@ first run, and what it measured::
     v3  P̃ stays in registers: S's accumulators are P̃·V's A operand (FA2's "keep it on chip", one level down)
     v4  cp.async, double-buffered K/V: the next tile's copy runs under this tile's MMAs
     v5  base-2 softmax with the scale folded into one FMA, Õ rescaled only when the row maximum moves
+    v6  the mask tested only on the tiles that can hold a masked key
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -29,12 +30,13 @@ from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_forward_v3,
     flash2_forward_v4,
     flash2_forward_v5,
+    flash2_forward_v6,
 )
 
 #: the forward rungs: name → ``flash2_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
-            "v5": flash2_forward_v5.flash2_forward}
+            "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward}
 
 #: the fastest measured forward rung
 flash2_forward = flash2_forward_v5.flash2_forward

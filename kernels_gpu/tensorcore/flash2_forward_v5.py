@@ -127,7 +127,7 @@ def make_kernel(cfg: Config):
                     mma_into(s, 2 * p + 1, a0, a1, a2, a3, b2, b3)
 
             # Lines 9-10: the online softmax (mask, m, P̃, ℓ, rescale Õ).
-            online_softmax(s, o, m, l, row0, j * B_c, N_k, scale_log2, diag)
+            online_softmax(s, o, m, l, row0, j * B_c, N_k, scale_log2, diag, True)
 
             # Line 10 (second half): Õ_i += P̃_ij V_j, 16 keys per k-step; A comes straight from S's accumulators.
             for kk in range(KV):

@@ -1,18 +1,22 @@
 """One small launch of each tensor-core rung (f16 and bf16, d = 64 and 128, causal and not, ragged N), checked, for
 compute-sanitizer: ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and
-``--tool racecheck``). Prints one line per launch; exits non-zero on a wrong result."""
+``--tool racecheck``); name rungs to run only those (``... sanitize v6``). Prints one line per launch; exits
+non-zero on a wrong result."""
 
 from __future__ import annotations
 
 import sys
 
 
-def main() -> int:
+def main(argv=None) -> int:
     import torch
 
     from kernels_gpu.tensorcore import VERSIONS
+    wanted = list(sys.argv[1:] if argv is None else argv) or sorted(VERSIONS)
     failures = 0
     for version, forward in sorted(VERSIONS.items()):
+        if version not in wanted:
+            continue
         for dtype in (torch.float16, torch.bfloat16):
             for d, causal in ((64, False), (128, True)):
                 Q = torch.randn(1, 2, 150, d, device="cuda").to(dtype)

@@ -251,17 +251,19 @@ def make_steps(cfg: Config):
     ex2 = ptx.ex2
 
     @jit
-    def row_softmax_exp2(s, o, m, l, h, row, col0, N_k, scale_log2, diag):
+    def row_softmax_exp2(s, o, m, l, h, row, col0, N_k, scale_log2, diag, mask_tile):
         """:func:`row_softmax` in base 2 with the scale folded in: exp(τ(x − m)) = 2^(x·τlog₂e − m·τlog₂e), one
         FMA and one ``ex2.approx`` per element (the ``MUFU.EX2`` unit) instead of a subtract, a multiply and
         libdevice's expf; and Õ, ℓ are rescaled only when the row maximum moved (α = 1 otherwise: skip 4·D/8
-        multiplies per row)."""
+        multiplies per row). ``mask_tile``: False when the caller knows every key of the tile is visible to every
+        row of the block (then no column test at all)."""
         mx = neg_inf
         for n in range(NT):
             for e in range(2):
-                col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
-                if col >= N_k or (causal and col > row + diag):
-                    s[4 * n + 2 * h + e] = neg_inf
+                if mask_tile:
+                    col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                    if col >= N_k or (causal and col > row + diag):
+                        s[4 * n + 2 * h + e] = neg_inf
                 mx = max(mx, s[4 * n + 2 * h + e])
         mx = max(mx, shfl_xor(mx, 1))
         mx = max(mx, shfl_xor(mx, 2))
@@ -291,10 +293,10 @@ def make_steps(cfg: Config):
         m[h] = m_new
 
     @jit
-    def online_softmax_exp2(s, o, m, l, row0, col0, N_k, scale_log2, diag):
+    def online_softmax_exp2(s, o, m, l, row0, col0, N_k, scale_log2, diag, mask_tile):
         """:func:`online_softmax` with :func:`row_softmax_exp2` (``scale_log2`` = τ·log₂e)."""
-        row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag)
-        row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag)
+        row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag, mask_tile)
+        row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag, mask_tile)
 
     @jit
     def finish_rows_exp2(o, m, l, O, L, z, head, row0, N_q, scale_log2):
