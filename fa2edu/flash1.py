@@ -14,10 +14,12 @@ Block sizes (Alg. 1 line 1): ``B_c = ceil(M/4d)``, ``B_r = min(ceil(M/4d), d)``
 (:func:`fa2edu.blocks.block_sizes_kv_outer`). HBM traffic per (batch, head), N_q = N_k = N, d_v = d, no mask
 (exact for ragged N):
 
-| pass | HBM reads | HBM writes |
-| --- | --- | --- |
-| forward (Alg 1) | 2Nd + T_c(2Nd + 2N) | T_c(Nd + 2N) |
-| backward (Alg 4) | 2Nd + T_c(4Nd + 2N) | 2Nd + T_c·Nd |
+================  ===================  ============
+pass              HBM reads            HBM writes
+================  ===================  ============
+forward (Alg 1)   2Nd + T_c(2Nd + 2N)  T_c(Nd + 2N)
+backward (Alg 4)  2Nd + T_c(4Nd + 2N)  2Nd + T_c·Nd
+================  ===================  ============
 
 The initialisations "O = 0, ℓ = 0, m = −inf in HBM" (Alg. 1 line 2) and "dQ = 0, dK = 0, dV = 0 in HBM" (Alg. 4
 line 5) are counted apart, as ``init`` writes. Causal and masked runs skip the (i, j) blocks that no query sees (FA2

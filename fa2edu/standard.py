@@ -5,10 +5,12 @@ probabilities P, the backward pass reads P and writes dP and dS. Each line of th
 (a matrix multiply or an elementwise pass) that reads its inputs from HBM and writes its output back, so the traffic
 is Θ(Nd + N²) per (batch, head) whatever the SRAM size (FA1 Theorem 2 and Theorem 5):
 
-| pass | HBM reads | HBM writes |
-| --- | --- | --- |
-| forward (Alg 0) | 3Nd + 2N² | Nd + 2N² |
-| backward (Alg 3) | 5Nd + 5N² | 3Nd + 2N² |
+================  ==========  ==========
+pass              HBM reads   HBM writes
+================  ==========  ==========
+forward (Alg 0)   3Nd + 2N²   Nd + 2N²
+backward (Alg 3)  5Nd + 5N²   3Nd + 2N²
+================  ==========  ==========
 
 How this module streams through SRAM. The paper counts every operand of a line once. fa2edu follows that count
 exactly: each line walks the rows of its N-row operands in blocks of B_r rows (only B_r matters; B_c is accepted for a
