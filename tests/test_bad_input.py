@@ -170,6 +170,18 @@ def test_the_check_costs_a_product_only_when_the_cheap_bound_fails(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("name", CALLS)
+def test_underflow_is_never_an_error_even_where_the_caller_raises_on_it(name):
+    """exp of a very negative score underflows to 0 by design: inside the algorithms underflow is ignored, even under
+    a caller's ``np.errstate(all="raise")``; overflow and invalid operations are what the algorithms report."""
+    Q, K, V, dO = problem()
+    expected = CALLS[name](Q * 100, K * 100, V, dO)
+    with np.errstate(all="raise"):
+        result = CALLS[name](Q * 100, K * 100, V, dO)
+    for got, want in zip(result, expected):
+        np.testing.assert_array_equal(got, want)
+
+
 # -- other values out of range: a correct result, or an error naming the inputs -----------------------------------
 
 @pytest.mark.parametrize("name", FORWARD)
