@@ -38,7 +38,7 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
             "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward}
 
-#: the fastest measured forward rung
-flash2_forward = flash2_forward_v5.flash2_forward
+#: the fastest measured forward rung (v6: ``benchmarks/results/nvidia-h100/tensorcore_v6.json``)
+flash2_forward = flash2_forward_v6.flash2_forward
 
 __all__ = ["VERSIONS", "flash2_forward"]

@@ -10,7 +10,16 @@ tiles the softmax step runs without any column arithmetic.
 **Prediction (before the first GPU run).** On a non-causal N = 4096 row block 63 of 64 tiles become plain; the
 mask test is ~4 of the ~12 CUDA-core instructions per score in v5's softmax: +5-12 %.
 
-**Measured.** See the results file named in ``kernels_gpu/tensorcore/__init__.py``.
+**Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks/results/nvidia-h100/tensorcore_v6.json``, v5 and SDPA flash
+in the same run; fp16, non-causal, TFLOP/s at N = 2048 / 4096 / 16384): d = 64: 91.3 / 106.3 / 115.3 (v5: 70.1 /
+91.7 / 97.3); d = 128: 108.4 / 120.2 / 129.2 (v5: 73.7 / 103.9 / 116.4): +12-30 % from N = 2048 on, more than
+predicted — with the column arithmetic gone, ptxas also needed fewer registers (126 / 172 against 135 / 190 at
+d = 64 / 128). At N = 1024 the run's first configuration measured v6 below v5 (54.5 against 64.4) while SDPA
+flash in the same configuration also read 20 % under its earlier run: not established whether that point is
+noise. Causal at N = 8192: 1.69× (d = 64) and 1.77× (d = 128) faster in wall time than non-causal. bf16: 100.8 /
+116.1 at N = 4096 (d = 64 / 128). Against the project's targets: 0.35-0.37× SDPA flash at N ≥ 4096, below 150
+TFLOP/s and 0.5×. What limits it is v5's analysis (16 rows per warp: each K/V fragment from shared memory serves
+one MMA row tile); next rungs: two row tiles per warp, then wgmma.
 """
 
 from __future__ import annotations
