@@ -211,6 +211,10 @@ def _fmt(x) -> str:
     return f"{x:.6g}"
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _index(idx) -> str:
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"
 
@@ -251,7 +255,8 @@ def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -
     if bad_inf.any():
         i = tuple(np.argwhere(bad_inf)[0])
         raise _Mismatch([f"{name}{_index(i)}: expected {_fmt(expected[i])}, got {_fmt(g[i])} "
-                         f"({int(bad_inf.sum())} entries disagree about infinity)"], expected, g)
+                         f"({_count(int(bad_inf.sum()), 'entry disagrees', 'entries disagree')} about "
+                         "infinity)"], expected, g)
     finite = np.isfinite(expected)
     if not finite.any():
         return
@@ -261,7 +266,7 @@ def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -
         i = np.unravel_index(int(np.argmax(err)), err.shape)
         raise _Mismatch([f"{name}: max |got − expected| = {err.max():.2e} at {name}{_index(i)}: expected "
                          f"{_fmt(expected[i])}, got {_fmt(g[i])} (tolerance {tol:.1e}; "
-                         f"{int((err > tol).sum())} of {g.size} entries are off)"], expected, g)
+                         f"{_count(int((err > tol).sum()), 'entry', 'entries')} of {g.size} off)"], expected, g)
 
 
 def _expect_equal_ints(names: tuple, got, expected: tuple, *, explain: str = "") -> None:
@@ -853,6 +858,103 @@ def _solution_sdpa_mask(N_q, N_k):
     return j <= i + (N_k - N_q)                  # bottom-right: the last query sees every key
 
 
+# -- 13.4 merging two partial attentions (O, L) ------------------------------------------------------------------
+
+def _partial(S: np.ndarray, V: np.ndarray, cols: slice):
+    """The oracle's (O, L) over the keys ``cols`` alone; O = 0, L = +inf where no key is visible (or none at all)."""
+    N_q = S.shape[0]
+    if cols.stop <= cols.start:
+        return np.zeros((N_q, V.shape[1])), np.full(N_q, np.inf)
+    return _oracle(S[:, cols], V[cols])
+
+
+def _run_merge_states(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    N_q, N_k, split = case["N_q"], case["N_k"], case["split"]
+    S = _masked(_logits(rng, (N_q, N_k), case["logits"]), _visible(rng, N_q, N_k, case["mask"], max(split, 1)))
+    V = rng.standard_normal((N_k, case["d_v"]))
+    (O_a, L_a), (O_b, L_b) = _partial(S, V, slice(0, split)), _partial(S, V, slice(split, N_k))
+    O_ref, L_ref = _oracle(S, V)                       # ground truth: the attention over all the keys
+    calls = _Calls(fn, "merge_states")
+    got = calls(("O_a", O_a), ("L_a", L_a), ("O_b", O_b), ("L_b", L_b))
+    try:
+        O, L = _unpack(got, 2, "(O, L)")
+        _expect_close("L", L, L_ref, rtol=1e-12)
+        _expect_close("O", O, O_ref, rtol=1e-10)
+    except _Mismatch as mismatch:
+        for side, L_side in (("a", L_a), ("b", L_b)):
+            empty = np.flatnonzero(np.isposinf(L_side))
+            if empty.size:
+                mismatch.lines.append(f"rows where side {side} saw no key (O = 0, L = +inf): {empty.tolist()}")
+        raise
+
+
+def _solution_merge_states(O_a, L_a, O_b, L_b):
+    # An empty side (L = +inf) has softmax statistics (m, ℓ) = (−inf, 0); a non-empty one (L, 1).
+    m_a, m_b = np.where(np.isposinf(L_a), -np.inf, L_a), np.where(np.isposinf(L_b), -np.inf, L_b)
+    m = np.maximum(m_a, m_b)
+    m_safe = np.where(np.isneginf(m), 0.0, m)           # both sides empty: every weight is 0
+    w_a, w_b = np.exp(m_a - m_safe), np.exp(m_b - m_safe)   # arguments <= 0: no overflow
+    l = w_a + w_b
+    l_safe = np.where(l == 0.0, 1.0, l)
+    O = (w_a[:, None] * O_a + w_b[:, None] * O_b) / l_safe[:, None]
+    with np.errstate(divide="ignore"):
+        return O, np.where(l == 0.0, np.inf, m + np.log(l_safe))
+
+
+# -- 14.2 accumulator fragments to operand fragments ---------------------------------------------------------------
+# The mma.sync.m16n8k16 layouts of the PTX ISA, written out here on their own (kernels_gpu.tensorcore.fragments has
+# them too; tests check the two agree): lane l has g = l // 4, t = l % 4.
+
+def _a_fragments(A: np.ndarray) -> np.ndarray:
+    """A (16, 16) → (32, 8): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, …]."""
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    parts = [A[g + row, 2 * t + col + half] for row, col in ((0, 0), (8, 0), (0, 8), (8, 8)) for half in (0, 1)]
+    return np.stack(parts, axis=1)
+
+
+def _c_fragments(C: np.ndarray) -> np.ndarray:
+    """C (16, 8) → (32, 4): c0 = C[g, 2t], c1 = C[g, 2t+1], c2 = C[g+8, 2t], c3 = C[g+8, 2t+1]."""
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    return np.stack([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]], axis=1)
+
+
+def _run_c_to_a(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    if case["values"] == "distinct":
+        S = np.arange(256, dtype=np.float64).reshape(16, 16)   # S[r, c] = 16 r + c: a value names its place
+    else:
+        S = rng.standard_normal((16, 16))
+    expected = _a_fragments(S)
+    calls = _Calls(fn, "my_c_to_a")
+    got = calls(("c_left", _c_fragments(S[:, :8])), ("c_right", _c_fragments(S[:, 8:])))
+    try:
+        g = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise _Mismatch([f"what came back ({type(got).__name__}) is not an array of numbers: {error}"],
+                        expected, got) from None
+    if g.shape != expected.shape:
+        raise _Mismatch([f"wrong shape {g.shape}; expected (32, 8): 32 lanes, a0…a3 with two halves each"],
+                        expected, g)
+    wrong = g != expected
+    if wrong.any():
+        lane, e = (int(v) for v in np.argwhere(wrong)[0])
+
+        def place(value):
+            """Where a value of S sits (every value of S is distinct)."""
+            where = np.argwhere(S == value)
+            return f"S[{where[0][0]}, {where[0][1]}]" if len(where) else _fmt(value)
+
+        raise _Mismatch([f"lane {lane} (g = {lane // 4}, t = {lane % 4}), register a{e // 2}, "
+                         f"{'low' if e % 2 == 0 else 'high'} half: expected {place(expected[lane, e])}, got "
+                         f"{place(g[lane, e])}; {int(wrong.sum())} of 256 entries differ"], expected, g)
+
+
+def _solution_c_to_a(c_left, c_right):
+    # a0 = (c0, c1) and a1 = (c2, c3) of the left tile (columns 0-7); a2, a3 the same of the right tile.
+    return np.concatenate([c_left, c_right], axis=1)
+
+
 # -- the catalogue -------------------------------------------------------------------------------------------------
 
 _ALL_LOGITS = Kind(("normal", "rising", "large"))
@@ -1082,6 +1184,40 @@ _EXERCISES = [
         base={"N_q": 1, "N_k": 1},
         edge_cases=({}, {"N_q": 3, "N_k": 3}, {"N_q": 2, "N_k": 5}, {"N_q": 5, "N_k": 2}, {"N_q": 1, "N_k": 9}),
         n_random=20, run=_run_sdpa_mask, solution=_solution_sdpa_mask),
+    Exercise(
+        id="13.4",
+        title="merge two partial attentions (O, L) over disjoint keys, with empty sides",
+        signature="merge_states(O_a, L_a, O_b, L_b) -> (O, L); O (N, d_v) normalised, L (N,) log-sum-exp, "
+                  "O = 0 and L = +inf on a row where a side saw no key",
+        hint="A side with log-sum-exp L is a row whose statistics are (m, ℓ) = (L, 1): merge them as in chapter 2, "
+             "so the weights are e^(L_a − L) and e^(L_b − L) with L the merged log-sum-exp, and every exponent is "
+             "≤ 0. An empty side has L = +inf, not −inf: its statistics are (−inf, 0), weight 0. A row can be "
+             "empty on both sides.",
+        covers="a side with no key at all, rows empty on one side or both (L = +inf), causal and random masks, "
+               "logits ×20 and ×10⁴, against the float64 oracle over all the keys",
+        params={"N_q": Size(1, 8), "N_k": Size(1, 16), "split": Size(0, 16), "d_v": Size(1, 4), "mask": _MASKS,
+                "logits": Kind(("normal", "spread", "large"))},
+        base={"N_q": 1, "N_k": 1, "split": 1, "d_v": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_q": 3, "N_k": 7, "split": 3, "d_v": 2}, {"N_q": 2, "N_k": 4, "split": 0},
+                    {"N_q": 2, "N_k": 4, "split": 4}, {"N_q": 5, "N_k": 6, "split": 2, "mask": "causal"},
+                    {"N_q": 4, "N_k": 9, "split": 4, "d_v": 2, "mask": "random"},
+                    {"N_q": 3, "N_k": 8, "split": 5, "d_v": 2, "logits": "large"}),
+        n_random=25, run=_run_merge_states, solution=_solution_merge_states,
+        valid=lambda case: case["split"] <= case["N_k"]),
+    Exercise(
+        id="14.2",
+        title="tensor cores: two 16 × 8 tiles' C fragments as their 16 × 16 block's A fragments",
+        signature="my_c_to_a(c_left, c_right) -> (32, 8); c_left, c_right (32, 4): lane l's c0…c3 of columns "
+                  "0-7 and 8-15",
+        hint="Put the C table and the A table side by side for one lane: c0, c1 are row g, columns 2t, 2t + 1 of "
+             "their tile; a0 holds row g, columns 2t, 2t + 1 of the block. Which tile holds the block's columns "
+             "2t + 8, 2t + 9? No lane may read another lane's registers.",
+        covers="S with distinct entries (a wrong place is named) and random S, against the A and C fragment "
+               "layouts of mma.sync.m16n8k16 (PTX ISA)",
+        params={"values": Kind(("distinct", "normal"))},
+        base={"values": "distinct"},
+        edge_cases=({}, {"values": "normal"}),
+        n_random=8, run=_run_c_to_a, solution=_solution_c_to_a),
 ]
 
 EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}
@@ -1224,7 +1360,7 @@ def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
         raise TypeError(f"fn must be your function for exercise {exercise.id} ({exercise.signature}); "
                         f"got {type(fn).__name__}")
     cases = _cases(exercise)
-    header = f"Exercise {exercise.id}: {exercise.title}"
+    header = "\n".join(_wrap(f"Exercise {exercise.id}: {exercise.title}"))
     failure = None
     try:
         for number, case in enumerate(cases, start=1):
@@ -1250,8 +1386,8 @@ def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
 
 
 def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, total: int) -> list[str]:
-    shrunk = (f", shrunk in {failure.shrink_steps} steps from {_describe_case(exercise, failure.first_case)}"
-              if failure.shrink_steps else "")
+    shrunk = (f", shrunk in {_count(failure.shrink_steps, 'step', 'steps')} from "
+              f"{_describe_case(exercise, failure.first_case)}" if failure.shrink_steps else "")
     lines = [f"✗ Wrong answer on case {failure.case_number} of {total}{shrunk}.",
              f"  Smallest failing case found: {_describe_case(exercise, failure.case)}"]
     if mismatch.inputs:
