@@ -7,7 +7,9 @@ claims are assertions in its code cells, so executing it checks them; a cell tha
 cell's source and traceback.
 
 A second, cheap test checks the format every chapter shares: the jupytext header, no stored outputs, and 2–4
-exercises, each with a worked solution a reader can reveal.
+exercises, each with a cell to try it in, a folded hint, and a worked solution whose code and output are folded
+away in the built book (a ``hide-cell`` code cell, still executed here); an exercise that asks for code checks
+it with ``fa2edu.exercises.check`` in both cells.
 """
 
 from __future__ import annotations
@@ -55,12 +57,72 @@ def test_chapter_executes(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _HEADER = re.compile(r"\A---\n(?P<yaml>.*?)\n---\n", re.S)
-_SOLUTION = re.compile(r"<details>\s*<summary>\s*Solution\b", re.I)
+_EXERCISE = re.compile(r"^\*\*Exercise (\d+)\.(\d+)\.\*\*", re.M)
+_HINT = re.compile(r"<details>\s*<summary>\s*Hint\s*</summary>", re.I)
+_SOLUTION = re.compile(r"<details>\s*<summary>\s*Solution\s*</summary>", re.I)
+_CHECK = re.compile(r"""exercises\.check\(["']([\d.]+)["']""")
+_HIDING_TAGS = {"hide-cell", "hide-input", "hide-output", "remove-cell", "remove-input", "remove-output"}
+
+
+def _exercise_cells(notebook) -> list[tuple[str, list]]:
+    """The "## Exercises" section split into exercises: [(id, the cells from its question to the next one)].
+
+    A markdown cell may hold the end of the previous section, the heading and the first question; each piece of
+    markdown is kept as a markdown pseudo-cell so that the checks below can read the section in order.
+    """
+    cells, inside = [], False
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            for piece in re.split(r"(?m)^(?=## )", cell.source):
+                if piece.startswith("## "):
+                    inside = piece.startswith("## Exercises")
+                if inside:
+                    for part in re.split(r"(?m)^(?=\*\*Exercise \d+\.\d+\.\*\*)", piece):
+                        if part.strip():
+                            cells.append(("markdown", part, {}))
+        elif inside:
+            cells.append(("code", cell.source, cell.metadata))
+    exercises = []
+    for kind, source, meta in cells:
+        match = _EXERCISE.match(source) if kind == "markdown" else None
+        if match:
+            exercises.append((f"{match.group(1)}.{match.group(2)}", []))
+        if exercises:
+            exercises[-1][1].append((kind, source, meta))
+    return exercises
+
+
+def _check_exercise(name: str, exercise_id: str, cells: list) -> None:
+    """Question, a try cell, a folded hint, a folded solution, and the solution's code hidden behind a toggle."""
+    from fa2edu import exercises as checkers
+
+    where = f"{name}, exercise {exercise_id}"
+    kinds = [kind for kind, _, _ in cells]
+    assert kinds[:2] == ["markdown", "code"], f"{where}: the question must be followed by a code cell to try it in"
+    try_source, try_meta = cells[1][1], cells[1][2]
+    assert not _HIDING_TAGS & set(try_meta.get("tags", [])), f"{where}: the try cell must be visible"
+    assert "assert" not in try_source, f"{where}: the try cell is the reader's, not the solution"
+    markdown = "\n".join(source for kind, source, _ in cells[2:] if kind == "markdown")
+    assert _HINT.search(markdown), f"{where}: needs a folded hint (<details><summary>Hint</summary>)"
+    assert _SOLUTION.search(markdown), f"{where}: needs a folded solution (<details><summary>Solution</summary>)"
+    hidden = [(source, meta) for kind, source, meta in cells[2:] if kind == "code"]
+    assert hidden, f"{where}: needs the solution's code in a code cell after the folded solution"
+    for source, meta in hidden:
+        assert "hide-cell" in meta.get("tags", []), f"{where}: the solution's code cell must be tagged hide-cell"
+        prompt = meta.get("mystnb", {}).get("code_prompt_show", "")
+        assert "solution" in prompt.lower(), f"{where}: the hidden cell's toggle must say it shows the solution"
+    checked = set(_CHECK.findall(try_source))
+    assert checked <= {exercise_id}, f"{where}: the try cell checks exercise {checked}"
+    if checked:
+        assert exercise_id in checkers.EXERCISES, f"{where}: fa2edu.exercises has no checker for {exercise_id}"
+        assert "NotImplementedError" in try_source, f"{where}: the try cell's stub must raise NotImplementedError"
+        assert any(f'assert exercises.check("{exercise_id}"' in source for source, _ in hidden), \
+            f"{where}: the solution must pass its own checker (assert exercises.check(...))"
 
 
 @pytest.mark.parametrize("path", CHAPTER_FILES, ids=IDS)
 def test_chapter_format(path: Path) -> None:
-    """The shared format: a jupytext MyST header with the python3 kernel, no outputs, 2–4 revealable solutions."""
+    """The shared format: a jupytext MyST header with the python3 kernel, no outputs, 2–4 exercises."""
     text = path.read_text(encoding="utf-8")
     header = _HEADER.match(text)
     assert header, f"{path.name} must start with a YAML front-matter block (the jupytext header)"
@@ -72,10 +134,16 @@ def test_chapter_format(path: Path) -> None:
     notebook = jupytext.reads(text, fmt="md:myst")
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
         f"{path.name} stores outputs: chapters are kept without them so that diffs stay readable"
-    solutions = len(_SOLUTION.findall(text))
     # The preface is a map, not a lesson: it needs no exercises.
-    if not path.stem.startswith("00_"):
-        assert 2 <= solutions <= 4, f"{path.name} has {solutions} revealable solutions; a chapter has 2-4 exercises"
+    if path.stem.startswith("00_"):
+        return
+    exercises = _exercise_cells(notebook)
+    ids = [exercise_id for exercise_id, _ in exercises]
+    number = int(path.stem[:2])
+    assert 2 <= len(ids) <= 4, f"{path.name} has {len(ids)} exercises in its Exercises section; a chapter has 2-4"
+    assert ids == [f"{number}.{k}" for k in range(1, len(ids) + 1)], f"{path.name}: exercises numbered {ids}"
+    for exercise_id, cells in exercises:
+        _check_exercise(path.name, exercise_id, cells)
 
 
 def test_there_are_chapters() -> None:
