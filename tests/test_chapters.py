@@ -146,6 +146,54 @@ def test_chapter_format(path: Path) -> None:
         _check_exercise(path.name, exercise_id, cells)
 
 
+def test_format_check_rejects_a_broken_exercise() -> None:
+    """The exercise check above is not a rubber stamp: each missing part of an exercise fails it."""
+    good = """## Exercises
+
+**Exercise 3.1.** Question.
+
+```{code-cell} ipython3
+# Your code here.
+```
+
+<details><summary>Hint</summary>
+
+A hint.
+
+</details>
+
+<details><summary>Solution</summary>
+
+The answer.
+
+</details>
+
+```{code-cell} ipython3
+---
+mystnb:
+  code_prompt_show: Show the solution's code and output
+tags: [hide-cell]
+---
+print(42)
+```
+"""
+    def check(text):
+        (exercise_id, cells), = _exercise_cells(jupytext.reads(text, fmt="md:myst"))
+        _check_exercise("synthetic", exercise_id, cells)
+
+    check(good)
+    broken = {
+        "no try cell": good.replace("```{code-cell} ipython3\n# Your code here.\n```\n", ""),
+        "no hint": good.replace("<summary>Hint</summary>", "<summary>Note</summary>"),
+        "solution not hidden": good.replace("tags: [hide-cell]", "tags: [hide-input]"),
+        "unchecked id": good.replace("# Your code here.", 'exercises.check("3.1", f)\nraise NotImplementedError'),
+    }
+    for what, text in broken.items():
+        with pytest.raises(AssertionError):
+            check(text)
+            pytest.fail(f"the format check accepted an exercise with {what}")
+
+
 def test_there_are_chapters() -> None:
     """The parametrised tests above would silently collect nothing if the chapters went missing."""
     assert CHAPTER_FILES, f"no chapters found in {CHAPTERS}"
