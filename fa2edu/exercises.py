@@ -108,6 +108,7 @@ class Exercise:
     solution: Callable
     valid: Callable = lambda case: True
     shrink_budget: int = 200
+    solution_is_factory: bool = False      # ``solution()`` builds the solution (9.4 compiles a kernel on first use)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class _Mismatch(Exception):
         self.lines = list(lines)
         self.expected, self.got = expected, got
         self.inputs: dict = {}
-        self.call = ""
+        self.call = ""           # which call failed: the function's name and where in the case (a tile, a launch)
 
 
 class _NotAttempted(Exception):
@@ -162,7 +163,8 @@ class _NotAttempted(Exception):
 
 
 class _Calls:
-    """Calls the reader's function with copies of the inputs; the last call made is kept for the report."""
+    """Calls the reader's function (``name``: what the exercise calls it) with copies of the inputs; the last call
+    made is kept for the report."""
 
     last: "_Calls | None" = None
 
@@ -1134,7 +1136,8 @@ _EXERCISES = [
                     {"rows": 3, "cols": 4, "threads": 2, "masked": "rows"},
                     {"rows": 4, "cols": 5, "threads": 3, "masked": "entries"},
                     {"rows": 3, "cols": 4, "threads": 4, "logits": "large"}),
-        n_random=7, run=_run_row_stats_kernel, solution=lambda: _solution_row_stats(), shrink_budget=40),
+        n_random=7, run=_run_row_stats_kernel, solution=_solution_row_stats, shrink_budget=40,
+        solution_is_factory=True),
     Exercise(
         id="10.1",
         title="TFLOP/s from a results-file record, by FA2 §4.1's FLOP model",
@@ -1269,7 +1272,7 @@ def hint(exercise_id) -> str:
 def solution(exercise_id) -> Callable:
     """The worked solution of an exercise as a function (for instructors and tests; the chapters show it too)."""
     exercise = _exercise(exercise_id)
-    return exercise.solution() if exercise.id == "9.4" else exercise.solution
+    return exercise.solution() if exercise.solution_is_factory else exercise.solution
 
 
 def _cases(exercise: Exercise) -> list[dict]:
@@ -1296,7 +1299,9 @@ def _attempt(exercise: Exercise, fn, case: dict) -> _Mismatch | None:
         exercise.run(fn, case)
     except _Mismatch as mismatch:
         if _Calls.last is not None:
-            mismatch.inputs, mismatch.call = dict(_Calls.last.inputs), _Calls.last.where
+            last = _Calls.last
+            mismatch.inputs = dict(last.inputs)
+            mismatch.call = last.name + (f" ({last.where})" if last.where else "")
         return mismatch
     return None
 
@@ -1391,8 +1396,7 @@ def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, to
     lines = [f"✗ Wrong answer on case {failure.case_number} of {total}{shrunk}.",
              f"  Smallest failing case found: {_describe_case(exercise, failure.case)}"]
     if mismatch.inputs:
-        where = f" ({mismatch.call})" if mismatch.call else ""
-        lines.append(f"  The failing call{where} had")
+        lines.append(f"  The failing call, of {mismatch.call}, had")
         lines += [f"    {_show(name, value)}" for name, value in mismatch.inputs.items()]
     lines.append("  What came back:")
     lines += ["    " + part for line in mismatch.lines for part in line.split("\n")]
