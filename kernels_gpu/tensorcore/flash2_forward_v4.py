@@ -4,7 +4,7 @@ Up to v3 a tile's journey from HBM to shared memory went through registers (a lo
 it), and nothing else happened meanwhile: every tile began with a full HBM latency during which the tensor cores
 sat idle. ``cp.async`` (sm_80+) copies 16 bytes from global to shared memory without registers and without
 blocking the thread; a thread *commits* the copies it started as a group and later *waits* until at most N of its
-groups are still in flight. With two shared-memory stages the copy of tile j + 1 runs while tile j is computed:
+groups are still in flight. With two shared-memory stages the copy of tile j + 1 runs while tile j is computed::
 
     start copy(Q_i, K_0, V_0); commit
     for j:

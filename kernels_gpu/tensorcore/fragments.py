@@ -23,12 +23,12 @@ a3     g + 8            2t + 8, 2t + 9
 
 **B** (16 × 8, "col": element (k, n) with consecutive k packed together): two registers, four elements per lane.
 
-====== ================ ===================
-reg    rows k (low, high)  column n
-====== ================ ===================
-b0     2t, 2t + 1        g
-b1     2t + 8, 2t + 9    g
-====== ================ ===================
+====== ===================== ===================
+reg    rows k (low, high)      column n
+====== ===================== ===================
+b0     2t, 2t + 1              g
+b1     2t + 8, 2t + 9          g
+====== ===================== ===================
 
 **C, D** (16 × 8, f32): four registers, one element each.
 

@@ -3,34 +3,34 @@
 numba has no tensor-core API, but a numba kernel can issue any PTX instruction through
 ``numba.cuda.extending.intrinsic`` with an ``llvmlite.ir.InlineAsm`` body. Every such wrapper of fa2edu lives in
 this module; the kernel bodies stay Python. Each wrapper cites the PTX ISA section it implements; the operand
-layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`.
+layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
 
-=========================  ===============================================  ==============================
-function                   PTX instruction                                  PTX ISA section
-=========================  ===============================================  ==============================
-``mma_f16``, ``mma_bf16``  ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,     9.7.14.5.14 (mma), fragments:
-                           bf16}.{f16,bf16}.f32``: D = A·B + C                9.7.14.5.8 "m16n8k16"
-``ldmatrix_x4``,           ``ldmatrix.sync.aligned.m8n8.x4{.trans}.shared    9.7.14.5.15 (ldmatrix)
-``ldmatrix_x4_trans``      .b16``: four 8 × 8 tiles of 16-bit values from
-                           shared memory into fragments
-``cp_async16``             ``cp.async.cg.shared.global`` 16 bytes, global →   9.7.9.25.3 (cp.async)
-                           shared without passing through registers; a
-                           source size of 0 fills the 16 bytes with zeros
-``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
-``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
-``cp_async_wait_one``      groups of this thread are still in flight
-``pack_f16x2``,            ``cvt.rn.{f16x2,bf16x2}.f32``: two floats rounded  9.7.9.21 (cvt)
-``pack_bf16x2``            to nearest-even and packed, the first in the
-                           low half
-``unpack_f16x2``,          two 16-bit halves → two floats (exact)             9.7.9.21 (cvt)
-``unpack_bf16x2``
-``ex2``                    ``ex2.approx.ftz.f32``: 2^x (~2 ulp; results      9.7.3.20 (ex2)
-                           below 2^-126 flushed to 0)
-``shfl_xor``               ``shfl.sync.bfly.b32``: the value of lane         9.7.9.7 (shfl.sync)
-                           ``lane ^ mask``
-``syncwarp``               ``bar.warp.sync``: the warp's lanes meet; their   9.7.13.5 (bar.warp.sync)
-                           shared-memory writes are visible to each other
-=========================  ===============================================  ==============================
+    =========================  ===============================================  ==============================
+    function                   PTX instruction                                  PTX ISA section
+    =========================  ===============================================  ==============================
+    ``mma_f16``, ``mma_bf16``  ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,     9.7.14.5.14 (mma), fragments:
+                               bf16}.{f16,bf16}.f32``: D = A·B + C                9.7.14.5.8 "m16n8k16"
+    ``ldmatrix_x4``,           ``ldmatrix.sync.aligned.m8n8.x4{.trans}.shared    9.7.14.5.15 (ldmatrix)
+    ``ldmatrix_x4_trans``      .b16``: four 8 × 8 tiles of 16-bit values from
+                               shared memory into fragments
+    ``cp_async16``             ``cp.async.cg.shared.global`` 16 bytes, global →   9.7.9.25.3 (cp.async)
+                               shared without passing through registers; a
+                               source size of 0 fills the 16 bytes with zeros
+    ``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
+    ``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
+    ``cp_async_wait_one``      groups of this thread are still in flight
+    ``pack_f16x2``,            ``cvt.rn.{f16x2,bf16x2}.f32``: two floats rounded  9.7.9.21 (cvt)
+    ``pack_bf16x2``            to nearest-even and packed, the first in the
+                               low half
+    ``unpack_f16x2``,          two 16-bit halves → two floats (exact)             9.7.9.21 (cvt)
+    ``unpack_bf16x2``
+    ``ex2``                    ``ex2.approx.ftz.f32``: 2^x (~2 ulp; results      9.7.3.20 (ex2)
+                               below 2^-126 flushed to 0)
+    ``shfl_xor``               ``shfl.sync.bfly.b32``: the value of lane         9.7.9.7 (shfl.sync)
+                               ``lane ^ mask``
+    ``syncwarp``               ``bar.warp.sync``: the warp's lanes meet; their   9.7.13.5 (bar.warp.sync)
+                               shared-memory writes are visible to each other
+    =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
 that emulates the instruction exactly, so the same kernel source runs in numba's CUDA simulator: the warp-level ones
