@@ -209,16 +209,6 @@ def finish(p: Problem):
     return O_t, torch.from_numpy(L.copy())
 
 
-def _allow_dynamic_shared(kernel, args, nbytes: int) -> None:
-    """Raise the kernel's dynamic shared-memory limit to ``nbytes`` (CUDA needs it above 48 KiB): compile for
-    these argument types, then set the attribute on the loaded function."""
-    from numba.cuda.cudadrv.driver import binding, driver
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    cufunc = compiled._codelibrary.get_cufunc()
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-
-
 #: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
 MAX_DYNAMIC_BYTES = 227 * 1024
 
@@ -226,6 +216,7 @@ MAX_DYNAMIC_BYTES = 227 * 1024
 def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, **options):
     """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch), and return
     ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to ``config_for`` (e.g. a tile shape)."""
+    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
     from kernels_gpu.flash2 import Flash2Forward
 
     p = prepare(Q, K, V, causal=causal, scale=scale)
