@@ -53,7 +53,8 @@ def device(simulated: bool):
 class Config:
     """The compile-time constants of one kernel: head dimension, tile shape, element type, causal or not.
 
-    ``warps`` W: warps per block (B_r = 16 W query rows); ``B_c``: keys per K/V tile (a multiple of 16)."""
+    ``warps`` W: warps per block; ``row_tiles`` R: 16-row MMA tiles per warp (B_r = 16 R W query rows; R = 1 up
+    to v6, R = 2 from v7 on); ``B_c``: keys per K/V tile (a multiple of 16)."""
 
     d: int
     warps: int
@@ -61,6 +62,7 @@ class Config:
     dtype: str                 # "float16" or "bfloat16"
     causal: bool
     simulated: bool
+    row_tiles: int = 1
 
     def __post_init__(self):
         if self.d % 8 or not 8 <= self.d <= 256:
@@ -71,10 +73,12 @@ class Config:
             raise ValueError(f"warps must be in [1, 32], got {self.warps}")
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.row_tiles not in (1, 2):
+            raise ValueError(f"row_tiles must be 1 or 2, got {self.row_tiles}")
 
     @property
     def B_r(self) -> int:
-        return 16 * self.warps
+        return 16 * self.row_tiles * self.warps
 
     @property
     def threads(self) -> int:
