@@ -10,6 +10,7 @@ first run, and what it measured::
     v4  cp.async, double-buffered K/V: the next tile's copy runs under this tile's MMAs
     v5  base-2 softmax with the scale folded into one FMA, Õ rescaled only when the row maximum moves
     v6  the mask tested only on the tiles that can hold a masked key
+    v7  two 16-row MMA tiles per warp (B_r = 128): each K and V fragment serves four MMAs instead of two
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -31,12 +32,14 @@ from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_forward_v4,
     flash2_forward_v5,
     flash2_forward_v6,
+    flash2_forward_v7,
 )
 
 #: the forward rungs: name → ``flash2_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
-            "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward}
+            "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward,
+            "v7": flash2_forward_v7.flash2_forward}
 
 #: the fastest measured forward rung (v6: ``benchmarks/results/nvidia-h100/tensorcore_v6.json``)
 flash2_forward = flash2_forward_v6.flash2_forward
