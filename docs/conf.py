@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT))
 # notebook kernels inherit this environment). A machine with a GPU can override it with NUMBA_ENABLE_CUDASIM=0.
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+# No progress bars of simulated launches in the executed chapters: the built page would keep their raw text.
+os.environ.setdefault("FA2EDU_PROGRESS", "0")
 
 import fa2edu  # noqa: E402  (after the environment is set)
 

@@ -21,6 +21,8 @@
   simulator only); otherwise it returns the array unchanged.
 * **Resources.** Tile shapes are compile-time constants; numba gives a block at most 48 KiB of static shared
   memory (12 288 float32) and 1024 threads: :func:`check_resources` says so before a launch fails obscurely.
+* **Progress.** The simulator runs a launch block by block, slowly: a launch longer than two seconds shows a tqdm
+  bar of its thread blocks, with the time left (:func:`simulator_progress` turns it on, off, or automatic).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
+from tqdm import tqdm
 
 from fa2edu.blocks import resolve_block_sizes
 from fa2edu.validation import check_like, check_scale, prepare
@@ -40,7 +44,8 @@ __all__ = [
     "NoGPUError", "Layout", "simulator_in_use", "require_device", "is_device_array", "prepare_inputs",
     "prepare_like", "device_empty", "device_zeros", "finish", "tally", "grid_size", "check_resources",
     "default_block_sizes",
-    "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS", "STORAGE", "storage_dtype",
+    "checked_block_sizes", "SHARED_FLOATS", "MAX_THREADS", "STORAGE", "storage_dtype", "simulator_progress",
+    "PROGRESS_DELAY_S",
 ]
 
 #: numba's static shared memory per block, 48 KiB, in float32 elements.
@@ -377,3 +382,97 @@ def tally(name: str, array, *, init: bool = False):
 def grid_size(n: int, block: int) -> int:
     """ceil(n / block), the number of blocks covering n items."""
     return max(1, math.ceil(n / block))
+
+
+# -- progress of simulated launches ----------------------------------------------------------------------------------
+
+#: A simulated launch that runs longer than this many seconds shows its progress bar (shorter ones print nothing).
+PROGRESS_DELAY_S = 2.0
+
+#: ``None`` (show the bar in a terminal or a Jupyter kernel, not in logs or captured output), True (always), False
+#: (never). From the environment variable ``FA2EDU_PROGRESS`` (``1``/``0``) or :func:`simulator_progress`.
+_progress = {"1": True, "0": False}.get(os.environ.get("FA2EDU_PROGRESS", ""), None)
+_bar = None                                 # the bar of the launch in progress, if it shows one
+
+
+def simulator_progress(show: bool | None = True) -> bool | None:
+    """Show (True), hide (False) or let the output decide (None, the default) the simulator's progress bars.
+
+    numba's CUDA simulator runs a launch one thread block after another, each block's threads as Python threads:
+    a kernel at N = 512 takes tens of seconds. While the simulator is in use, every launch that runs longer than
+    :data:`PROGRESS_DELAY_S` shows a tqdm bar on stderr counting its thread blocks, with the time left. ``None``
+    shows it only where someone is watching (a terminal or a Jupyter kernel). On a GPU nothing changes.
+
+    Parameters
+    ----------
+    show : bool or None, optional
+        True, False or None as above. Default True.
+
+    Returns
+    -------
+    bool or None
+        The previous setting.
+    """
+    global _progress
+    if show is not None and not isinstance(show, (bool, np.bool_)):
+        raise TypeError(f"show must be True, False or None, got {show!r}")
+    previous, _progress = _progress, None if show is None else bool(show)
+    return previous
+
+
+def _watched(stream) -> bool:
+    """A terminal, or the output of a Jupyter kernel (which reports itself as no terminal)."""
+    return type(stream).__module__.startswith("ipykernel") or bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _start_bar(kernel, grid_dim) -> None:
+    """A fresh bar for a launch of ``grid_dim`` blocks (closing one an exception left open)."""
+    global _bar
+    _close_bar()
+    if _progress is False or (_progress is None and not _watched(sys.stderr)):
+        return
+    name = getattr(kernel, "__name__", "kernel")
+    _bar = tqdm(total=math.prod(grid_dim), desc=f"simulating {name}", unit="block", file=sys.stderr,
+                delay=PROGRESS_DELAY_S, leave=False, dynamic_ncols=True, mininterval=0.5)
+
+
+def _close_bar() -> None:
+    global _bar
+    if _bar is not None:
+        bar, _bar = _bar, None
+        bar.close()
+
+
+def _install_simulator_progress() -> None:
+    """Count the simulator's thread blocks: its launch loop makes one ``BlockManager`` per block, in
+    ``np.ndindex`` order, so the block at grid point (0, 0, 0) starts a launch and the last grid point ends it.
+    The subclass runs each block exactly as numba's does and only ticks the bar around it (device functions,
+    called inside blocks, are untouched). Installed once, when kernels_gpu is imported with the simulator on."""
+    from numba.cuda.simulator import kernel as simulator
+
+    base = simulator.BlockManager
+    if getattr(base, "counts_blocks", False):
+        return
+
+    class CountingBlockManager(base):
+        counts_blocks = True
+
+        def run(self, grid_point, *args):
+            grid_dim = tuple(self._grid_dim)
+            if not any(grid_point):
+                _start_bar(self._f, grid_dim)
+            try:
+                super().run(grid_point, *args)
+            except BaseException:
+                _close_bar()
+                raise
+            if _bar is not None:
+                _bar.update()
+            if tuple(grid_point) == tuple(n - 1 for n in grid_dim):
+                _close_bar()
+
+    simulator.BlockManager = CountingBlockManager
+
+
+if simulator_in_use():
+    _install_simulator_progress()
