@@ -270,3 +270,524 @@ def trace():
 def _record(entry: dict) -> None:
     for records in _active_traces():
         records.append(dict(entry))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which part of a step is computed: FA2 Section 3.1.1's three kinds of blocks, between ranks
+# ----------------------------------------------------------------------------------------------------------------
+
+class PlanItem(NamedTuple):
+    """One block computation of a ring step: local query rows ``rows = (a, b)`` against the first ``keys`` rows
+    of the K/V block held, with a bottom-right causal mask inside when ``causal`` (the diagonal chunk is the last
+    b − a of those keys); ``visible`` score entries per (batch, head)."""
+    rows: tuple[int, int]
+    keys: int
+    causal: bool
+    visible: int
+
+
+def step_plan(N: int, rank: int, source_rank: int, world_size: int, layout: str, causal: bool) -> list[PlanItem]:
+    """What ``rank`` computes at the ring step that holds ``source_rank``'s K/V block (an empty list: skipped).
+
+    Not causal: every query sees every key, one item. Causal (query at global position i sees key j iff j ≤ i):
+    for each query chunk [q_a, q_b) the rank holds, the keys of the block it can see are those at positions
+    ≤ q_b − 1; both ranks store their tokens in ascending order, so these are a *prefix* of the block. If every one
+    of them is at a position ≤ q_a the chunk sees them all (no mask); otherwise the block holds the chunk's own
+    diagonal [q_a, q_b) as the prefix's last q_b − q_a keys, and the mask is the bottom-right causal one. Adjacent
+    query chunks that see the same prefix unmasked are merged into one item. Cost: O(W) integer arithmetic.
+    """
+    query_chunks = chunk_ranges(N, rank, world_size, layout)
+    key_chunks = chunk_ranges(N, source_rank, world_size, layout)
+    n_local = sum(b - a for a, b in query_chunks)
+    if not causal:
+        return [PlanItem((0, n_local), n_local, False, n_local * n_local)]
+
+    def keys_in(lo: int, hi: int) -> int:                 # keys of the block at global positions [lo, hi)
+        return sum(max(0, min(b, hi) - max(a, lo)) for a, b in key_chunks)
+
+    items: list[PlanItem] = []
+    offset = 0
+    for q_a, q_b in query_chunks:
+        c = q_b - q_a
+        rows = (offset, offset + c)
+        offset += c
+        n_visible = keys_in(0, q_b)                       # keys at positions ≤ q_b − 1: a prefix of the block
+        if n_visible == 0:                                 # the chunk sees nothing: skipped
+            continue
+        if keys_in(q_a + 1, q_b) == 0:                     # every visible key is at or before the first query
+            items.append(PlanItem(rows, n_visible, False, c * n_visible))
+            continue
+        # The diagonal: the block must hold all of [q_a, q_b) (true for both layouts: chunks are aligned).
+        if keys_in(q_a, q_b) != c:
+            raise RuntimeError(f"internal: query chunk {(q_a, q_b)} meets a key chunk that is not aligned with it "
+                               f"({key_chunks})")
+        items.append(PlanItem(rows, n_visible, True, c * (n_visible - c) + c * (c + 1) // 2))
+    # Adjacent chunks seeing the same keys without a mask: one call instead of two.
+    merged: list[PlanItem] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        if (last is not None and not last.causal and not item.causal and last.keys == item.keys
+                and last.rows[1] == item.rows[0]):
+            merged[-1] = PlanItem((last.rows[0], item.rows[1]), item.keys, False, last.visible + item.visible)
+        else:
+            merged.append(item)
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One step's arithmetic: a whole-block FA2 step in PyTorch, and the merge
+# ----------------------------------------------------------------------------------------------------------------
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The project's rule: float64 computes in float64, every other dtype in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bottom_right_visible(n_q: int, n_k: int, device) -> torch.Tensor:
+    """(n_q, n_k) booleans: query i sees key j iff j ≤ i + n_k − n_q (the project's causal convention)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
+
+
+def block_attention(q, k, v, causal: bool = False, scale=None):
+    """One whole-block attention step, returning the normalised output and its log-sum-exp: ``(O, L)``.
+
+    ``S = τ·Q Kᵀ`` (masked bottom-right causal when ``causal``), ``m = rowmax(S)``, ``P̃ = exp(S − m)``,
+    ``ℓ = rowsum(P̃)``, ``O = P̃V / ℓ``, ``L = m + log ℓ`` (FA2 Alg. 1 lines 8-10 and 12-13 on one block pair).
+    A row that sees no key gets O = 0 and L = +inf (the project's convention), never NaN.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, H_q, n, d)
+    k : torch.Tensor, shape (B, H_kv, m, d)
+        H_q a multiple of H_kv (GQA: query head h reads K/V head h // (H_q / H_kv); K and V are not copied).
+    v : torch.Tensor, shape (B, H_kv, m, d_v)
+    causal : bool
+        Bottom-right aligned: query i sees key j iff j ≤ i + m − n.
+    scale : float, optional
+        τ, default 1/√d.
+
+    Returns
+    -------
+    (O, L) : O (B, H_q, n, d_v) and L (B, H_q, n), both in the compute dtype (float64 for float64 inputs, else
+    float32).
+
+    Cost: 2·n·m·(d + d_v) FLOPs per (batch, head) and an n × m score tile in memory (the whole block at once:
+    the GPU kernels tile it, this one does not).
+    """
+    work = _work_dtype(q.dtype)
+    B, H_q, n, d = q.shape
+    H_kv, m, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    # GQA: query heads grouped by the K/V head they read, (B, H_kv, G, n, d); K, V broadcast over the group.
+    qg = q.to(work).reshape(B, H_kv, H_q // H_kv, n, d)
+    kg, vg = k.to(work).unsqueeze(2), v.to(work).unsqueeze(2)
+    # Line 8: S = τ Q Kᵀ, −inf where masked.
+    S = tau * (qg @ kg.transpose(-1, -2))
+    if causal:
+        S = S.masked_fill(~_bottom_right_visible(n, m, q.device), -math.inf)
+    # Line 9: m = rowmax(S); guard m = −inf (a row that sees nothing) before exp(S − m).
+    row_max = S.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+    P = torch.exp(S - row_max)
+    ell = P.sum(dim=-1, keepdim=True)
+    # Line 12: O = P̃V / ℓ; guard ℓ = 0 before dividing (O = 0 there).
+    empty = ell == 0
+    O = (P @ vg) / torch.where(empty, torch.ones_like(ell), ell)
+    # Line 13: L = m + log ℓ, +inf on rows that saw no key.
+    L = torch.where(empty, torch.full_like(ell, math.inf), row_max + torch.log(ell))
+    return O.reshape(B, H_q, n, d_v), L.reshape(B, H_q, n)
+
+
+def block_attention_backward(q, k, v, dO, L, D, causal: bool = False, scale=None):
+    """One block's share of the gradients, FA2 Alg. 2 lines 11-20 on a whole block pair: ``(dQ, dK, dV)``.
+
+    ``P = exp(τ·Q Kᵀ − L)`` from the **global** log-sum-exp L of the rows (so P is this block's part of the full
+    softmax), ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − D)`` with the global ``D = rowsum(dO ∘ O)``,
+    ``dQ = τ dS K``, ``dK = τ dSᵀ Q``. Rows with L = +inf have P = 0 and get zero gradients.
+
+    Shapes: q (B, H_q, n, d), k (B, H_kv, m, d), v (B, H_kv, m, d_v), dO (B, H_q, n, d_v), L and D (B, H_q, n).
+    Returns dQ (B, H_q, n, d) and dK, dV (B, H_kv, m, ·) summed over each GQA group, in the compute dtype.
+    Cost: 4·n·m·(d + d_v) + 2·n·m·d FLOPs per (batch, head) (five matmuls when d_v = d), an n × m tile in memory.
+    """
+    work = _work_dtype(q.dtype)
+    B, H_q, n, d = q.shape
+    H_kv, m, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    G = H_q // H_kv
+    tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qg = q.to(work).reshape(B, H_kv, G, n, d)
+    kg, vg = k.to(work).unsqueeze(2), v.to(work).unsqueeze(2)
+    dOg = dO.to(work).reshape(B, H_kv, G, n, d_v)
+    Lg = L.to(work).reshape(B, H_kv, G, n, 1)
+    Dg = D.to(work).reshape(B, H_kv, G, n, 1)
+    # Lines 11-13: S = τ Q Kᵀ (masked), P = exp(S − L); exp(−inf) = 0 covers masked entries and L = +inf rows.
+    S = tau * (qg @ kg.transpose(-1, -2))
+    if causal:
+        S = S.masked_fill(~_bottom_right_visible(n, m, q.device), -math.inf)
+    P = torch.exp(S - Lg)
+    # Line 14: dV_j += Pᵀ dO (summed over the query heads of the group).
+    dV = (P.transpose(-1, -2) @ dOg).sum(dim=2)
+    # Lines 15-16: dP = dO Vᵀ, dS = P ∘ (dP − D).
+    dS = P * (dOg @ vg.transpose(-1, -2) - Dg)
+    # Line 18: dQ_i += τ dS K.   Line 19: dK_j += τ dSᵀ Q (FA2 prints Q dSᵀ: erratum 1).
+    dQ = tau * (dS @ kg)
+    dK = tau * (dS.transpose(-1, -2) @ qg).sum(dim=2)
+    return dQ.reshape(B, H_q, n, d), dK, dV
+
+
+def merge_attention_states(O_a, L_a, O_b, L_b):
+    """The torch twin of :func:`fa2edu.merge_attention_states` (its specification), same rule, same guards.
+
+    ``L = log(e^{L_a} + e^{L_b})``, ``O = e^{L_a − L}·O_a + e^{L_b − L}·O_b``, computed as (m, ℓ) statistics:
+    the larger log-sum-exp is the maximum m, so every exponential has a non-positive argument. A side with
+    L = +inf (it saw no key) is empty: the merge returns the other side; two empty sides give O = 0, L = +inf.
+    Shapes: O (..., N, d_v), L (..., N). Computes in float64 when any input is float64, else float32, and returns
+    O and L in that dtype. Cost per row: 2 exponentials, 1 logarithm, about 3·d_v + 8 other FLOPs.
+    """
+    work = torch.float64 if torch.float64 in (O_a.dtype, L_a.dtype, O_b.dtype, L_b.dtype) else torch.float32
+    O_a, L_a, O_b, L_b = (t.to(work) for t in (O_a, L_a, O_b, L_b))
+    # A side's statistics: (m, ℓ) = (L, 1), or (−inf, 0) when it is empty (L = +inf).
+    m_a = torch.where(torch.isposinf(L_a), torch.full_like(L_a, -math.inf), L_a)
+    m_b = torch.where(torch.isposinf(L_b), torch.full_like(L_b, -math.inf), L_b)
+    # FA1 Alg. 1 line 11: m = max(m_a, m_b), guarded where both sides are empty (m = −inf).
+    m = torch.maximum(m_a, m_b)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e_a, e_b = torch.exp(m_a - m_safe), torch.exp(m_b - m_safe)      # e^{m_a − m}·ℓ_a with ℓ_a = 1 (or 0)
+    ell = e_a + e_b
+    ell_safe = torch.where(ell == 0, torch.ones_like(ell), ell)       # guard ℓ = 0 before dividing
+    # FA1 Alg. 1 line 12 on whole partials, weights e^{L_a − L} and e^{L_b − L}.
+    O = (e_a / ell_safe).unsqueeze(-1) * O_a + (e_b / ell_safe).unsqueeze(-1) * O_b
+    # FA2 Alg. 1 line 13: L = m + log ℓ, +inf where both sides are empty.
+    L = torch.where(ell == 0, torch.full_like(ell, math.inf), m_safe + torch.log(ell_safe))
+    return O, L
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA tensors: the step on kernels_gpu's fastest kernels (needs a GPU; isolated here)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _gpu_block_forward(q, k, v, causal: bool, scale):
+    """The forward step on a CUDA tensor with kernels_gpu's fastest kernel for its dtype, or None (use
+    :func:`block_attention`). float16/bfloat16: ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores);
+    float32: ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.impls``). Both
+    return ``(O, L)`` with L float32 in natural-log units (+inf on rows that see nothing) and take the same
+    bottom-right causal mask as :func:`block_attention`. Inputs are handed over zero-copy through
+    ``__cuda_array_interface__`` on the legacy default stream, which the torch and numba launches share."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        from kernels_gpu import tensorcore
+        kernel = tensorcore.flash2_forward
+    elif q.dtype == torch.float32 and q.shape[-1] % 4 == 0 and v.shape[-1] % 4 == 0:
+        from kernels_gpu.fast import VERSIONS
+        kernel = VERSIONS["v6" if v.shape[-1] <= 64 else "v8"]
+    else:
+        return None
+    q, k, v = (t.detach().contiguous() for t in (q, k, v))
+    result = kernel(q, k, v, causal=causal, scale=scale)
+    return torch.as_tensor(result.O, device=q.device), torch.as_tensor(result.L, device=q.device)
+
+
+def _gpu_block_backward(q, k, v, O, L, dO, causal: bool, scale):
+    """The backward step on float32 CUDA tensors with ``kernels_gpu.fast``'s backward v1 (FA2 Alg. 2 with the
+    given *global* O and L: D = rowsum(dO ∘ O) and P = exp(S − L) are then this block's part of the full
+    softmax), or None (use :func:`block_attention_backward` in float32)."""
+    if q.dtype != torch.float32 or q.shape[-1] % 4 or v.shape[-1] % 4:
+        return None
+    from kernels_gpu.fast import BACKWARD_VERSIONS
+    args = (t.detach().contiguous() for t in (q, k, v, O, L.to(torch.float32), dO))
+    result = BACKWARD_VERSIONS["v1"](*args, causal=causal, scale=scale)
+    return tuple(torch.as_tensor(x, device=q.device) for x in result)
+
+
+def _step_forward(q, k, v, causal: bool, scale):
+    """(O, L) of one plan item, on the fastest path for the tensors' device and dtype."""
+    if q.is_cuda:
+        result = _gpu_block_forward(q, k, v, causal, scale)
+        if result is not None:
+            return result
+    return block_attention(q, k, v, causal=causal, scale=scale)
+
+
+def _step_backward(q, k, v, O, L, D, dO, causal: bool, scale):
+    """(dQ, dK, dV) of one plan item, on the fastest path for the tensors' device and dtype."""
+    if q.is_cuda:
+        result = _gpu_block_backward(q, k, v, O, L, dO, causal, scale)
+        if result is not None:
+            return result
+    return block_attention_backward(q, k, v, dO, L, D, causal=causal, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ring: point-to-point exchanges with the neighbours
+# ----------------------------------------------------------------------------------------------------------------
+
+class _Ring:
+    """A process group seen as a ring: this rank sends to (rank + 1) mod W and receives from (rank − 1) mod W."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = (self.rank + 1) % self.world_size
+        self.prev = (self.rank - 1) % self.world_size
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def exchange(self, tensors, tag: int) -> "_Pending":
+        """Post, without waiting, the send of ``tensors`` to the next rank and the receive of as many tensors of
+        the same shapes from the previous rank (tags ``tag``, ``tag + 1``, …)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(self.next), self.group, tag + i)
+               for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, self._global(self.prev), self.group, tag + i)
+                for i, t in enumerate(received)]
+        return _Pending(dist.batch_isend_irecv(ops), received)
+
+
+class _Pending:
+    """Transfers in flight; ``wait()`` returns the received tensors once the sends and receives are done."""
+
+    def __init__(self, works, received):
+        self.works, self.received = works, received
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+_KV_TAG, _GRAD_TAG = 0, 2          # K, V travel with tags 0, 1; the dK, dV accumulators with tags 2, 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward and backward around the ring
+# ----------------------------------------------------------------------------------------------------------------
+
+def _ring_forward(q, k, v, causal: bool, scale, ring: _Ring, layout: str):
+    """The forward ring: returns O in q's dtype and L (B, H_q, n) in the compute dtype."""
+    B, H_q, n, _ = q.shape
+    H_kv, d, d_v = k.shape[1], k.shape[-1], v.shape[-1]
+    W, rank = ring.world_size, ring.rank
+    N = n * W
+    work = _work_dtype(q.dtype)
+    # FA2 Alg. 1 line 5, one level up: O = 0, L = +inf (the empty partial, the merge's identity).
+    O = torch.zeros(B, H_q, n, d_v, dtype=work, device=q.device)
+    L = torch.full((B, H_q, n), math.inf, dtype=work, device=q.device)
+    block = (k.contiguous(), v.contiguous())
+    kv_elements = B * H_kv * n * (d + d_v)
+    for step in range(W):
+        source = (rank - step) % W
+        # Send the block held to the next rank and receive the next one, posted before this step's compute so
+        # the transfer runs under it (the last step has nothing to pass on).
+        pending = ring.exchange(block, _KV_TAG) if step < W - 1 else None
+        # FA2 Alg. 1 lines 6-11 with the K/V block of `source`: only the parts the causal mask leaves visible.
+        plan = step_plan(N, rank, source, W, layout, causal)
+        for item in plan:
+            a, b = item.rows
+            O_j, L_j = _step_forward(q[:, :, a:b], block[0][:, :, :item.keys], block[1][:, :, :item.keys],
+                                     item.causal, scale)
+            # Merge the step's partial into the running one (FA1 Section 3.1), in the compute dtype.
+            O[:, :, a:b], L[:, :, a:b] = merge_attention_states(O[:, :, a:b], L[:, :, a:b], O_j.to(work),
+                                                                L_j.to(work))
+        visible = sum(item.visible for item in plan)
+        sent = kv_elements if pending is not None else 0
+        _record({"rank": rank, "step": step, "source_rank": source, "flops": 2 * (d + d_v) * visible * B * H_q,
+                 "visible": visible, "elements_sent": sent, "elements_received": sent, "skipped": not plan})
+        if pending is not None:
+            block = tuple(pending.wait())
+    return O.to(q.dtype), L
+
+
+def _ring_backward(dO, q, k, v, O, L, causal: bool, scale, ring: _Ring, layout: str):
+    """The backward ring: dQ computed locally, dK, dV accumulated as they travel back to their owners."""
+    B, H_q, n, _ = q.shape
+    W, rank = ring.world_size, ring.rank
+    N = n * W
+    work = _work_dtype(q.dtype)
+    dO = dO.contiguous()
+    # FA2 Alg. 2 line 4 (once per rank, over its own rows): D = rowsum(dO ∘ O).
+    D = (dO.to(work) * O.to(work)).sum(dim=-1)
+    dQ = torch.zeros(q.shape, dtype=work, device=q.device)
+    block = (k.contiguous(), v.contiguous())
+    grads_in_flight = None
+    for step in range(W):
+        source = (rank - step) % W
+        pending = ring.exchange(block, _KV_TAG) if step < W - 1 else None
+        # This step's share of the gradients of `source`'s K and V, in the compute dtype.
+        dK = torch.zeros(block[0].shape, dtype=work, device=q.device)
+        dV = torch.zeros(block[1].shape, dtype=work, device=q.device)
+        for item in step_plan(N, rank, source, W, layout, causal):
+            a, b, m = item.rows[0], item.rows[1], item.keys
+            dQ_j, dK_j, dV_j = _step_backward(q[:, :, a:b], block[0][:, :, :m], block[1][:, :, :m],
+                                              O[:, :, a:b], L[:, :, a:b], D[:, :, a:b], dO[:, :, a:b],
+                                              item.causal, scale)
+            # FA2 Alg. 2 line 18 (dQ_i += τ dS K, kept here) and line 19-20's dK_j, dV_j (sent on).
+            dQ[:, :, a:b] += dQ_j.to(work)
+            dK[:, :, :m] += dK_j.to(work)
+            dV[:, :, :m] += dV_j.to(work)
+        # The block's accumulators arrive from the previous rank (the shares of the ranks it visited before);
+        # add this rank's share and pass them on, again overlapping the next step's compute.
+        if grads_in_flight is not None:
+            dK_in, dV_in = grads_in_flight.wait()
+            dK, dV = dK + dK_in, dV + dV_in
+        if W > 1:
+            grads_in_flight = ring.exchange((dK, dV), _GRAD_TAG)
+        if pending is not None:
+            block = tuple(pending.wait())
+    # After W hops the accumulators that arrive are those of this rank's own block, complete.
+    if grads_in_flight is not None:
+        dK, dV = grads_in_flight.wait()
+    return dQ.to(q.dtype), dK.to(k.dtype), dV.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention as an autograd Function: the forward saves q, k, v, O and L (FA2 saves only O and L of
+    the attention itself); the backward runs the ring again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, ring, layout):
+        O, L = _ring_forward(q, k, v, causal, scale, ring, layout)
+        ctx.save_for_backward(q, k, v, O, L)
+        ctx.config = (causal, scale, ring, layout)
+        return O
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dO):
+        q, k, v, O, L = ctx.saved_tensors
+        dQ, dK, dV = _ring_backward(dO, q, k, v, O, L, *ctx.config)
+        return dQ, dK, dV, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The public entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _local_problem(q, k, v, causal, scale, layout) -> str | None:
+    """What is wrong with this rank's arguments (a message), or None."""
+    for name, t in (("q_local", q), ("k_local", k), ("v_local", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.ndim < 3:
+            return f"{name} must have shape (B, H, N_local, d) (at least 3 axes), got {tuple(t.shape)}"
+        if t.dtype not in _DTYPES:
+            return f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q_local, k_local, v_local must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return f"q_local, k_local, v_local must be on one device, got {q.device}, {k.device}, {v.device}"
+    if not (q.ndim == k.ndim == v.ndim) or not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        return (f"q_local, k_local, v_local must share their batch axes (..., H, N_local, d); got "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        return f"k_local's head dimension d = {k.shape[-1]} differs from q_local's d = {q.shape[-1]}"
+    if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
+        return f"k_local {tuple(k.shape)} and v_local {tuple(v.shape)} must have the same heads and length"
+    if k.shape[-2] != q.shape[-2]:
+        return (f"q_local and k_local must hold the same number of tokens (N_q = N_k globally, one layout); got "
+                f"N_local = {q.shape[-2]} and {k.shape[-2]}")
+    if q.shape[-3] % k.shape[-3]:
+        return f"H_q = {q.shape[-3]} query heads must be a multiple of H_kv = {k.shape[-3]} key/value heads"
+    if min(q.shape[-2], q.shape[-1], v.shape[-1]) < 1:
+        return f"empty shards: q_local {tuple(q.shape)}, v_local {tuple(v.shape)}"
+    if not isinstance(causal, (bool, np.bool_)):
+        return f"causal must be a bool, got {type(causal).__name__}"
+    if layout not in LAYOUTS:
+        return f"layout must be one of {LAYOUTS}, got {layout!r}"
+    if layout == "zigzag" and q.shape[-2] % 2:
+        return (f"the zigzag layout gives each rank two equal chunks, so N_local must be even (N divisible by "
+                f"2W); got N_local = {q.shape[-2]}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            return f"scale must be a positive float or None, got {type(scale).__name__}"
+        if not (math.isfinite(scale) and scale > 0):
+            return f"scale must be a positive finite float or None, got {scale}"
+    return None
+
+
+def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, group=None,
+                   layout: str = "zigzag", *, check: bool = True):
+    """Attention over a sequence sharded across the ranks of a process group, K/V blocks passed around a ring.
+
+    Call it on **every** rank of ``group`` with that rank's shards (cut by :func:`shard` with the same
+    ``layout``); each rank gets its shard of ``softmax(τ·QKᵀ + mask)·V`` over the *whole* sequence — the result
+    of single-device attention on the unsharded inputs, sharded the same way. Differentiable: the backward pass
+    runs the ring again and returns to each rank the gradients of its own shards.
+
+    Parameters
+    ----------
+    q_local : torch.Tensor, shape (B, H_q, N_local, d)
+        This rank's queries (more leading batch axes are allowed). N_local = N / W.
+    k_local : torch.Tensor, shape (B, H_kv, N_local, d)
+        This rank's keys; H_q a multiple of H_kv (GQA/MQA: query head h reads K/V head h // (H_q / H_kv)).
+    v_local : torch.Tensor, shape (B, H_kv, N_local, d_v)
+        This rank's values.
+    causal : bool, default False
+        Causal mask on *global* positions (query i sees key j iff j ≤ i; N_q = N_k, so bottom-right and top-left
+        alignment agree). Steps whose K/V block no query of the rank can see are skipped.
+    scale : float, optional
+        τ, default 1/√d.
+    group : torch.distributed.ProcessGroup, optional
+        The ranks of the ring, in their group order. Default: the world.
+    layout : {"zigzag", "contiguous"}, default "zigzag"
+        How the sequence was sharded (see :func:`shard`); it decides which blocks a causal step can skip.
+    check : bool, default True (keyword only)
+        Gather every rank's shapes, dtype, device kind and options first (one ``all_gather_object``, under the
+        group's timeout) so that ranks that disagree all raise a ValueError instead of hanging in the ring.
+        ``False`` skips it (a benchmark's choice): disagreeing ranks then fail or time out inside the ring.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, H_q, N_local, d_v), in the inputs' dtype.
+
+    Raises
+    ------
+    RuntimeError
+        torch.distributed is not initialised.
+    ValueError, on every rank
+        Bad arguments on any rank (each rank's problem is reported), ranks that disagree on shapes, dtype, device
+        kind, causal, scale, layout or whether gradients are needed, or an odd N_local under ``"zigzag"``.
+
+    Notes
+    -----
+    Per rank and step: one block step of 2·N_local²·(d + d_v) FLOPs per (batch, head) at most (the causal plan
+    computes only what is visible, see :func:`step_plan`), and B·H_kv·N_local·(d + d_v) K/V elements sent and
+    received while it runs (W − 1 transfers in all). The backward pass: W steps of 5 matmuls, the same K/V
+    transfers, and W transfers of the dK, dV accumulators (float32, float64 for float64 inputs). Partial results
+    merge in float32 (float64 for float64 inputs). Memory per rank: two K/V blocks (the one computed on and the
+    one arriving), and on CPU one N_local × N_local score tile per (batch, head) of a step.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ring_attention runs on a torch.distributed process group: call "
+                           "torch.distributed.init_process_group(...) on every rank first")
+    ring = _Ring(group)
+    problem = _local_problem(q_local, k_local, v_local, causal, scale, layout)
+    if check:
+        tensors = (q_local, k_local, v_local)
+        mine = {"problem": problem,
+                "shapes": None if problem else tuple(tuple(t.shape) for t in tensors),
+                "dtype": None if problem else str(q_local.dtype),
+                "device": None if problem else q_local.device.type,
+                "causal": bool(causal) if isinstance(causal, (bool, np.bool_)) else causal,
+                "scale": scale, "layout": layout,
+                "grad": bool(torch.is_grad_enabled() and not problem and any(t.requires_grad for t in tensors))}
+        everyone: list = [None] * ring.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        problems = [f"rank {r}: {p['problem']}" for r, p in enumerate(everyone) if p["problem"]]
+        if problems:
+            raise ValueError("ring_attention: bad arguments on " + "; ".join(problems))
+        for key in ("shapes", "dtype", "device", "causal", "scale", "layout", "grad"):
+            values = [p[key] for p in everyone]
+            if any(value != values[0] for value in values):
+                listed = ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
+                raise ValueError(f"ring_attention: the ranks disagree on {key} ({listed}); every rank must pass "
+                                 f"shards of one shape and dtype, with the same options")
+    elif problem:
+        raise ValueError(problem)
+    # (..., H, N_local, d) → (B, H, N_local, d): the ring works on one flat batch axis.
+    batch_shape = q_local.shape[:-3]
+    q, k, v = (t.reshape((-1,) + tuple(t.shape[-3:])) for t in (q_local, k_local, v_local))
+    O = _RingAttention.apply(q, k, v, bool(causal), None if scale is None else float(scale), ring, layout)
+    return O.reshape(tuple(batch_shape) + tuple(O.shape[-3:]))
