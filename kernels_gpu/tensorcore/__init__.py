@@ -11,6 +11,8 @@ first run, and what it measured::
     v5  base-2 softmax with the scale folded into one FMA, Õ rescaled only when the row maximum moves
     v6  the mask tested only on the tiles that can hold a masked key
     v7  two 16-row MMA tiles per warp (B_r = 128): each K and V fragment serves four MMAs instead of two
+    v8  the online softmax in float32 throughout (a Python float literal had made it float64)
+    v9  the tile copies' index arithmetic computed once per thread, not per 16-byte copy
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -33,13 +35,16 @@ from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_forward_v5,
     flash2_forward_v6,
     flash2_forward_v7,
+    flash2_forward_v8,
+    flash2_forward_v9,
 )
 
 #: the forward rungs: name → ``flash2_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flash2_forward,
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
             "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward,
-            "v7": flash2_forward_v7.flash2_forward}
+            "v7": flash2_forward_v7.flash2_forward, "v8": flash2_forward_v8.flash2_forward,
+            "v9": flash2_forward_v9.flash2_forward}
 
 #: the fastest measured forward rung (v6: ``benchmarks/results/nvidia-h100/tensorcore_v6.json``)
 flash2_forward = flash2_forward_v6.flash2_forward

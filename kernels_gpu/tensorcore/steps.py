@@ -165,6 +165,33 @@ def make_steps(cfg: Config):
                 ptx.cp_async16(sm, off + r * RS + 4 * c, X, src, 16 if valid else 0)
         return copy_rows_async
 
+    def make_copy_rows_async_inc(ROWS: int):
+        DR = T // CH                             # rows between a thread's consecutive copies
+        if T % CH or ROWS % DR:                  # (d = 40, 48, 80, …: chunks per row do not divide the threads)
+            return make_copy_rows_async(ROWS)
+        STEPS = ROWS // DR
+
+        @jit
+        def copy_rows_async_inc(sm, off, X, z, h, row0, N, tid):
+            """:func:`copy_rows_async` (same effect) with the index arithmetic taken out of the loop: a thread
+            always copies chunk ``tid % CH`` of rows ``tid // CH + k·DR``, so its two addresses are computed once
+            and stepped by constants, where ``copy_rows_async`` paid a division, a remainder, a clamp and a dozen
+            64-bit operations per 16-byte copy. Rows past N and chunks between d and D are zero-filled (source
+            size 0, the source address then row0's, which exists). Head dimensions whose chunk count does not
+            divide the block's threads fall back to ``copy_rows_async``."""
+            c = tid % CH
+            r0 = tid // CH
+            col_ok = 4 * c < DW
+            rem = N - row0 - r0                  # copy k reads a row of X iff k·DR < rem
+            first = ((z * X.shape[1] + h) * X.shape[2] + row0) * DW   # X[z, h, row0, 0], a row that exists
+            src = first + r0 * DW + (4 * c if col_ok else 0)
+            dst = off + r0 * RS + 4 * c
+            for k in range(STEPS):
+                valid = col_ok and k * DR < rem
+                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * DW if valid else first,
+                               16 if valid else 0)
+        return copy_rows_async_inc
+
     @jit
     def zero(x, n):
         """x[0 … n−1] = 0."""
@@ -254,53 +281,65 @@ def make_steps(cfg: Config):
 
     ex2 = ptx.ex2
 
-    @jit
-    def row_softmax_exp2(s, o, m, l, h, row, col0, N_k, scale_log2, diag, mask_tile):
-        """:func:`row_softmax` in base 2 with the scale folded in: exp(τ(x − m)) = 2^(x·τlog₂e − m·τlog₂e), one
-        FMA and one ``ex2.approx`` per element (the ``MUFU.EX2`` unit) instead of a subtract, a multiply and
-        libdevice's expf; and Õ, ℓ are rescaled only when the row maximum moved (α = 1 otherwise: skip 4·D/8
-        multiplies per row). ``mask_tile``: False when the caller knows every key of the tile is visible to every
-        row of the block (then no column test at all)."""
-        mx = neg_inf
-        for n in range(NT):
-            for e in range(2):
-                if mask_tile:
-                    col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
-                    if col >= N_k or (causal and col > row + diag):
-                        s[4 * n + 2 * h + e] = neg_inf
-                mx = max(mx, s[4 * n + 2 * h + e])
-        mx = max(mx, shfl_xor(mx, 1))
-        mx = max(mx, shfl_xor(mx, 2))
-        m_new = max(m[h], mx)
-        # Guard (fully masked so far): P̃ = 0 for the whole row, nothing to rescale.
-        if m_new == neg_inf:
+    def make_online_softmax_exp2(neg_inf):
+        """The base-2 online softmax with ``neg_inf`` as its −∞. v5-v7 passed Python's ``-math.inf``: numba types a
+        Python float as float64, so the row maximum, its comparisons and the exponent's argument ran in double
+        precision (a conversion per score and FP64 arithmetic — on an H100, 64 FP64 operations per clock and SM
+        against 128 FP32, conversions slower still). v8 passes ``float32(-inf)`` and everything stays float32."""
+
+        @jit
+        def row_softmax_exp2(s, o, m, l, h, row, col0, N_k, scale_log2, diag, mask_tile):
+            """:func:`row_softmax` in base 2 with the scale folded in: exp(τ(x − m)) = 2^(x·τlog₂e − m·τlog₂e), one
+            FMA and one ``ex2.approx`` per element (the ``MUFU.EX2`` unit) instead of a subtract, a multiply and
+            libdevice's expf; and Õ, ℓ are rescaled only when the row maximum moved (α = 1 otherwise: skip 4·D/8
+            multiplies per row). ``mask_tile``: False when the caller knows every key of the tile is visible to every
+            row of the block (then no column test at all)."""
+            mx = neg_inf
             for n in range(NT):
                 for e in range(2):
-                    s[4 * n + 2 * h + e] = float32(0.0)
-            return
-        m_scaled = m_new * scale_log2
-        # Alg. 1 line 10: rescale only if the maximum moved (uniform over the row's group of four lanes).
-        if m_new != m[h]:
-            alpha = ex2(m[h] * scale_log2 - m_scaled)
-            l[h] *= alpha
-            for n in range(NO):
+                    if mask_tile:
+                        col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                        if col >= N_k or (causal and col > row + diag):
+                            s[4 * n + 2 * h + e] = neg_inf
+                    mx = max(mx, s[4 * n + 2 * h + e])
+            mx = max(mx, shfl_xor(mx, 1))
+            mx = max(mx, shfl_xor(mx, 2))
+            m_new = max(m[h], mx)
+            # Guard (fully masked so far): P̃ = 0 for the whole row, nothing to rescale.
+            if m_new == neg_inf:
+                for n in range(NT):
+                    for e in range(2):
+                        s[4 * n + 2 * h + e] = float32(0.0)
+                return
+            m_scaled = m_new * scale_log2
+            # Alg. 1 line 10: rescale only if the maximum moved (uniform over the row's group of four lanes).
+            if m_new != m[h]:
+                alpha = ex2(m[h] * scale_log2 - m_scaled)
+                l[h] *= alpha
+                for n in range(NO):
+                    for e in range(2):
+                        o[4 * n + 2 * h + e] *= alpha
+            # Alg. 1 line 9: P̃_ij = 2^(S·τlog₂e − m·τlog₂e), and the lane's part of its row sum.
+            rowsum = float32(0.0)
+            for n in range(NT):
                 for e in range(2):
-                    o[4 * n + 2 * h + e] *= alpha
-        # Alg. 1 line 9: P̃_ij = 2^(S·τlog₂e − m·τlog₂e), and the lane's part of its row sum.
-        rowsum = float32(0.0)
-        for n in range(NT):
-            for e in range(2):
-                p = ex2(s[4 * n + 2 * h + e] * scale_log2 - m_scaled)
-                s[4 * n + 2 * h + e] = p
-                rowsum += p
-        l[h] += rowsum
-        m[h] = m_new
+                    p = ex2(s[4 * n + 2 * h + e] * scale_log2 - m_scaled)
+                    s[4 * n + 2 * h + e] = p
+                    rowsum += p
+            l[h] += rowsum
+            m[h] = m_new
 
-    @jit
-    def online_softmax_exp2(s, o, m, l, row0, col0, N_k, scale_log2, diag, mask_tile):
-        """:func:`online_softmax` with :func:`row_softmax_exp2` (``scale_log2`` = τ·log₂e)."""
-        row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag, mask_tile)
-        row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag, mask_tile)
+        @jit
+        def online_softmax_exp2(s, o, m, l, row0, col0, N_k, scale_log2, diag, mask_tile):
+            """:func:`online_softmax` with :func:`row_softmax_exp2` (``scale_log2`` = τ·log₂e)."""
+            row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag, mask_tile)
+            row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag, mask_tile)
+
+        return online_softmax_exp2
+
+    #: v5-v7's softmax (float64 statistics, kept so that their measurements stay reproducible); v8 on: float32
+    online_softmax_exp2 = make_online_softmax_exp2(neg_inf)
+    online_softmax_f32 = make_online_softmax_exp2(float32(neg_inf))
 
     @jit
     def finish_rows_exp2(o, m, l, O, L, z, head, row0, N_q, scale_log2):
@@ -308,9 +347,11 @@ def make_steps(cfg: Config):
         finish_row(o, m, l, 0, O, L, z, head, row0, N_q, scale_log2 * LN2)
         finish_row(o, m, l, 1, O, L, z, head, row0 + 8, N_q, scale_log2 * LN2)
 
-    return dict(online_softmax_exp2=online_softmax_exp2, finish_rows_exp2=finish_rows_exp2,
+    return dict(online_softmax_exp2=online_softmax_exp2, online_softmax_f32=online_softmax_f32,
+                finish_rows_exp2=finish_rows_exp2,
                 load_q=make_load_rows(cfg.B_r), load_kv=make_load_rows(cfg.B_c), zero=zero, mma_into=mma_into,
                 copy_q_async=make_copy_rows_async(cfg.B_r), copy_kv_async=make_copy_rows_async(cfg.B_c),
+                copy_q_async_inc=make_copy_rows_async_inc(cfg.B_r), copy_kv_async_inc=make_copy_rows_async_inc(cfg.B_c),
                 init_stats=init_stats, online_softmax=online_softmax, finish_rows=finish_rows)
 
 

@@ -1,0 +1,180 @@
+"""Tensor-core FA2 forward, v9: the tile copies' index arithmetic taken out of the loop (v8 + one change).
+
+v8's PTX spends about thirty 64-bit integer instructions on each 16-byte ``cp.async``: the copy loop of every
+rung so far recomputes a thread's row and chunk from a flat index with Python's floor division and remainder
+(sign fix-ups included), clamps, selects, and multiplies the strides again on every step — 16 copies per thread
+and 64-key tile at d = 128, several hundred integer instructions per thread against 256 MMAs per warp. Nsight
+Compute on v7 counted about 2 450 instructions per warp and tile, ten for each MMA, with the integer pipe the
+busiest. v9 computes a thread's (row, chunk) once and steps it by constants (``copy_rows_async_inc`` in
+:mod:`~kernels_gpu.tensorcore.steps`): a few instructions per copy.
+
+**Prediction (before the first GPU run).** If issue slots (not the conversion unit alone) bound v8, cutting
+~350 of ~2 000 instructions per warp-tile gives +10-20 %.
+
+**Measured:** (to be filled after the GPU run).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32, uint32
+
+from kernels_gpu.tensorcore import flash2_forward_v6, launch, ptx
+from kernels_gpu.tensorcore.steps import LOG2E, Config, make_steps
+
+__all__ = ["flash2_forward", "make_kernel", "config_for", "MAX_D"]
+
+#: the largest head dimension v9 runs itself (beyond, two Õ tiles do not fit in registers: v6 runs)
+MAX_D = 128
+
+
+def config_for(d: int, dtype: str, causal: bool, simulated: bool, B_c: int = 64) -> Config:
+    """v9's tile shape (v7's): 4 warps of two row tiles (B_r = 128), B_c = 64 keys (``B_c`` to try others)."""
+    if d > MAX_D:
+        raise ValueError(f"v9 runs d ≤ {MAX_D} (got {d}); flash2_forward hands larger d to v6")
+    return Config(d=d, warps=4, row_tiles=2, B_c=B_c, dtype=dtype, causal=causal, simulated=simulated)
+
+
+def shared_words(cfg: Config) -> int:
+    """32-bit words of shared memory: Q_i, and two stages of K_j, V_j (RS words per row)."""
+    return cfg.B_r * cfg.RS + 4 * cfg.B_c * cfg.RS
+
+
+@functools.lru_cache(maxsize=None)
+def make_kernel(cfg: Config):
+    """The v9 kernel for one configuration (compiled on first launch)."""
+    st = make_steps(cfg)
+    copy_q, copy_kv, zero, init_stats = st["copy_q_async_inc"], st["copy_kv_async_inc"], st["zero"], st["init_stats"]
+    online_softmax, finish_rows, mma_into = st["online_softmax_f32"], st["finish_rows_exp2"], st["mma_into"]
+    ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
+    pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
+    KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
+    KV = B_c // 16                           # 16-wide k-steps of O += P V
+    K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
+    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
+    STAGE = 2 * B_c * RS
+    causal = cfg.causal
+    S_LEN, O_LEN = 4 * NT, 4 * NO           # register-array lengths (compile-time constants)
+
+    @cuda.jit
+    def flash2_forward_tc_v9(Q, K, V, O, L, N_q, N_k, G, scale):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = lane // 4
+        i = cuda.blockIdx.x                   # row block i (FA2 Alg. 1 line 3: one block per i, in parallel)
+        h = cuda.blockIdx.y
+        z = cuda.blockIdx.z
+        hk = h // G                           # GQA: query head h reads key/value head h // G
+        sm = cuda.shared.array(0, uint32)     # dynamic shared memory, as 32-bit words
+        # The warp's two row tiles, each with its own S/P̃ and Õ accumulators and statistics (suffix 0: rows
+        # 32w … 32w + 15 of the block, suffix 1: rows 32w + 16 … 32w + 31).
+        s0 = cuda.local.array(S_LEN, float32)
+        s1 = cuda.local.array(S_LEN, float32)
+        o0 = cuda.local.array(O_LEN, float32)
+        o1 = cuda.local.array(O_LEN, float32)
+        m0 = cuda.local.array(2, float32)
+        m1 = cuda.local.array(2, float32)
+        l0 = cuda.local.array(2, float32)
+        l1 = cuda.local.array(2, float32)
+        row0 = i * B_r + 32 * warp + g        # this lane's first row of tile 0; tile 1's is row0 + 16
+        q_row = (32 * warp + lane % 16) * RS  # the row this lane addresses in ldmatrix of Q (tile 0)
+        diag = N_k - N_q
+        scale_log2 = scale * float32(LOG2E)   # τ·log₂e: exp(τx) = 2^(x·τlog₂e)
+
+        # Causal: the tiles right of the block's last row's diagonal are never visited (all masked).
+        n_tiles = (N_k + B_c - 1) // B_c
+        if causal:
+            last = min(N_k, (i + 1) * B_r + diag)
+            n_tiles = max(0, (last + B_c - 1) // B_c)
+        # Alg. 1 lines 4 and 7 (j = 1): start the copies of Q_i, K_1, V_1, as one group.
+        copy_q(sm, 0, Q, z, h, i * B_r, N_q, tid)
+        if n_tiles > 0:
+            copy_kv(sm, K_OFF, K, z, hk, 0, N_k, tid)
+            copy_kv(sm, V_OFF, V, z, hk, 0, N_k, tid)
+        ptx.cp_async_commit()
+        # Alg. 1 line 5: O_i = 0, ℓ_i = 0, m_i = −∞ (in registers), for both row tiles.
+        zero(o0, O_LEN)
+        zero(o1, O_LEN)
+        init_stats(m0, l0)
+        init_stats(m1, l1)
+        # Alg. 1 line 6: for j = 1 … T_c.
+        for j in range(n_tiles):
+            stage = (j % 2) * STAGE
+            # Line 7 for tile j + 1, started now, lands while tile j is computed.
+            if j + 1 < n_tiles:
+                copy_kv(sm, K_OFF + STAGE - stage, K, z, hk, (j + 1) * B_c, N_k, tid)
+                copy_kv(sm, V_OFF + STAGE - stage, V, z, hk, (j + 1) * B_c, N_k, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_one()           # this thread's copies of tile j (and Q_i) have landed ...
+            cuda.syncthreads()                # ... and everyone's
+
+            # Line 8: S_ij = Q_i K_jᵀ for the warp's 32 rows: each K fragment (two 16 × 8 tiles of keys) is
+            # multiplied into both row tiles — four MMAs per ldmatrix of K.
+            zero(s0, S_LEN)
+            zero(s1, S_LEN)
+            for kk in range(KS):
+                # A: lanes 0-15 address rows 0-15 of the tile at word 8kk, lanes 16-31 the same rows 4 words on.
+                a0, a1, a2, a3 = ldmatrix(sm, q_row + 8 * kk + 4 * (lane // 16))
+                c0, c1, c2, c3 = ldmatrix(sm, q_row + 16 * RS + 8 * kk + 4 * (lane // 16))
+                for p in range(NT // 2):
+                    # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
+                    k_row = K_OFF + stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    b0, b1, b2, b3 = ldmatrix(sm, k_row)
+                    mma_into(s0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(s0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    mma_into(s1, 2 * p, c0, c1, c2, c3, b0, b1)
+                    mma_into(s1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+
+            # Lines 9-10: the online softmax of each row tile; the mask only where a key of the tile can be
+            # invisible to some row of the block: past N_k, or (causal) past the first row's diagonal.
+            mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > i * B_r + diag)
+            online_softmax(s0, o0, m0, l0, row0, j * B_c, N_k, scale_log2, diag, mask_tile)
+            online_softmax(s1, o1, m1, l1, row0 + 16, j * B_c, N_k, scale_log2, diag, mask_tile)
+
+            # Line 10 (second half): Õ_i += P̃_ij V_j, 16 keys per k-step; A comes straight from S's accumulators,
+            # and each V fragment serves both row tiles.
+            for kk in range(KV):
+                a0 = pack(s0[8 * kk], s0[8 * kk + 1])
+                a1 = pack(s0[8 * kk + 2], s0[8 * kk + 3])
+                a2 = pack(s0[8 * kk + 4], s0[8 * kk + 5])
+                a3 = pack(s0[8 * kk + 6], s0[8 * kk + 7])
+                c0 = pack(s1[8 * kk], s1[8 * kk + 1])
+                c1 = pack(s1[8 * kk + 2], s1[8 * kk + 3])
+                c2 = pack(s1[8 * kk + 4], s1[8 * kk + 5])
+                c3 = pack(s1[8 * kk + 6], s1[8 * kk + 7])
+                for p in range(NO // 2):
+                    # B (transposed on the way): lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7,
+                    # columns 16p + 8(u // 2) …
+                    v_row = V_OFF + stage + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p + 4 * (lane // 16)
+                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                    mma_into(o0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(o0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    mma_into(o1, 2 * p, c0, c1, c2, c3, b0, b1)
+                    mma_into(o1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+            cuda.syncthreads()                # stage j mod 2 is free for tile j + 2
+
+        ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)
+        # Lines 12-15: O_i = diag(ℓ_i)⁻¹ Õ_i, L_i = m_i + log ℓ_i, written to HBM once, per row tile.
+        finish_rows(o0, m0, l0, O, L, z, h, row0, N_q, scale_log2)
+        finish_rows(o1, m1, l1, O, L, z, h, row0 + 16, N_q, scale_log2)
+
+    return flash2_forward_tc_v9
+
+
+def _head_dim(Q) -> int:
+    shape = getattr(Q, "shape", None)
+    return int(shape[-1]) if shape else 0
+
+
+def flash2_forward(Q, K, V, causal=False, scale=None, **options):
+    """FA2 forward on tensor cores, rung v9 (v8 with cheap copy addressing). Q (…, N_q, d), K, V (…, N_k, d),
+    float16 or bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns
+    ``Flash2Forward(O, L)``: O in the input dtype, L float32 (+inf on rows that see no key). ``causal``:
+    bottom-right aligned; ``scale``: τ, default 1/√d; ``options`` go to :func:`config_for`. Head dimensions above
+    128 run v6's kernel."""
+    if _head_dim(Q) > MAX_D:
+        return flash2_forward_v6.flash2_forward(Q, K, V, causal=causal, scale=scale)
+    return launch.run(make_kernel, config_for, shared_words, Q, K, V, causal=causal, scale=scale, **options)
