@@ -192,7 +192,8 @@ def erratum_3_tweak_1(seed: int = 0) -> Erratum:
                    "the un-scaled accumulator Õ⁽²⁾ against e^{[S1 S2]−m⁽²⁾}[V1; V2]")
 
 
-def erratum_4_line_10_inverse(seed: int = 0, N: int = 8, N_k: int = 20, d: int = 4, B_c: int = 5) -> Erratum:
+def erratum_4_line_10_inverse(seed: int = 0, N: int = 8, N_k: int = 20, d: int = 4,
+                              B_c: int = 5) -> Erratum:
     """FA2 Algorithm 1 line 10 prints ``Õ_i^(j) = diag(e^{m^(j−1) − m^(j)})⁻¹ Õ_i^(j−1) + P̃_i^(j) V_j``.
 
     Since m^(j) ≥ m^(j−1), the factor e^{m^(j−1) − m^(j)} ≤ 1 scales the old accumulator *down* to the new max;
@@ -201,7 +202,8 @@ def erratum_4_line_10_inverse(seed: int = 0, N: int = 8, N_k: int = 20, d: int =
     Expected: the oracle's O for one row block against all T_c key blocks (τ = 1).
     """
     rng = np.random.default_rng(seed)
-    Q, K, V = rng.standard_normal((N, d)), rng.standard_normal((N_k, d)), rng.standard_normal((N_k, d))
+    Q = rng.standard_normal((N, d))
+    K, V = rng.standard_normal((N_k, d)), rng.standard_normal((N_k, d))
     # Later key blocks are stretched so that the running maxima really move.
     K = K * (1.0 + np.arange(N_k) // B_c)[:, None] * 0.5
 
@@ -216,16 +218,20 @@ def erratum_4_line_10_inverse(seed: int = 0, N: int = 8, N_k: int = 20, d: int =
             P = np.exp(S - m_new[:, None])
             alpha = np.exp(m - m_new)
             l = alpha * l + P.sum(axis=1)
-            O_tilde = (1.0 / alpha if inverse else alpha)[:, None] * O_tilde + P @ V[start:start + B_c]
+            factor = 1.0 / alpha if inverse else alpha
+            O_tilde = factor[:, None] * O_tilde + P @ V[start:start + B_c]
             m = m_new
         return O_tilde / l[:, None]                               # Alg. 1 line 12
 
     expected = attention_reference(Q, K, V, scale=1.0).O
-    return Erratum(4, "FA2 Alg. 1 line 10", "Õ^(j) = diag(e^{m^(j−1) − m^(j)})⁻¹ Õ^(j−1) + P̃^(j) V_j",
-                   "Õ^(j) = diag(e^{m^(j−1) − m^(j)}) Õ^(j−1) + P̃^(j) V_j", run(True), run(False), expected,
-                   f"the output O of one row block after T_c = {num_blocks(N_k, B_c)} key blocks, against the oracle",
-                   notes={"literal_first_step": "with m^(0) = −inf the printed factor is e^{+inf}, and e^{+inf}·0 "
-                                               "= NaN"})
+    return Erratum(4, "FA2 Alg. 1 line 10",
+                   "Õ^(j) = diag(e^{m^(j−1) − m^(j)})⁻¹ Õ^(j−1) + P̃^(j) V_j",
+                   "Õ^(j) = diag(e^{m^(j−1) − m^(j)}) Õ^(j−1) + P̃^(j) V_j",
+                   run(True), run(False), expected,
+                   f"the output O of one row block after T_c = {num_blocks(N_k, B_c)} key "
+                   "blocks, against the oracle",
+                   notes={"literal_first_step": "with m^(0) = −inf the printed factor is "
+                                               "e^{+inf}, and e^{+inf}·0 = NaN"})
 
 
 def erratum_5_D_shape(seed: int = 0, N: int = 7, d: int = 3) -> Erratum:
