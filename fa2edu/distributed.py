@@ -32,7 +32,8 @@ travel with the blocks (float32, or float64 for float64 inputs) and reach their 
 **Where it runs.** CPU tensors (float32, float64) on the gloo backend, computing each step with
 :func:`block_attention` (PyTorch, float32 or float64). CUDA tensors on NCCL: float32 steps run
 ``kernels_gpu.fast``'s fastest forward, float16/bfloat16 steps ``kernels_gpu.tensorcore.flash2_forward``
-(see :func:`_gpu_block_forward`); the backward steps run :func:`block_attention_backward` in float32.
+(see :func:`_gpu_kernels`); float32 backward steps run ``kernels_gpu.fast``'s backward, the others
+:func:`block_attention_backward` in float32.
 
 **Instrumentation.** :func:`trace` records what each forward step did (FLOPs, elements sent and received,
 skipped or not): the figures :func:`fa2edu.simulate_context_parallel` predicts without running anything.
@@ -465,42 +466,52 @@ def merge_attention_states(O_a, L_a, O_b, L_b):
 # CUDA tensors: the step on kernels_gpu's fastest kernels (needs a GPU; isolated here)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _gpu_block_forward(q, k, v, causal: bool, scale):
-    """The forward step on a CUDA tensor with kernels_gpu's fastest kernel for its dtype, or None (use
-    :func:`block_attention`). float16/bfloat16: ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores);
-    float32: ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.impls``). Both
-    return ``(O, L)`` with L float32 in natural-log units (+inf on rows that see nothing) and take the same
-    bottom-right causal mask as :func:`block_attention`. Inputs are handed over zero-copy through
-    ``__cuda_array_interface__`` on the legacy default stream, which the torch and numba launches share."""
-    if q.dtype in (torch.float16, torch.bfloat16):
-        from kernels_gpu import tensorcore
-        kernel = tensorcore.flash2_forward
-    elif q.dtype == torch.float32 and q.shape[-1] % 4 == 0 and v.shape[-1] % 4 == 0:
-        from kernels_gpu.fast import VERSIONS
-        kernel = VERSIONS["v6" if v.shape[-1] <= 64 else "v8"]
-    else:
-        return None
-    q, k, v = (t.detach().contiguous() for t in (q, k, v))
-    result = kernel(q, k, v, causal=causal, scale=scale)
-    return torch.as_tensor(result.O, device=q.device), torch.as_tensor(result.L, device=q.device)
+def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
+    """kernels_gpu's functions for one step on CUDA tensors, fastest first (empty: use the PyTorch step).
+
+    Forward: float16/bfloat16 → ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores); float32 →
+    ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.impls``), then the teaching
+    ``kernels_gpu.flash2_forward`` for head sizes the fast kernels do not take. Backward (float32 only; other
+    dtypes run :func:`block_attention_backward` in float32): ``kernels_gpu.fast`` backward v1, then
+    ``kernels_gpu.flash2_backward``. Every one of them follows :func:`block_attention`'s contract: ``(O, L)`` with
+    L float32 in natural-log units (+inf on rows that see nothing), the same bottom-right causal mask, GQA; the
+    backward ones take the *global* O and L of the rows, so D = rowsum(dO ∘ O) and P = exp(S − L) are this
+    block's part of the full softmax, and return dK, dV summed over each GQA group.
+    """
+    import kernels_gpu
+    if pass_ == "forward":
+        if dtype in (torch.float16, torch.bfloat16):
+            from kernels_gpu import tensorcore
+            return [tensorcore.flash2_forward]
+        if dtype == torch.float32:
+            from kernels_gpu.fast import VERSIONS
+            return [VERSIONS["v6" if d <= 64 else "v8"], kernels_gpu.flash2_forward]
+        return []
+    if dtype == torch.float32:
+        from kernels_gpu.fast import BACKWARD_VERSIONS
+        return [BACKWARD_VERSIONS["v1"], kernels_gpu.flash2_backward]
+    return []
 
 
-def _gpu_block_backward(q, k, v, O, L, dO, causal: bool, scale):
-    """The backward step on float32 CUDA tensors with ``kernels_gpu.fast``'s backward v1 (FA2 Alg. 2 with the
-    given *global* O and L: D = rowsum(dO ∘ O) and P = exp(S − L) are then this block's part of the full
-    softmax), or None (use :func:`block_attention_backward` in float32)."""
-    if q.dtype != torch.float32 or q.shape[-1] % 4 or v.shape[-1] % 4:
-        return None
-    from kernels_gpu.fast import BACKWARD_VERSIONS
-    args = (t.detach().contiguous() for t in (q, k, v, O, L.to(torch.float32), dO))
-    result = BACKWARD_VERSIONS["v1"](*args, causal=causal, scale=scale)
-    return tuple(torch.as_tensor(x, device=q.device) for x in result)
+def _on_gpu(kernels: list, tensors, causal: bool, scale):
+    """Run the first of ``kernels`` that takes these shapes; None when none does. The tensors are handed over
+    zero-copy through ``__cuda_array_interface__`` (the kernels launch on the legacy default stream, which
+    PyTorch's default stream is); the numba device arrays that come back are wrapped the same way."""
+    device = tensors[0].device
+    tensors = [t.detach().contiguous() for t in tensors]
+    for kernel in kernels:
+        try:
+            result = kernel(*tensors, causal=causal, scale=scale)
+        except ValueError:          # a head size (or dtype) this kernel refuses up front: try the next one
+            continue
+        return tuple(torch.as_tensor(x, device=device) for x in result)
+    return None
 
 
 def _step_forward(q, k, v, causal: bool, scale):
     """(O, L) of one plan item, on the fastest path for the tensors' device and dtype."""
     if q.is_cuda:
-        result = _gpu_block_forward(q, k, v, causal, scale)
+        result = _on_gpu(_gpu_kernels("forward", q.dtype, q.shape[-1]), (q, k, v), causal, scale)
         if result is not None:
             return result
     return block_attention(q, k, v, causal=causal, scale=scale)
@@ -509,7 +520,8 @@ def _step_forward(q, k, v, causal: bool, scale):
 def _step_backward(q, k, v, O, L, D, dO, causal: bool, scale):
     """(dQ, dK, dV) of one plan item, on the fastest path for the tensors' device and dtype."""
     if q.is_cuda:
-        result = _gpu_block_backward(q, k, v, O, L, dO, causal, scale)
+        result = _on_gpu(_gpu_kernels("backward", q.dtype, q.shape[-1]), (q, k, v, O, L.to(torch.float32), dO),
+                         causal, scale)
         if result is not None:
             return result
     return block_attention_backward(q, k, v, dO, L, D, causal=causal, scale=scale)

@@ -62,9 +62,9 @@ def _cases(W: int) -> list[dict]:
     cases.append(dict(cases[0], name="zigzag-causal-extreme", layout="zigzag", causal=True, logit_gain=12.0,
                       scale=0.9, seed=100))
     # Errors: each raises a ValueError on every rank, and the group goes on working afterwards.
-    for error in ("odd_zigzag", "shape_mismatch", "dtype_mismatch", "bad_heads_on_one_rank"):
+    for error in ("odd_zigzag", "shape_mismatch", "dtype_mismatch", "bad_heads_on_one_rank", "grad_mismatch"):
         cases.append(dict(cases[0], name=f"error-{error}", kind="error", layout="zigzag", error=error))
-    cases.append(dict(cases[3], name="after-errors", seed=200))
+    cases.append(dict(cases[3], name="after-errors", seed=200, check=False))
     # The W = 1 ring: every rank alone in a group of its own.
     cases.append(dict(cases[3], name="alone", group="self", W=1, N=2 * 4, seed=300))
     return cases
@@ -99,7 +99,8 @@ def _run_ring(case: dict, group, rank: int) -> dict:
     local = {name: torch.from_numpy(cp.shard(a, rank, W, layout)).to(dtype) for name, a in x.items()}
     q, k, v = (local[name].requires_grad_() for name in ("q", "k", "v"))
     with cp.trace() as steps:
-        o = cp.ring_attention(q, k, v, causal=case["causal"], scale=case["scale"], group=group, layout=layout)
+        o = cp.ring_attention(q, k, v, causal=case["causal"], scale=case["scale"], group=group, layout=layout,
+                              check=case.get("check", True))
     o.backward(local["do"])
     assert o.dtype == dtype and q.grad.dtype == dtype and k.grad.dtype == dtype
     return {"o": o.detach().double().numpy(), "dq": q.grad.double().numpy(), "dk": k.grad.double().numpy(),
@@ -119,6 +120,8 @@ def _run_error(case: dict, group, rank: int) -> dict:
     elif error == "bad_heads_on_one_rank" and rank == 1:
         H_q = H_kv + 1
     q, k, v = (torch.zeros(B, H, n, d, dtype=dtype) for H in (H_q, H_kv, H_kv))
+    if error == "grad_mismatch" and rank == 0:
+        q.requires_grad_()
     try:
         cp.ring_attention(q, k, v, causal=True, group=group, layout=layout)
     except ValueError as exc:
@@ -321,11 +324,13 @@ def test_trace_shows_the_causal_imbalance_and_zigzag_balance(group_run):
 
 
 def test_bad_arguments_raise_on_every_rank(group_run):
-    """An odd zigzag shard, shapes or dtypes that differ across ranks, a bad head count on one rank: every rank
-    raises a ValueError naming the problem (no rank hangs), and the group keeps working ("after-errors")."""
+    """An odd zigzag shard, shapes or dtypes that differ across ranks, a bad head count on one rank, gradients
+    wanted on one rank only (its backward would wait forever for the others): every rank raises a ValueError
+    naming the problem (no rank hangs), and the group keeps working ("after-errors")."""
     W, cases, results = group_run
     expect = {"error-odd_zigzag": "N_local must be even", "error-shape_mismatch": "disagree on shapes",
-              "error-dtype_mismatch": "disagree on dtype", "error-bad_heads_on_one_rank": "bad arguments on rank 1"}
+              "error-dtype_mismatch": "disagree on dtype", "error-bad_heads_on_one_rank": "bad arguments on rank 1",
+              "error-grad_mismatch": "disagree on grad"}
     for name, phrase in expect.items():
         messages = [results[name][r]["error"] for r in range(W)]
         assert all(m is not None and phrase in m for m in messages), (name, messages)
@@ -457,6 +462,56 @@ def test_merge_is_the_numpy_merge():
         np.testing.assert_array_equal(got_O.numpy()[0, 1, 0], args[2][0, 1, 0])    # empty a: b unchanged
 
 
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo group of this process alone (W = 1), torn down afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_of_one_with_more_batch_axes(group_of_one):
+    """W = 1 in this process: (B1, B2, H, N, d) inputs, the result and gradients of single-device attention."""
+    rng = np.random.default_rng(11)
+    Q, K, V, dO = (rng.standard_normal(s) for s in ((2, 3, 4, 6, 5), (2, 3, 2, 6, 5), (2, 3, 2, 6, 3),
+                                                     (2, 3, 4, 6, 3)))
+    q, k, v = (torch.tensor(a, requires_grad=True) for a in (Q, K, V))
+    with cp.trace() as steps:
+        o = cp.ring_attention(q, k, v, causal=True, scale=0.7)
+    o.backward(torch.tensor(dO))
+    ref = fa2edu.attention_reference(Q, K, V, causal=True, scale=0.7)
+    grads = fa2edu.attention_reference_backward(Q, K, V, dO, causal=True, scale=0.7)
+    for got, want, name in ((o, ref.O, "O"), (q.grad, grads.dQ, "dQ"), (k.grad, grads.dK, "dK"),
+                            (v.grad, grads.dV, "dV")):
+        assert_close_to_oracle(got.detach().numpy(), want, name)
+    assert len(steps) == 1 and steps[0]["elements_sent"] == 0 and steps[0]["visible"] == 6 * 7 // 2
+    assert steps[0]["flops"] == 2 * (5 + 3) * 21 * 2 * 3 * 4
+
+
+def test_ring_attention_bad_arguments(group_of_one):
+    q = torch.zeros(1, 2, 4, 8)
+    cases = [((q, q, q[..., :3, :]), {}, "same heads and length"),
+             ((q, q[:, :1, :, :4], q[:, :1]), {}, "head dimension"),
+             ((q, q[:, :1], q[:, :1]), {"layout": "striped"}, "layout must be one of"),
+             ((q, q, q), {"causal": 1}, "causal must be a bool"),
+             ((q, q, q), {"scale": -1.0}, "scale must be a positive"),
+             ((q.int(), q, q), {}, "float16, bfloat16, float32 or float64"),
+             ((q, q.double(), q), {}, "share one dtype"),
+             ((q[0], q, q), {}, "batch axes"),
+             ((q, q[:, :, :2], q[:, :, :2]), {}, "same number of tokens"),
+             ((q[:, :, :3], q[:, :, :3], q[:, :, :3]), {}, "N_local must be even"),
+             ((q.numpy(), q, q), {}, "must be a torch.Tensor")]
+    for args, kwargs, phrase in cases:
+        for check in (True, False):
+            with pytest.raises(ValueError, match=phrase):
+                cp.ring_attention(*args, check=check, **kwargs)
+
+
 def test_ring_attention_needs_a_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -481,3 +536,51 @@ def test_import_fa2edu_does_not_import_torch():
     import sys
     code = "import sys, fa2edu; assert 'torch' not in sys.modules, 'fa2edu imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_gpu_fallback_takes_the_first_kernel_that_accepts_the_shapes():
+    calls = []
+
+    def refuses(*args, causal, scale):
+        calls.append("refuses")
+        raise ValueError("head size not supported")
+
+    def accepts(q, k, v, causal, scale):
+        calls.append("accepts")
+        return np.ones(2), np.zeros(3)
+
+    t = torch.zeros(1, 1, 2, 4)
+    O, L = cp._on_gpu([refuses, accepts, refuses], (t, t, t), causal=True, scale=None)
+    assert calls == ["refuses", "accepts"] and O.tolist() == [1, 1] and L.tolist() == [0, 0, 0]
+    assert cp._on_gpu([refuses], (t, t, t), causal=False, scale=None) is None
+
+
+@pytest.mark.parametrize("pass_, dtype", [("forward", torch.float32), ("backward", torch.float32),
+                                          ("forward", torch.float16)])
+def test_gpu_kernels_follow_the_step_contract(pass_, dtype):
+    """The kernels a CUDA step would run, fed NumPy arrays in numba's CUDA simulator on a causal diagonal step
+    (6 queries against a prefix of 12 keys, GQA): the same (O, L) — L in natural-log units — and the same
+    gradients from the global O and L as block_attention / block_attention_backward."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        pytest.skip("runs in numba's CUDA simulator (tests/gpu covers the GPU)")
+    kernels = cp._gpu_kernels(pass_, dtype, 64)
+    assert kernels, (pass_, dtype)
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}[dtype]
+    rng = np.random.default_rng(3)
+    B, H_q, H_kv, n, m, d = 1, 2, 1, 6, 12, 64
+    Q, K, V = (rng.standard_normal(s).astype(np_dtype) for s in ((B, H_q, n, d), (B, H_kv, m, d), (B, H_kv, m, d)))
+    dO = rng.standard_normal((B, H_q, n, d)).astype(np_dtype)
+    q, k, v, do = (torch.tensor(a, dtype=torch.float64) for a in (Q, K, V, dO))
+    O, L = cp.block_attention(q, k, v, causal=True)
+    tol = 5e-5 if dtype == torch.float32 else 5e-3
+    if pass_ == "forward":
+        got = kernels[0](Q, K, V, causal=True, scale=None)
+        np.testing.assert_allclose(np.asarray(got.O, dtype=np.float64), O.numpy(), atol=tol)
+        np.testing.assert_allclose(np.asarray(got.L, dtype=np.float64), L.numpy(), atol=tol)
+    else:
+        D = (do * O).sum(-1)
+        want = cp.block_attention_backward(q, k, v, do, L, D, causal=True)
+        got = kernels[0](Q, K, V, O.numpy().astype(np_dtype), L.numpy().astype(np.float32), dO, causal=True,
+                         scale=None)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, dtype=np.float64), w.numpy(), atol=tol)
