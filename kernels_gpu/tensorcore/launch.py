@@ -78,6 +78,7 @@ class Problem:
     lead: tuple          # the caller's leading axes of Q
     O_user: object = None   # the caller-kind array that O is a view of (torch-cuda), if any
     L_user: object = None
+    stream: object = 0      # the stream to launch on: PyTorch's current stream for CUDA tensors, else numba's default
 
 
 def _shape4(shape: tuple, name: str) -> tuple:
@@ -166,8 +167,13 @@ def prepare(Q, K, V, *, causal, scale) -> Problem:
         if rt.poison_outputs:
             O_user.view(torch.int16).fill_(-1)           # 0xFFFF: a NaN in both float16 and bfloat16
             L_user.fill_(math.nan)
-        words = [cuda.as_cuda_array(x.view(torch.int32)).view(np.uint32) for x in (q, k, v, O_user)]
-        return Problem(*words[:3], words[3], cuda.as_cuda_array(L_user), O_user=O_user, L_user=L_user, **common)
+        # Zero-copy views, launched on PyTorch's current stream: the kernel is ordered after the work that produced
+        # Q, K, V and before whatever PyTorch does next, with no host synchronisation (numba's default for a
+        # foreign array, ``sync=True``, would wait for the GPU to go idle on every call).
+        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
+        words = [cuda.as_cuda_array(x.view(torch.int32), sync=False).view(np.uint32) for x in (q, k, v, O_user)]
+        return Problem(*words[:3], words[3], cuda.as_cuda_array(L_user, sync=False), O_user=O_user,
+                       L_user=L_user, stream=stream, **common)
     if kind == "torch-cpu":
         torch = _torch()
         host = [x.detach().contiguous().view(torch.int16).numpy().view(np.float16) for x in (Q, K, V)]
@@ -209,6 +215,9 @@ def finish(p: Problem):
     return O_t, torch.from_numpy(L.copy())
 
 
+#: kernels whose dynamic shared-memory limit has been raised (the attribute stays set on the loaded function)
+_SHARED_RAISED: set = set()
+
 #: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
 MAX_DYNAMIC_BYTES = 227 * 1024
 
@@ -229,7 +238,10 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, **opti
     args = (p.Q, p.K, p.V, p.O, p.L, np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv),
             np.float32(p.scale))
     if not rt.simulator_in_use() and nbytes > 48 * 1024:
-        _allow_dynamic_shared(kernel, args, nbytes)
+        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
+        if key not in _SHARED_RAISED:                     # once per compiled kernel: a driver call, not free
+            _allow_dynamic_shared(kernel, args, nbytes)
+            _SHARED_RAISED.add(key)
     grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
-    kernel[grid, cfg.threads, 0, nbytes](*args)
+    kernel[grid, cfg.threads, p.stream, nbytes](*args)
     return Flash2Forward(*finish(p))
