@@ -98,8 +98,26 @@ def chunk_ranges(N: int, rank: int, world_size: int, layout: str = "zigzag") -> 
     ``"contiguous"``: one range, [r·N/W, (r+1)·N/W). ``"zigzag"``: with c = N/(2W), chunks r and 2W − 1 − r,
     i.e. [r·c, (r+1)·c) then [(2W−1−r)·c, (2W−r)·c). Either way the stored order is ascending in position.
 
-    Raises ValueError when N is not divisible by W (contiguous) or 2W (zigzag), when rank is outside
-    [0, world_size), or for an unknown layout.
+    Parameters
+    ----------
+    N : int
+        Sequence length, positive.
+    rank : int
+        The rank, 0 ≤ rank < world_size.
+    world_size : int
+        W, the number of ranks, positive.
+    layout : {"zigzag", "contiguous"}, default "zigzag"
+        How the tokens are dealt.
+
+    Returns
+    -------
+    list of (int, int)
+        One range (contiguous) or two (zigzag), half-open.
+
+    Raises
+    ------
+    ValueError
+        N not divisible by W (contiguous) or 2W (zigzag), rank outside [0, world_size), an unknown layout.
     """
     layout = _check_layout(layout)
     N = _check_count(N, "N", 1)
@@ -129,7 +147,7 @@ def shard(x, rank: int, world_size: int, layout: str = "zigzag"):
         The full sequence (queries, keys, values, or a gradient of the output).
     rank, world_size : int
         0 ≤ rank < world_size.
-    layout : {"zigzag", "contiguous"}
+    layout : {"zigzag", "contiguous"}, default "zigzag"
         ``"contiguous"``: tokens [r·N/W, (r+1)·N/W). ``"zigzag"``: chunks r and 2W − 1 − r of 2W equal chunks,
         concatenated in that order.
 
@@ -162,7 +180,7 @@ def unshard(shards, layout: str = "zigzag"):
     ----------
     shards : sequence of torch.Tensor or numpy.ndarray, each shape (..., N/W, d)
         Rank r's shard at position r; all of one kind and one shape.
-    layout : {"zigzag", "contiguous"}
+    layout : {"zigzag", "contiguous"}, default "zigzag"
         The layout the shards were cut with.
 
     Returns
@@ -278,9 +296,19 @@ def _record(entry: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 class PlanItem(NamedTuple):
-    """One block computation of a ring step: local query rows ``rows = (a, b)`` against the first ``keys`` rows
-    of the K/V block held, with a bottom-right causal mask inside when ``causal`` (the diagonal chunk is the last
-    b − a of those keys); ``visible`` score entries per (batch, head)."""
+    """One block computation of a ring step.
+
+    Attributes
+    ----------
+    rows : tuple of int
+        ``(a, b)``: the local query rows [a, b) of this rank.
+    keys : int
+        The computation uses the first ``keys`` rows of the K/V block held.
+    causal : bool
+        A bottom-right causal mask inside (the query chunk's own diagonal is the last b − a of those keys).
+    visible : int
+        The visible (query, key) score entries, per (batch, head).
+    """
     rows: tuple[int, int]
     keys: int
     causal: bool
@@ -289,6 +317,26 @@ class PlanItem(NamedTuple):
 
 def step_plan(N: int, rank: int, source_rank: int, world_size: int, layout: str, causal: bool) -> list[PlanItem]:
     """What ``rank`` computes at the ring step that holds ``source_rank``'s K/V block (an empty list: skipped).
+
+    Parameters
+    ----------
+    N : int
+        The global sequence length.
+    rank : int
+        The rank whose queries are computed.
+    source_rank : int
+        The rank whose K/V block is held.
+    world_size : int
+        W.
+    layout : {"zigzag", "contiguous"}
+        The layout of both ranks' tokens.
+    causal : bool
+        Causal mask on global positions (else every query sees every key).
+
+    Returns
+    -------
+    list of PlanItem
+        Disjoint block computations that together cover exactly the visible (query, key) pairs.
 
     Not causal: every query sees every key, one item. Causal (query at global position i sees key j iff j ≤ i):
     for each query chunk [q_a, q_b) the rank holds, the keys of the block it can see are those at positions
@@ -359,18 +407,22 @@ def block_attention(q, k, v, causal: bool = False, scale=None):
     Parameters
     ----------
     q : torch.Tensor, shape (B, H_q, n, d)
+        The block's queries.
     k : torch.Tensor, shape (B, H_kv, m, d)
-        H_q a multiple of H_kv (GQA: query head h reads K/V head h // (H_q / H_kv); K and V are not copied).
+        The block's keys, H_q a multiple of H_kv (GQA: query head h reads K/V head h // (H_q / H_kv); K and V are
+        not copied).
     v : torch.Tensor, shape (B, H_kv, m, d_v)
-    causal : bool
+        The block's values.
+    causal : bool, default False
         Bottom-right aligned: query i sees key j iff j ≤ i + m − n.
     scale : float, optional
-        τ, default 1/√d.
+        τ, default None: 1/√d.
 
     Returns
     -------
-    (O, L) : O (B, H_q, n, d_v) and L (B, H_q, n), both in the compute dtype (float64 for float64 inputs, else
-    float32).
+    (O, L) : tuple of torch.Tensor
+        O (B, H_q, n, d_v) and L (B, H_q, n), both in the compute dtype (float64 for float64 inputs, else
+        float32).
 
     Cost: 2·n·m·(d + d_v) FLOPs per (batch, head) and an n × m score tile in memory (the whole block at once:
     the GPU kernels tile it, this one does not).
@@ -406,8 +458,30 @@ def block_attention_backward(q, k, v, dO, L, D, causal: bool = False, scale=None
     softmax), ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − D)`` with the global ``D = rowsum(dO ∘ O)``,
     ``dQ = τ dS K``, ``dK = τ dSᵀ Q``. Rows with L = +inf have P = 0 and get zero gradients.
 
-    Shapes: q (B, H_q, n, d), k (B, H_kv, m, d), v (B, H_kv, m, d_v), dO (B, H_q, n, d_v), L and D (B, H_q, n).
-    Returns dQ (B, H_q, n, d) and dK, dV (B, H_kv, m, ·) summed over each GQA group, in the compute dtype.
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, H_q, n, d)
+        The block's queries.
+    k : torch.Tensor, shape (B, H_kv, m, d)
+        The block's keys (H_q a multiple of H_kv).
+    v : torch.Tensor, shape (B, H_kv, m, d_v)
+        The block's values.
+    dO : torch.Tensor, shape (B, H_q, n, d_v)
+        The gradient of the rows' final output.
+    L : torch.Tensor, shape (B, H_q, n)
+        The rows' log-sum-exp over *all* keys (+inf on rows that see none).
+    D : torch.Tensor, shape (B, H_q, n)
+        rowsum(dO ∘ O) with the rows' final output O.
+    causal : bool, default False
+        Bottom-right aligned, as in :func:`block_attention`.
+    scale : float, optional
+        τ, default None: 1/√d.
+
+    Returns
+    -------
+    (dQ, dK, dV) : tuple of torch.Tensor
+        dQ (B, H_q, n, d) and dK, dV (B, H_kv, m, ·) summed over each GQA group, in the compute dtype.
+
     Cost: 4·n·m·(d + d_v) + 2·n·m·d FLOPs per (batch, head) (five matmuls when d_v = d), an n × m tile in memory.
     """
     work = _work_dtype(q.dtype)
@@ -441,8 +515,20 @@ def merge_attention_states(O_a, L_a, O_b, L_b):
     ``L = log(e^{L_a} + e^{L_b})``, ``O = e^{L_a − L}·O_a + e^{L_b − L}·O_b``, computed as (m, ℓ) statistics:
     the larger log-sum-exp is the maximum m, so every exponential has a non-positive argument. A side with
     L = +inf (it saw no key) is empty: the merge returns the other side; two empty sides give O = 0, L = +inf.
-    Shapes: O (..., N, d_v), L (..., N). Computes in float64 when any input is float64, else float32, and returns
-    O and L in that dtype. Cost per row: 2 exponentials, 1 logarithm, about 3·d_v + 8 other FLOPs.
+
+    Parameters
+    ----------
+    O_a, O_b : torch.Tensor, shape (..., N, d_v)
+        The two sides' normalised outputs (0 on rows where a side saw no key).
+    L_a, L_b : torch.Tensor, shape (..., N)
+        Their log-sum-exps, +inf on rows where a side saw no key.
+
+    Returns
+    -------
+    (O, L) : tuple of torch.Tensor
+        In float64 when any input is float64, else float32 (the merge's compute dtype).
+
+    Cost per row: 2 exponentials, 1 logarithm, about 3·d_v + 8 other FLOPs.
     """
     work = torch.float64 if torch.float64 in (O_a.dtype, L_a.dtype, O_b.dtype, L_b.dtype) else torch.float32
     O_a, L_a, O_b, L_b = (t.to(work) for t in (O_a, L_a, O_b, L_b))
@@ -757,7 +843,8 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
     Raises
     ------
     RuntimeError
-        torch.distributed is not initialised.
+        torch.distributed is not initialised. (With NCCL, also set each rank's CUDA device first,
+        ``torch.cuda.set_device``: the agreement check gathers Python objects through it.)
     ValueError, on every rank
         Bad arguments on any rank (each rank's problem is reported), ranks that disagree on shapes, dtype, device
         kind, causal, scale, layout or whether gradients are needed, or an odd N_local under ``"zigzag"``.

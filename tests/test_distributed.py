@@ -24,10 +24,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from tolerances import assert_close_to_oracle  # noqa: E402
 
 import fa2edu  # noqa: E402
 from fa2edu import distributed as cp  # noqa: E402
-from tolerances import assert_close_to_oracle  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with the gloo backend")
@@ -584,3 +584,9 @@ def test_gpu_kernels_follow_the_step_contract(pass_, dtype):
                          scale=None)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, dtype=np.float64), w.numpy(), atol=tol)
+
+
+def test_public_functions_document_every_parameter():
+    from test_api_docs import problems
+    found = {name: problems(getattr(cp, name)) for name in cp.__all__ if callable(getattr(cp, name))}
+    assert not any(found.values()), {name: p for name, p in found.items() if p}
