@@ -581,8 +581,10 @@ def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
 
 def _on_gpu(kernels: list, tensors, causal: bool, scale):
     """Run the first of ``kernels`` that takes these shapes; None when none does. The tensors are handed over
-    zero-copy through ``__cuda_array_interface__`` (the kernels launch on the legacy default stream, which
-    PyTorch's default stream is); the numba device arrays that come back are wrapped the same way."""
+    zero-copy through ``__cuda_array_interface__`` and the numba device arrays that come back are wrapped the
+    same way. The kernels launch on PyTorch's current stream (tensorcore) or numba's default stream (fast,
+    teaching): both are the legacy default stream when ring_attention runs on PyTorch's default stream, as it
+    expects."""
     device = tensors[0].device
     tensors = [t.detach().contiguous() for t in tensors]
     for kernel in kernels:
