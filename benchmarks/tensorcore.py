@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--N", default=",".join(map(str, GRID_N)))
     parser.add_argument("--d", default="64,128")
-    parser.add_argument("--ladder", default=",".join(sorted(VERSIONS)),
+    parser.add_argument("--ladder", default=",".join(list(VERSIONS)),
                         help="rungs timed at every point (fp16, non-causal); the newest also causal and bf16")
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--causal", default="0,1")
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     Ns = [int(x) for x in args.N.split(",")]
     ds = [int(x) for x in args.d.split(",")]
     ladder = args.ladder.split(",")
-    newest = sorted(VERSIONS)[-1]
+    newest = list(VERSIONS)[-1]
     configs = []
     for dtype in args.dtypes.split(","):
         for causal in (bool(int(c)) for c in args.causal.split(",")):

@@ -13,6 +13,8 @@ first run, and what it measured::
     v7  two 16-row MMA tiles per warp (B_r = 128): each K and V fragment serves four MMAs instead of two
     v8  the online softmax in float32 throughout (a Python float literal had made it float64)
     v9  the tile copies' index arithmetic computed once per thread, not per 16-byte copy
+    v10 the tile shape chosen per head dimension (and v8, v9's changes for d > 128 too)
+    v11 causal: the longest row blocks launched first
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -37,6 +39,8 @@ from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_forward_v7,
     flash2_forward_v8,
     flash2_forward_v9,
+    flash2_forward_v10,
+    flash2_forward_v11,
 )
 
 #: the forward rungs: name → ``flash2_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
@@ -44,7 +48,8 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
             "v3": flash2_forward_v3.flash2_forward, "v4": flash2_forward_v4.flash2_forward,
             "v5": flash2_forward_v5.flash2_forward, "v6": flash2_forward_v6.flash2_forward,
             "v7": flash2_forward_v7.flash2_forward, "v8": flash2_forward_v8.flash2_forward,
-            "v9": flash2_forward_v9.flash2_forward}
+            "v9": flash2_forward_v9.flash2_forward, "v10": flash2_forward_v10.flash2_forward,
+            "v11": flash2_forward_v11.flash2_forward}
 
 #: the fastest measured forward rung (v6: ``benchmarks/results/nvidia-h100/tensorcore_v6.json``)
 flash2_forward = flash2_forward_v6.flash2_forward

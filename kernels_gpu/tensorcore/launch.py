@@ -222,9 +222,15 @@ _SHARED_RAISED: set = set()
 MAX_DYNAMIC_BYTES = 227 * 1024
 
 
-def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, **options):
-    """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch), and return
-    ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to ``config_for`` (e.g. a tile shape)."""
+def row_block_major(cfg, p) -> tuple:
+    """The launch grid of every rung up to v10: (row blocks, heads, batch) — blockIdx.x is the row block i."""
+    return (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
+
+
+def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_for=row_block_major, **options):
+    """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch) — arranged
+    by ``grid_for(cfg, problem)`` —, and return ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to
+    ``config_for`` (e.g. a tile shape)."""
     from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
     from kernels_gpu.flash2 import Flash2Forward
 
@@ -242,6 +248,5 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, **opti
         if key not in _SHARED_RAISED:                     # once per compiled kernel: a driver call, not free
             _allow_dynamic_shared(kernel, args, nbytes)
             _SHARED_RAISED.add(key)
-    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
-    kernel[grid, cfg.threads, p.stream, nbytes](*args)
+    kernel[grid_for(cfg, p), cfg.threads, p.stream, nbytes](*args)
     return Flash2Forward(*finish(p))

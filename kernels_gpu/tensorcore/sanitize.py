@@ -13,7 +13,7 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels_gpu.tensorcore import VERSIONS
-    wanted = list(sys.argv[1:] if argv is None else argv) or sorted(VERSIONS)
+    wanted = list(sys.argv[1:] if argv is None else argv) or list(VERSIONS)
     failures = 0
     for version, forward in sorted(VERSIONS.items()):
         if version not in wanted:
