@@ -130,7 +130,7 @@ def _largest_abs_dot(A: np.ndarray, B: np.ndarray) -> float:
         return math.inf
 
 
-def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype) -> None:
+def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, float64_helps: bool = True) -> None:
     """Refuse finite Q, K whose scores S = τ·QKᵀ would overflow ``dtype``: an :class:`AttentionOverflowError`
     naming Q and K, instead of inf and then NaN (inf − inf) in the softmax.
 
@@ -141,6 +141,8 @@ def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype) -> None
     (one float64 product of ``|Q|`` and ``|K|ᵀ``, in row blocks). Scores of 1e4 or 1e6 are far inside both.
 
     Shapes: Q (…, N_q, d) and K (…, N_k, d), leading axes broadcasting; a pair is checked when they meet.
+    ``float64_helps=False`` when the arithmetic stays in ``dtype`` whatever the inputs' dtype (the float32 GPU
+    kernels): the error then does not suggest float64 inputs.
     """
     dtype = np.dtype(dtype)
     largest_value = float(np.finfo(dtype).max)
@@ -153,7 +155,7 @@ def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype) -> None
     if reach <= limit:
         return
     remedies = ["rescale Q or K"]
-    if dtype != np.float64 and reach <= float(np.finfo(np.float64).max) / 2:
+    if float64_helps and dtype != np.float64 and reach <= float(np.finfo(np.float64).max) / 2:
         remedies.append("pass float64 inputs")
     if abs(float(scale)) > 1.0:
         remedies.append("pass a smaller scale=")
@@ -343,7 +345,8 @@ def prepare(Q, K, V, *, causal: bool = False, scale=None, mask=None, allow_mask:
     G = H_q // H_kv
     Q5 = Q.astype(work, copy=False).reshape(Z, H_kv, G, N_q, d)
     K5 = K.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, d)
-    check_score_range(Q5, K5, tau, work if score_dtype is None else score_dtype)
+    check_score_range(Q5, K5, tau, work if score_dtype is None else score_dtype,
+                      float64_helps=score_dtype is None)
     V5 = V.astype(work, copy=False).reshape(Z, H_kv, 1, N_k, V.shape[-1])
     mask5 = None
     if mask is not None:

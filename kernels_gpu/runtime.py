@@ -258,7 +258,8 @@ def prepare_inputs(Q, K, V, *, causal, scale, storage: str = "float32"):
     if any(on_device) and not all(on_device):
         raise TypeError("Q, K, V must all be NumPy arrays or all be device arrays, not a mix")
     if not all(on_device):
-        problem = prepare(Q, K, V, causal=causal, scale=scale, allow_mask=False)
+        # The kernels compute in float32 whatever the inputs' dtype: scores must fit float32 (else inf, then NaN).
+        problem = prepare(Q, K, V, causal=causal, scale=scale, allow_mask=False, score_dtype=np.float32)
         Z, H_kv, G = problem.lead
         layout = Layout(Z, H_kv * G, H_kv, problem.N_q, problem.N_k, problem.d, problem.d_v,
                         tuple(problem.q_shape[:-2]), tuple(problem.kv_shape[:-2]), on_host=True)
@@ -305,11 +306,12 @@ def prepare_like(x, name: str, layout: Layout, tail: tuple, *, per_query: bool =
 
 
 def _host_to_device(array: np.ndarray, name: str = "input", dtype=np.float32):
-    """A contiguous copy of ``array`` in ``dtype`` on the device. Casting a finite NumPy input to float16 may
-    overflow (|x| > 65504): refused, naming the argument, rather than stored as inf."""
+    """A contiguous copy of ``array`` in ``dtype`` on the device. Casting a finite NumPy input to float16 (|x| >
+    65504) or a float64 one to float32 (|x| > 3.4e38) may overflow: refused, naming the argument, rather than stored
+    as inf."""
     with np.errstate(over="ignore"):                  # an overflow is reported below, naming the argument
         stored = np.ascontiguousarray(array, dtype=dtype)
-    if stored.dtype == np.float16 and np.any(np.isfinite(array) & ~np.isfinite(stored)):
+    if stored.dtype != array.dtype and np.any(np.isfinite(array) & ~np.isfinite(stored)):
         raise ValueError(f"{name} has values beyond the range of {stored.dtype.name} "
                          f"(|x| <= {float(np.finfo(stored.dtype).max):g}): it cannot be stored as {stored.dtype.name}")
     return cuda.to_device(stored)
