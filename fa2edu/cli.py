@@ -2,10 +2,11 @@
 
 ::
 
-    fa2edu io --N 4096 --d 64 --M 98304 [--causal] [--dtype float16 --batch 8 --heads 16] [--device a100]
-    fa2edu io --N 8192 --method execute   # run the algorithms on the ledger (a few seconds, with a progress bar)
-    fa2edu tour          # a few seconds: traffic, Theorem 2's scaling, exactness, causal skipping, where to read on
-    fa2edu errata        # every checkable erratum of the papers: printed formula vs corrected, against the oracle
+    fa2edu io --N 4096 --d 64 --M 98304 [--causal] [--device a100]
+    fa2edu io --N 4096 --dtype float16 --batch 8 --heads 16   # bytes for a whole batch
+    fa2edu io --N 8192 --method execute   # runs the algorithms on the ledger (a few seconds)
+    fa2edu tour          # a few seconds: traffic, Theorem 2's scaling, exactness, causal skipping
+    fa2edu errata        # every checkable erratum: printed formula vs corrected, against the oracle
     fa2edu version       # or: fa2edu --version
 
 Every number the command prints is computed when it runs (by :func:`fa2edu.simulate_io`, the algorithms and the

@@ -3,10 +3,14 @@
 The same algorithms as :mod:`fa2edu`, with the same names, keywords and NamedTuple results, now as GPU kernels::
 
     import kernels_gpu
-    O, P = kernels_gpu.standard_attention(Q, K, V, causal=True)              # FA1 Alg. 0: S, P in global memory
-    O, l, m = kernels_gpu.flash1_forward(Q, K, V, block_sizes=(64, 32))      # FA1 Alg. 1: K/V-outer loop
-    O, L = kernels_gpu.flash2_forward(Q, K, V, causal=True)                  # FA2 Alg. 1: Q-outer, L written once
-    dQ, dK, dV = kernels_gpu.flash2_backward(Q, K, V, O, L, dO, causal=True)  # FA2 Alg. 2: atomics on dQ
+    # FA1 Alg. 0: S and P in global memory
+    O, P = kernels_gpu.standard_attention(Q, K, V, causal=True)
+    # FA1 Alg. 1: the K/V-outer loop
+    O, l, m = kernels_gpu.flash1_forward(Q, K, V, block_sizes=(64, 32))
+    # FA2 Alg. 1: the Q-outer loop, L written once
+    O, L = kernels_gpu.flash2_forward(Q, K, V, causal=True)
+    # FA2 Alg. 2: atomics on dQ
+    dQ, dK, dV = kernels_gpu.flash2_backward(Q, K, V, O, L, dO, causal=True)
 
 Arrays are (..., N, d) float32 with heads on the axis before N (GQA when Q has more heads than K and V). NumPy
 arrays are copied to the device and the results come back as NumPy arrays; numba device arrays and anything with
