@@ -17,6 +17,11 @@ SIGNATURE = (types.uint32[:, :, :, ::1], types.uint32[:, :, :, ::1], types.uint3
              types.uint32[:, :, :, ::1], types.float32[:, :, ::1], types.int32, types.int32, types.int32,
              types.float32)
 
+#: the backward rungs' kernels (``bwd_v1`` …): Q, K, V, dO words, the row statistics, dQ's float32 accumulator, dK,
+#: dV words, N_q, N_k, G, τ, τ·log₂e
+BACKWARD_SIGNATURE = ((types.uint32[:, :, :, ::1],) * 4 + (types.float32[:, :, :, ::1],) * 2 +
+                      (types.uint32[:, :, :, ::1],) * 2 + (types.int32,) * 3 + (types.float32,) * 2)
+
 
 class _Hopper:
     """Stands in for the current device when there is none: numba compiles device functions for the current
@@ -34,21 +39,26 @@ def _compile_without_gpu() -> None:
 
 
 def report(version: str, d: int, dtype: str = "float16", causal: bool = False, **options) -> dict:
-    """Registers, spill bytes, stack frame of ``version``'s kernel at head dimension ``d`` (ptxas -v, sm_90)."""
+    """Registers, spill bytes, stack frame of ``version``'s kernel at head dimension ``d`` (ptxas -v, sm_90).
+    ``version``: a forward rung ("v6") or a backward rung ("bwd_v1"; its register cap, if any, is passed on)."""
     _compile_without_gpu()
-    module = importlib.import_module(f"kernels_gpu.tensorcore.flash2_forward_{version}")
+    backward = version.startswith("bwd_")
+    name = f"flash2_backward_{version[4:]}" if backward else f"flash2_forward_{version}"
+    module = importlib.import_module(f"kernels_gpu.tensorcore.{name}")
     cfg = module.config_for(d, dtype, causal, False, **options)
     kernel = module.make_kernel(cfg)
-    ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(kernel.py_func, BACKWARD_SIGNATURE if backward else SIGNATURE, cc=(9, 0))
+    cap = getattr(cfg, "max_registers", None)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        out = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        out = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")] +
+                             ([f"--maxrregcount={cap}"] if cap else []),
                              capture_output=True, text=True, check=True).stderr
     nums = {key: int(m.group(1)) if (m := re.search(pat, out)) else None for key, pat in
             (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
              ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame"))}
-    nums.update(version=version, d=d, dtype=dtype, causal=causal, B_r=cfg.B_r, B_c=cfg.B_c,
+    nums.update(version=version, d=d, dtype=dtype, causal=causal, B_r=cfg.B_r, B_c=cfg.B_c, max_registers=cap,
                 shared_bytes=4 * module.shared_words(cfg), mma=ptx.count("mma.sync"),
                 ldmatrix=ptx.count("ldmatrix"), local_ld=len(re.findall(r"ld\.local", ptx)))
     return nums

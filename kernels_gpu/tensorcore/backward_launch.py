@@ -1,0 +1,197 @@
+"""Inputs and outputs of the tensor-core backward kernels: the forward's (:mod:`~kernels_gpu.tensorcore.launch`)
+plus O, L and dO, and the three launches of one backward pass.
+
+Q, K, V are checked and converted by :func:`kernels_gpu.tensorcore.launch.prepare`, exactly as for the forward
+(same kinds of arrays, same errors). That function also allocates an output of Q's shape in the input dtype —
+here it receives dQ — and the rest is added here: O and dO (Q's shape, kind and dtype), L (Q's shape without the
+last axis, float32, as the forward returns it: natural log, +∞ on rows that see no key), and the outputs dK, dV
+(K's shape and the input dtype), poisoned when ``kernels_gpu.runtime.poison_outputs`` is set.
+
+One backward pass is three launches (:func:`run_backward`)::
+
+    preprocess   D = rowsum(dO ∘ O), L·log₂e, dQ_acc = 0          a warp per row             (Alg. 2 lines 3-4)
+    main         dK_j, dV_j; dQ_acc += dS K_j (atomic adds)       a block per key block j    (lines 5-24)
+    convert      dQ = τ · dQ_acc, rounded to the input dtype      a thread per two elements
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+import kernels_gpu.runtime as rt
+from kernels_gpu.tensorcore import launch
+from kernels_gpu.tensorcore.backward_steps import CONVERT_THREADS, PRE_WARPS, convert_dq_kernel, preprocess_kernel
+
+__all__ = ["BackwardProblem", "prepare_backward", "finish_backward", "run_backward"]
+
+
+@dataclass
+class BackwardProblem:
+    """One backward problem as the kernels see it, and how to hand the gradients back."""
+
+    fwd: launch.Problem  # Q, K, V as words; its O (Q's shape, input dtype) receives dQ
+    O: object            # (Z, H_q, N_q, d/2) uint32
+    dO: object           # (Z, H_q, N_q, d/2) uint32
+    L: object            # (Z, H_q, N_q) float32
+    dK: object           # (Z, H_kv, N_k, d/2) uint32 output
+    dV: object           # (Z, H_kv, N_k, d/2) uint32 output
+    kv_lead: tuple       # the caller's leading axes of K
+    dK_user: object = None
+    dV_user: object = None
+
+
+def _detach(x):
+    return x.detach() if launch._is_torch(x) else x
+
+
+def _check_like_q(x, name: str, p: launch.Problem, Q) -> None:
+    kind = ("torch-cuda" if x.is_cuda else "torch-cpu") if launch._is_torch(x) else (
+        "numba" if getattr(x, "__cuda_ndarray__", False) else
+        "numpy" if isinstance(x, np.ndarray) and type(x) is np.ndarray else type(x).__name__)
+    if kind != p.kind:
+        raise TypeError(f"{name} must be of the same kind as Q, K, V ({p.kind}), got {kind}")
+    if tuple(x.shape) != tuple(Q.shape):
+        raise ValueError(f"{name} must have Q's shape {tuple(Q.shape)}, got {tuple(x.shape)}")
+    if launch._dtype_name(x) != p.dtype:
+        raise TypeError(f"{name} must have Q's dtype {p.dtype}, got {launch._dtype_name(x)}")
+
+
+def _check_l(L, p: launch.Problem, Q):
+    kind = ("torch-cuda" if L.is_cuda else "torch-cpu") if launch._is_torch(L) else (
+        "numba" if getattr(L, "__cuda_ndarray__", False) else
+        "numpy" if isinstance(L, np.ndarray) and type(L) is np.ndarray else type(L).__name__)
+    if kind != p.kind:
+        raise TypeError(f"L must be of the same kind as Q, K, V ({p.kind}), got {kind}")
+    if tuple(L.shape) != tuple(Q.shape[:-1]):
+        raise ValueError(f"L must have shape {tuple(Q.shape[:-1])} (Q's without its last axis), got "
+                         f"{tuple(L.shape)}")
+    if launch._dtype_name(L) != "float32":
+        raise TypeError(f"L must be float32 (the forward's log-sum-exp), got {launch._dtype_name(L)}")
+
+
+def _words(x, p: launch.Problem, name: str):
+    """O or dO as the kernels' (Z, H_q, N_q, d/2) uint32 view on the device."""
+    shape = (p.Z, p.H_q, p.N_q, p.d)
+    if p.kind == "torch-cuda":
+        import torch
+        return cuda.as_cuda_array(x.reshape(shape).contiguous().view(torch.int32), sync=False).view(np.uint32)
+    if p.kind == "numba":
+        return x.reshape(shape).view(np.uint32)
+    if p.kind == "torch-cpu":
+        import torch
+        host = x.contiguous().view(torch.int16).numpy().view(np.float16)
+    else:
+        host = np.asarray(x)
+        if not np.isfinite(host).all():
+            raise ValueError(f"{name} must be finite (no NaN or inf)")
+    return cuda.to_device(launch._words_host(host, p.Z, p.H_q, p.N_q, p.d))
+
+
+def _stats_l(L, p: launch.Problem):
+    shape = (p.Z, p.H_q, p.N_q)
+    if p.kind == "torch-cuda":
+        return cuda.as_cuda_array(L.reshape(shape).contiguous(), sync=False)
+    if p.kind == "numba":
+        return L.reshape(shape)
+    host = L.contiguous().numpy() if p.kind == "torch-cpu" else np.asarray(L)
+    if np.isnan(host).any():
+        raise ValueError("L must not contain NaN (+inf marks a row that sees no key)")
+    return cuda.to_device(np.ascontiguousarray(host, dtype=np.float32).reshape(shape))
+
+
+def _empty_words(p: launch.Problem, shape: tuple):
+    """An output of ``shape`` (elements) in the input dtype, as (uint32 words on the device, the caller-kind
+    tensor they view or None); poisoned (0xFFFF halves, NaN in both dtypes) when asked."""
+    if p.kind == "torch-cuda":
+        import torch
+        user = torch.empty(shape, dtype=getattr(torch, p.dtype), device=p.O_user.device)
+        if rt.poison_outputs:
+            user.view(torch.int16).fill_(-1)
+        return cuda.as_cuda_array(user.view(torch.int32), sync=False).view(np.uint32), user
+    wshape = shape[:-1] + (shape[-1] // 2,)
+    if rt.poison_outputs:
+        return cuda.to_device(np.full(wshape, 0xFFFFFFFF, dtype=np.uint32)), None
+    return cuda.device_array(wshape, dtype=np.uint32), None
+
+
+def _empty_f32(p: launch.Problem, shape: tuple):
+    if p.kind == "torch-cuda":
+        import torch
+        return cuda.as_cuda_array(torch.empty(shape, dtype=torch.float32, device=p.O_user.device), sync=False)
+    return cuda.device_array(shape, dtype=np.float32)
+
+
+def prepare_backward(Q, K, V, O, L, dO, *, causal, scale) -> BackwardProblem:
+    """Check Q, K, V (as the forward does), O, L, dO, and return them as a :class:`BackwardProblem` with freshly
+    allocated dQ (in ``fwd.O``), dK, dV."""
+    Q, K, V, O, L, dO = (_detach(x) for x in (Q, K, V, O, L, dO))
+    p = launch.prepare(Q, K, V, causal=causal, scale=scale)
+    for x, name in ((O, "O"), (dO, "dO")):
+        _check_like_q(x, name, p, Q)
+    _check_l(L, p, Q)
+    dK, dK_user = _empty_words(p, (p.Z, p.H_kv, p.N_k, p.d))
+    dV, dV_user = _empty_words(p, (p.Z, p.H_kv, p.N_k, p.d))
+    return BackwardProblem(fwd=p, O=_words(O, p, "O"), dO=_words(dO, p, "dO"), L=_stats_l(L, p), dK=dK, dV=dV,
+                           kv_lead=tuple(K.shape[:-2]), dK_user=dK_user, dV_user=dV_user)
+
+
+def _finish_kv(bp: BackwardProblem, words, user):
+    p, shape = bp.fwd, bp.kv_lead + (bp.fwd.N_k, bp.fwd.d)
+    if p.kind == "torch-cuda":
+        return user.reshape(shape)
+    if p.kind == "numba":
+        return words.view(np.float16).reshape(shape)
+    host = words.copy_to_host().view(np.uint16).reshape(shape)
+    if p.kind == "numpy":
+        return host.view(np.float16)
+    import torch
+    return torch.from_numpy(host.view(np.int16).copy()).view(getattr(torch, p.dtype))
+
+
+def finish_backward(bp: BackwardProblem):
+    """``Flash2Backward(dQ, dK, dV)`` in the caller's kind and leading axes, in the input dtype."""
+    from kernels_gpu.flash2 import Flash2Backward
+    dQ = launch.finish(bp.fwd)[0]
+    return Flash2Backward(dQ, _finish_kv(bp, bp.dK, bp.dK_user), _finish_kv(bp, bp.dV, bp.dV_user))
+
+
+def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, causal, scale, **options):
+    """Check the inputs, pick the rung's configuration, run the three launches (preprocess; the rung's kernel,
+    one block per (key block, column chunk, key/value head, batch); dQ's conversion) and return
+    ``Flash2Backward(dQ, dK, dV)`` in the caller's kind. ``options`` go to ``config_for``. The launches go to the
+    forward's stream (PyTorch's current stream for CUDA tensors), with no host synchronisation."""
+    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
+
+    bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
+    p = bp.fwd
+    cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
+    kernel = make_kernel(cfg)
+    nbytes = 4 * shared_words(cfg)
+    if nbytes > launch.MAX_DYNAMIC_BYTES:
+        raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory at d = {p.d}; a block may have "
+                         f"{launch.MAX_DYNAMIC_BYTES}")
+    N_pad = cfg.padded_rows(p.N_q)
+    stats = _empty_f32(p, (p.Z, p.H_q, 2, N_pad))
+    dQacc = _empty_f32(p, (p.Z, p.H_q, p.N_q, p.d))
+    # Alg. 2 lines 3-4: dQ_acc = 0; D = rowsum(dO ∘ O); L·log₂e (padded to whole row blocks).
+    preprocess_kernel(p.d, p.dtype)[(rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z), 32 * PRE_WARPS, p.stream](
+        bp.O, bp.dO, bp.L, stats, dQacc, np.int32(p.N_q))
+    # Alg. 2 lines 5-24: one block per key block j (and column chunk).
+    args = (p.Q, p.K, p.V, bp.dO, stats, dQacc, bp.dK, bp.dV, np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), np.float32(p.scale * math.log2(math.e)))
+    if not rt.simulator_in_use() and nbytes > 48 * 1024:
+        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
+        if key not in launch._SHARED_RAISED:              # once per compiled kernel (the forward's rule)
+            _allow_dynamic_shared(kernel, args, nbytes)
+            launch._SHARED_RAISED.add(key)
+    grid = (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z)
+    kernel[grid, cfg.threads, p.stream, nbytes](*args)
+    # Alg. 2 line 15's result, rounded once: dQ = τ · dQ_acc in the input dtype.
+    n_words = p.Z * p.H_q * p.N_q * p.d // 2
+    convert_dq_kernel(p.dtype)[rt.grid_size(n_words, CONVERT_THREADS), CONVERT_THREADS, p.stream](
+        dQacc.reshape(-1), p.O.reshape(-1), np.float32(p.scale))
+    return finish_backward(bp)
