@@ -51,7 +51,7 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
             "v9": flash2_forward_v9.flash2_forward, "v10": flash2_forward_v10.flash2_forward,
             "v11": flash2_forward_v11.flash2_forward}
 
-#: the fastest measured forward rung (v6: ``benchmarks/results/nvidia-h100/tensorcore_v6.json``)
-flash2_forward = flash2_forward_v6.flash2_forward
+#: the fastest measured forward rung (v11: ``benchmarks/results/nvidia-h100/tensorcore_v11.json``)
+flash2_forward = flash2_forward_v11.flash2_forward
 
 __all__ = ["VERSIONS", "flash2_forward"]

@@ -19,7 +19,12 @@ against 184 at 64; d = 128: 193 against 211.)
 **Prediction (before the first GPU run).** d = 64: +3-6 % (the tile sweep); d = 128 unchanged; d = 256: well above
 v6 (the float64 softmax and the copy arithmetic weighed more per FLOP there): 1.5-2×.
 
-**Measured:** (to be filled after the GPU run).
+**Measured** (H100, 2026-11-24, ``tensorcore_v11.json``, v6, v9, v10, v11 and SDPA flash in one run; fp16,
+non-causal, TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 131.0 / 171.2 / 199.4 / 217.8 / 238.5 (v9
+in the same run: 102.0 / 126.8 / 200.5 / 223.3 / 238.1) — the third block per SM pays at N ≤ 2048, where a block
+has few tiles to hide its start behind, and not beyond; d = 128 (same shape as v9): 106.9 / 188.8 / 233.6 / 273.9 /
+273.1 against v9's 104.5 / 191.9 / 233.2 / 253.8 / 299.0 — equal within this run's noise (±10 % between
+identical kernels at N = 16384). d > 128 was not in this run's grid.
 """
 
 from __future__ import annotations

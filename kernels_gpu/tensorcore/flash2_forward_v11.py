@@ -14,7 +14,16 @@ long, and consecutive blocks of one head share its K and V in L2).
 one block's time, ~T_r tiles, out of roughly waves × T_r / 2); the causal/non-causal wall-time ratio at N = 8192
 rises from v9's 1.41 (d = 128) towards 1.6. Non-causal: unchanged.
 
-**Measured:** (to be filled after the GPU run).
+**Measured** (H100, 2026-11-24, ``tensorcore_v11.json``; causal fp16, TFLOP/s at N = 1024 / 2048 / 4096 /
+8192 / 16384): d = 64: 78.0 / 118.6 / 128.0 / 186.2 / 206.8; d = 128: 57.7 / 102.6 / 152.4 / 197.9 / 248.6 (v9,
+causal, the previous run: 59.8 / 96.8 / 137.8 / 177.0 / 193.4 and 55.4 / 95.5 / 133.0 / 183.4 / 216.0): +5-15 %
+from N = 4096 as predicted, within run-to-run noise below. Causal against non-causal wall time at N = 8192, same
+run: 1.65× (d = 64), 1.46× (d = 128) in fp16; 1.86× and 1.82× in bf16. Non-causal is v10's kernel (same numbers
+within noise). What limits it now: SDPA flash runs 264-341 TFLOP/s in the same run; v11 reaches 0.45-0.5× at
+N = 1024 (a call's host-side work — argument checks, array views, numba's launch — is a visible share of a
+~1 ms call), 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384. Next: a leaner launch path (or CUDA graphs) for
+short calls, Q's fragments kept in registers where they fit, and ``wgmma`` (Hopper's warpgroup MMA), since
+mma.sync itself tops out near 630 TFLOP/s on this GPU.
 """
 
 from __future__ import annotations

@@ -19,7 +19,14 @@ less at d = 64 (where the exp work per FLOP is twice as large): 1.3-1.5×. Occup
 (8 warps) per SM at d = 128 (≈ 200 registers × 128 threads, 104 KiB of shared memory per block); if latency
 rather than bandwidth bounded v6, the gain will be smaller.
 
-**Measured:** (to be filled after the GPU run).
+**Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks/results/nvidia-h100/tensorcore_v7.json``, v6 and SDPA
+flash in the same run; fp16, non-causal, TFLOP/s at N = 1024 / 4096 / 16384): d = 128: 82.0 / 135.2 / 162.2 (v6:
+71.4 / 109.4 / 129.6), +15-25 %; d = 64: 59.7 / 91.0 / 105.4 (v6: 68.4 / 100.1 / 117.3), slower. Both below the
+prediction. ptxas gives v7 255 registers at d = 128 and 225 at d = 64 (v6: 172 and 126), so an SM holds two blocks
+(8 warps) — at d = 64 half of v6's 16. Nsight Compute at d = 128, N = 4096
+(``ncu_tensorcore_v6_v7_d128.txt``): issue slots 40 % busy, 0.5 eligible warps per scheduler, 1 287 million
+instructions for 134 million MMAs — ten instructions per MMA — and 36 million FP64 instructions, which no rung
+was meant to have: the shared-memory pipe was not the limit; instruction overhead was (v8, v9).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""One small launch of each tensor-core rung (f16 and bf16, d = 64 and 128, causal and not, ragged N), checked, for
-compute-sanitizer: ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and
-``--tool racecheck``); name rungs to run only those (``... sanitize v6``). Prints one line per launch; exits
+"""One small launch of each tensor-core rung, checked, for compute-sanitizer.
+
+f16 and bf16, d = 64 and 128, causal and not, ragged N:
+``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and ``--tool racecheck``); name
+rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``). Prints one line per launch; exits
 non-zero on a wrong result."""
 
 from __future__ import annotations
