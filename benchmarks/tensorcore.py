@@ -173,7 +173,9 @@ def main(argv=None) -> int:
                 if not rel < 1e-2 or out.isnan().any():
                     rec["status"] = "wrong"
                 else:
+                    rt.poison_outputs = False     # timed calls allocate their outputs as any user's call does
                     ms, reps = time_ms(fn, inputs)
+                    rt.poison_outputs = True
                     rec.update(status="ok", ms=ms, repeats=reps,
                                tflops=forward_flops(batch, heads, N, d, causal) / ms / 1e9)
             except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
