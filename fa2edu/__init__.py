@@ -12,10 +12,13 @@ simulated memory hierarchy, and proven exact against a float64 oracle::
 Modules, bottom-up (the dependency direction is one-way): ``memory`` ← ``softmax``, ``masks``, ``dropout``,
 ``blocks`` ← ``reference``, ``standard``, ``flash1``, ``flash2`` ← ``io``, ``flops`` ← ``cli``. Inference:
 ``softmax`` ← ``merge`` (the one merge of partial attentions); ``flash2``, ``merge`` ← ``inference`` (KV-cache
-decoding, paged and split-KV; packed variable-length batches).
+decoding, paged and split-KV; packed variable-length batches). Across devices: ``io`` ← ``context_parallel`` (what
+a ring of W ranks computes, moves and waits for, predicted without running it; ``fa2edu.distributed`` runs the ring
+on ``torch.distributed`` and is imported only on demand).
 """
 
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
+from fa2edu.context_parallel import ContextParallelReport, simulate_context_parallel
 from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward, flash1_forward
 from fa2edu.flash2 import flash2_backward, flash2_forward
 from fa2edu.flops import count_flops
@@ -36,7 +39,7 @@ __all__ = [
     "flash1_forward", "flash1_backward", "flash1_block_sparse_forward", "flash1_block_sparse_backward",
     "flash2_forward", "flash2_backward",
     "merge_attention_states", "decode_attention", "DecodeResult", "varlen_attention", "padded_batch_io",
-    "simulate_io", "IOReport", "count_flops",
+    "simulate_io", "IOReport", "count_flops", "simulate_context_parallel", "ContextParallelReport",
     "HBM", "SRAM", "FlopCounter", "SRAMOverflowError", "AttentionOverflowError",
     "DEFAULT_M", "block_sizes_kv_outer", "block_sizes_q_outer",
 ]

@@ -13,6 +13,11 @@ the GPU most readers can rent for free, and ``hbm_bandwidth`` then means its dev
 A roofline estimate (:func:`roofline_time`) takes the larger of ``flops / peak rate`` and ``bytes / bandwidth``:
 an algorithm whose HBM time dominates is *memory-bound* (standard attention's softmax), one whose arithmetic time
 dominates is *compute-bound* (FlashAttention at realistic sizes).
+
+Between GPUs, :data:`INTERCONNECTS` lists the links that carry a ring's K/V blocks (NVLink, PCIe, InfiniBand),
+with their bandwidth **per direction**: a ring step sends one block to the next rank while it receives one from
+the previous rank, so each direction of a link carries one block, and the datasheets' "total" figures count both
+directions. :func:`interconnect` looks one up; :func:`fa2edu.simulate_context_parallel` uses them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["DeviceProfile", "DEVICES", "device", "itemsize", "elements", "M_for", "peak_flops",
-           "RooflineEstimate", "roofline_time"]
+           "RooflineEstimate", "roofline_time", "Interconnect", "INTERCONNECTS", "interconnect"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -175,3 +180,79 @@ def roofline_time(flops, n_bytes, device_name, dtype="float16", *, tensor_cores:
     bound = "compute" if compute_s >= memory_s else "memory"
     return RooflineEstimate(max(compute_s, memory_s), compute_s, memory_s, bound, intensity,
                             peak / dev.hbm_bandwidth)
+
+
+# -- links between GPUs -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interconnect:
+    """One link between GPUs (or between nodes): its public spec bandwidth, in bytes/s.
+
+    ``per_direction`` is what one direction carries (a ring sends and receives at once, one direction each);
+    ``total`` is the datasheets' bidirectional figure, twice that. These are signalling-rate peaks: PCIe's
+    128b/130b encoding leaves about 98.5% of them for packets, and protocol overheads take more; NCCL's measured
+    bus bandwidth on NVLink 4 is typically 80-90% of the peak.
+    """
+
+    name: str
+    per_direction: float
+    total: float
+    source: str
+
+
+INTERCONNECTS: dict[str, Interconnect] = {
+    # NVIDIA A100 datasheet: "NVLink: 600GB/s" (12 third-generation links of 50 GB/s, both directions together).
+    "NVLink3-A100": Interconnect(
+        name="NVLink 3 (A100 SXM4)", per_direction=300 * GB_PER_S, total=600 * GB_PER_S,
+        source="NVIDIA A100 datasheet (NVLink 600 GB/s total, 12 links) and Ampere GA100 whitepaper"),
+    # NVIDIA H100 datasheet: "NVLink: 900GB/s"; Hopper whitepaper: 18 fourth-generation links, 900 GB/s total.
+    "NVLink4-H100": Interconnect(
+        name="NVLink 4 (H100 SXM5)", per_direction=450 * GB_PER_S, total=900 * GB_PER_S,
+        source="NVIDIA H100 datasheet (NVLink 900 GB/s total) and Hopper GH100 whitepaper (18 NVLink 4 links)"),
+    # NVIDIA H200 datasheet: "NVLink: 900GB/s" — the same fourth-generation NVLink as the H100 SXM.
+    "NVLink4-H200": Interconnect(
+        name="NVLink 4 (H200 SXM)", per_direction=450 * GB_PER_S, total=900 * GB_PER_S,
+        source="NVIDIA H200 datasheet (NVLink 900 GB/s total, the H100's NVLink generation)"),
+    # PCIe 5.0 x16: 32 GT/s × 16 lanes ≈ 64 GB/s each way; the H100 datasheet's "PCIe Gen5: 128GB/s" is both ways.
+    "PCIe5-x16": Interconnect(
+        name="PCIe 5.0 x16", per_direction=64 * GB_PER_S, total=128 * GB_PER_S,
+        source="PCI-SIG PCI Express 5.0 base specification (32 GT/s per lane); NVIDIA H100 datasheet "
+               "(PCIe Gen5 128 GB/s)"),
+    # PCIe 4.0 x16: 16 GT/s × 16 lanes ≈ 32 GB/s each way; the A100 datasheet's "PCIe Gen4: 64GB/s" is both ways.
+    "PCIe4-x16": Interconnect(
+        name="PCIe 4.0 x16", per_direction=32 * GB_PER_S, total=64 * GB_PER_S,
+        source="PCI-SIG PCI Express 4.0 base specification (16 GT/s per lane); NVIDIA A100 datasheet "
+               "(PCIe Gen4 64 GB/s)"),
+    # InfiniBand NDR: 400 Gb/s per port and direction = 50 GB/s (NVIDIA ConnectX-7 / Quantum-2 datasheets).
+    "IB-NDR": Interconnect(
+        name="InfiniBand NDR 400 Gb/s", per_direction=50 * GB_PER_S, total=100 * GB_PER_S,
+        source="NVIDIA ConnectX-7 adapter and Quantum-2 switch datasheets (NDR, 400 Gb/s per port)"),
+}
+
+_LINK_ALIASES = {"nvlink3": "NVLink3-A100", "nvlink3-a100": "NVLink3-A100", "nvlink": "NVLink4-H100",
+                 "nvlink4": "NVLink4-H100", "nvlink4-h100": "NVLink4-H100", "nvlink4-h200": "NVLink4-H200",
+                 "pcie5": "PCIe5-x16", "pcie5-x16": "PCIe5-x16", "pcie4": "PCIe4-x16", "pcie4-x16": "PCIe4-x16",
+                 "ib": "IB-NDR", "ndr": "IB-NDR", "ib-ndr": "IB-NDR", "infiniband": "IB-NDR"}
+
+
+def interconnect(name) -> Interconnect:
+    """The link called ``name`` (``"NVLink4-H100"``, ``"nvlink"``, ``"PCIe5-x16"``, ``"pcie4"``, ``"IB-NDR"``, ...).
+
+    Parameters
+    ----------
+    name : str or Interconnect
+        A key of :data:`INTERCONNECTS` or one of its lower-case aliases; an :class:`Interconnect` is returned as is.
+
+    Returns
+    -------
+    Interconnect
+        Its ``per_direction`` and ``total`` bandwidths in bytes/s, and the source of the figures.
+    """
+    if isinstance(name, Interconnect):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"link must be an interconnect name or an Interconnect, got {type(name).__name__}")
+    key = name if name in INTERCONNECTS else _LINK_ALIASES.get(name.lower())
+    if key is None:
+        raise ValueError(f"unknown interconnect {name!r}; known links: {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[key]
