@@ -24,7 +24,9 @@ non-causal, TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 131.0 / 1
 in the same run: 102.0 / 126.8 / 200.5 / 223.3 / 238.1) — the third block per SM pays at N ≤ 2048, where a block
 has few tiles to hide its start behind, and not beyond; d = 128 (same shape as v9): 106.9 / 188.8 / 233.6 / 273.9 /
 273.1 against v9's 104.5 / 191.9 / 233.2 / 253.8 / 299.0 — equal within this run's noise (±10 % between
-identical kernels at N = 16384). d > 128 was not in this run's grid.
+identical kernels at N = 16384). d = 256 (``tensorcore_v11_d256.json``, v11 = v10's kernel when non-causal,
+beside v6): 118.9 / 150.9 / 182.9 / 202.1 / 213.1 against v6's 96.9 / 117.7 / 131.4 / 139.7 / 149.5 — 1.2-1.45×,
+below the predicted 1.5-2×.
 """
 
 from __future__ import annotations

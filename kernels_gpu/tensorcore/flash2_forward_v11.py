@@ -20,10 +20,16 @@ causal, the previous run: 59.8 / 96.8 / 137.8 / 177.0 / 193.4 and 55.4 / 95.5 / 
 from N = 4096 as predicted, within run-to-run noise below. Causal against non-causal wall time at N = 8192, same
 run: 1.65× (d = 64), 1.46× (d = 128) in fp16; 1.86× and 1.82× in bf16. Non-causal is v10's kernel (same numbers
 within noise). What limits it now: SDPA flash runs 264-341 TFLOP/s in the same run; v11 reaches 0.45-0.5× at
-N = 1024 (a call's host-side work — argument checks, array views, numba's launch — is a visible share of a
-~1 ms call), 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384. Next: a leaner launch path (or CUDA graphs) for
-short calls, Q's fragments kept in registers where they fit, and ``wgmma`` (Hopper's warpgroup MMA), since
-mma.sync itself tops out near 630 TFLOP/s on this GPU.
+N = 1024, 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384, one call between two CUDA events as the harness times
+it. ``benchmarks.launch_overhead`` (``tensorcore_launch_overhead.json``) separates the host from the GPU: a v11
+call spends 400 µs (d = 64) to 900 µs (d = 128) on the host — argument checks, five zero-copy array views and
+numba's launch, which types every argument — against SDPA's 110-170 µs, and a single call's GPU waits for it.
+Twenty calls queued between two events (the GPU never waits) give v11 218 / 235 TFLOP/s at d = 64 (N = 1024 /
+4096) and 168 / 309 at d = 128: 0.75-0.9× SDPA flash queued the same way (291 / 303, 332 / 343) — the kernel
+is close to the targets' 0.5× everywhere; the Python launch path is what misses them at short N. Next: a lean
+launch (cached argument packing straight to ``cuLaunchKernel``, or CUDA graphs) for short calls, Q's fragments
+in registers where they fit, and ``wgmma`` (Hopper's warpgroup MMA): mma.sync itself tops out near 630 TFLOP/s
+on this GPU.
 """
 
 from __future__ import annotations
