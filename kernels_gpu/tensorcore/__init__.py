@@ -16,6 +16,11 @@ first run, and what it measured::
     v10 the tile shape chosen per head dimension (and v8, v9's changes for d > 128 too)
     v11 causal: the longest row blocks launched first
 
+The backward pass (FA2 Algorithm 2) has its own ladder, ``BACKWARD_VERSIONS`` ("v1", "v2", …; modules
+``flash2_backward_v1`` …, with :mod:`~kernels_gpu.tensorcore.backward_steps` and
+:mod:`~kernels_gpu.tensorcore.backward_launch`); ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None)``
+returns ``Flash2Backward(dQ, dK, dV)``.
+
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
     from kernels_gpu import tensorcore
@@ -54,4 +59,13 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
 #: the fastest measured forward rung (v11: ``benchmarks/results/nvidia-h100/tensorcore_v11.json``)
 flash2_forward = flash2_forward_v11.flash2_forward
 
-__all__ = ["VERSIONS", "flash2_forward"]
+from kernels_gpu.tensorcore import flash2_backward_v1, flash2_backward_v2  # noqa: E402
+
+#: the backward rungs: name → ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None) ->
+#: Flash2Backward(dQ, dK, dV)`` (v1: FA2 Alg. 2 on mma.sync, dQ by atomic adds; v2: Q_i, dO_i double-buffered)
+BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward}
+
+#: the backward pass: v2 (predicted faster than v1; not yet measured)
+flash2_backward = flash2_backward_v2.flash2_backward
+
+__all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward"]

@@ -345,10 +345,12 @@ def make_backward_steps(cfg: BackwardConfig):
             for p in range(warp // RT, NPQ, WR):
                 zero(acc, 8)
                 for kk in range(KB):
-                    k_row = k_off + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + col_word + 8 * p + 4 * (lane // 16)
+                    k_row = (k_off + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + col_word + 8 * p
+                             + 4 * (lane // 16))
                     b0, b1, b2, b3 = ldmatrix_trans(sm, k_row)
-                    mma_into(acc, 0, afrag[4 * kk], afrag[4 * kk + 1], afrag[4 * kk + 2], afrag[4 * kk + 3], b0, b1)
-                    mma_into(acc, 1, afrag[4 * kk], afrag[4 * kk + 1], afrag[4 * kk + 2], afrag[4 * kk + 3], b2, b3)
+                    a0, a1, a2, a3 = afrag[4 * kk], afrag[4 * kk + 1], afrag[4 * kk + 2], afrag[4 * kk + 3]
+                    mma_into(acc, 0, a0, a1, a2, a3, b0, b1)
+                    mma_into(acc, 1, a0, a1, a2, a3, b2, b3)
                 for hh in range(2):
                     row = row0 + 16 * r + g + 8 * hh
                     if row < N_q:

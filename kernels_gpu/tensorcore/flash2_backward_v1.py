@@ -38,7 +38,10 @@ work per byte: the copy latency is a smaller share), but it adds two block-wide 
 through shared memory) and B_r·d atomic adds, and at d = 128 its row blocks are half as tall (B_r = 32: a copy
 per 5·2·32·64·128 FLOPs). Expected at N = 4096, fp16, non-causal: 35-50 TFLOP/s at d = 64 and 35-50 at d = 128,
 0.13-0.2× SDPA flash's backward (254 / 276 TFLOP/s on this H100 in GPU.md), far from the issue's ≥ 90 and ≥ 0.4×.
-Registers (ptxas, sm_90, read before any run): see ``python -m kernels_gpu.tensorcore.inspect_ptx bwd_v1``.
+Registers (ptxas, sm_90, read before any run: ``python -m kernels_gpu.tensorcore.inspect_ptx bwd_v1 --d 64 128
+256``): 248 at d = 64 (capped; uncapped 255 with a 4-byte spill), 255 at d = 128 and 256 — two blocks (8 warps)
+per SM at d ≤ 128; no spills except 8 bytes at d = 128 causal (4 at d = 256 causal). Shared memory 45.5 / 56.3 /
+104 KiB per block at d = 64 / 128 / 256.
 
 **Measured:** (to be filled after the GPU run).
 """
@@ -59,13 +62,13 @@ def config_for(d: int, dtype: str, causal: bool, simulated: bool, *, warps: int 
                chunks: int | None = None) -> BackwardConfig:
     """v1's tile shape: 4 warps (B_c = 64 keys); B_r = 64 queries up to d = 64, 32 beyond; two column chunks of
     dK_j, dV_j above d = 128. Registers (ptxas, sm_90): uncapped, ptxas takes 255 at d = 64 with a 4-byte spill;
-    capped at 232 it spills nothing (two blocks per SM either way; at 168, for three, it spills 264 bytes). The
-    keywords override the shape (a specialisation, not another algorithm: the tests run small shapes in the
-    simulator with 2 warps and B_r = 16)."""
+    capped at 248 it spills nothing, causal or not (two blocks per SM either way; capped at 168, for three blocks,
+    it spills 264 bytes). The keywords override the shape (a specialisation, not another algorithm: the tests run
+    small shapes in the simulator with 2 warps and B_r = 16)."""
     B_r = B_r or (64 if d <= 64 else 32)
     return BackwardConfig(d=d, warps=warps, B_r=B_r, dtype=dtype, causal=causal, simulated=simulated,
                           chunks=chunks or (1 if d <= 128 else 2),
-                          max_registers=232 if d <= 64 and B_r == 64 and warps == 4 else None)
+                          max_registers=248 if d <= 64 and B_r == 64 and warps == 4 else None)
 
 
 def shared_words(cfg: BackwardConfig) -> int:
@@ -158,7 +161,8 @@ def make_kernel(cfg: BackwardConfig):
             store_transposed(sm, DS_OFF, s, warp, lane)
             cuda.syncthreads()
             dq_update(dQacc, sm, DS_OFF, K_OFF, col_word, afrag, acc, z, h, i * B_r, c * DC, N_q, warp, lane)
-            cuda.syncthreads()                # Q_i, dO_i, dSᵀ are free for the next row block
+            # (No barrier here: nobody reads Q_i, dO_i, L_i, D_i after the one above, and the next dSᵀ is written
+            # only after the next row block's barrier, which every warp reaches after its dQ update.)
 
         ptx.cp_async_wait_all()               # (a block with no row block to visit still started K_j, V_j)
         # Line 24: write dK_j = τ dSᵀQ summed, dV_j to HBM, once.
