@@ -1,9 +1,9 @@
-"""FlashAttention as a PyTorch op: ``fa2edu.torch.flash_attention``, an ``autograd.Function`` per algorithm.
+"""FlashAttention as a PyTorch operator: ``fa2edu.torch.flash_attention``.
 
 Every anchor a learner meets (flash-attn, the Triton tutorial, course assignments) hands its attention to PyTorch
-the same way: a ``torch.autograd.Function`` whose ``forward`` runs the paper's forward pass and *saves only what the
-paper's algorithm saves*, and whose ``backward`` runs the paper's backward pass from those saved tensors. This
-module does exactly that, three times, so the saved tensors can be compared:
+the same way: a forward pass that runs the paper's forward algorithm and *saves only what the paper's algorithm
+saves*, and a backward pass that runs the paper's backward algorithm from those saved tensors. This module does that
+three times, so the saved tensors can be compared:
 
 ==============  ===========================  ==============================  ==================================
 algorithm       forward / backward            saved for backward (per head)   HBM that costs (elements)
@@ -16,25 +16,34 @@ algorithm       forward / backward            saved for backward (per head)   HB
 Only the standard algorithm keeps an N_q × N_k tensor alive between the passes (FA1 Section 3.1: "we do not store
 the N × N attention matrix"; FA2 Section 3.1, tweak 2: only the log-sum-exp L = m + log ℓ).
 
-Where it runs:
+**How it is registered.** Each algorithm is a pair of PyTorch custom operators (``torch.library.custom_op``, in
+the namespace ``fa2edu``): ``torch.ops.fa2edu.flash_attention_fwd`` returns (O, L) and
+``torch.ops.fa2edu.flash_attention_bwd`` returns (dQ, dK, dV); ``flash1_attention_fwd|bwd`` and
+``standard_attention_fwd|bwd`` likewise. Each has a *fake* implementation (shapes and dtypes only, no data), so
+``torch.compile(fullgraph=True)`` traces through the operator instead of into NumPy or numba code it cannot read,
+and ``torch.library.opcheck`` passes. ``torch.library.register_autograd`` joins each pair: the forward's
+``setup_context`` saves exactly the tensors of the table above, and the backward formula is the ``backward`` of
+:class:`Flash2Attention` (:class:`Flash1Attention`, :class:`StandardAttention`), the ``torch.autograd.Function``
+form of the same op, which calls the backward operator.
 
-* **CPU tensors** (float32 or float64) run fa2edu's NumPy algorithms on the tensors' memory (``Tensor.numpy()``
-  shares it): the counted, line-by-line textbook code, so slow but exact.
-* **CUDA tensors** (float32, ``algorithm="flash2"`` or ``"standard"``) run ``kernels_gpu.flash2_forward`` /
-  ``flash2_backward`` (or ``standard_attention`` / ``standard_attention_backward``; kernels_gpu has no FA1
-  backward, so ``"flash1"`` is CPU only).
-  The tensors are handed over zero-copy through ``__cuda_array_interface__``, and the numba device arrays that come
-  back are wrapped, again without a copy, by ``torch.as_tensor(..., device=q.device)``.
+**Where it runs** (``fa2edu._torch_ops``, one table, :data:`DISPATCH`): CPU float32/float64 → fa2edu's NumPy
+algorithms (the counted textbook code, on the tensors' own memory); CUDA float32 → ``kernels_gpu.fast`` (the
+fastest measured CUDA-core kernels); CUDA float16/bfloat16 → ``kernels_gpu.tensorcore``. The teaching kernels
+(``kernels_gpu.flash2_forward`` …) run only by name: ``backend="teaching"``, or ``algorithm="standard"`` on CUDA.
+Every head dimension 1 … 256 runs on every path: the fast kernels need widths that are multiples of their thread
+layout (32 or 64) and the tensor-core kernels multiples of 8, so the op pads Q, K, V (and O, dO) with zero columns
+inside the call and slices the results; τ defaults to 1/√d of the caller's d, not the padded one.
 
 Layout: q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v), as ``F.scaled_dot_product_attention``
 takes them, with GQA/MQA when H_q is a multiple of H_kv (K, V never repeated). ``causal=True`` is bottom-right
-aligned (query i sees key j iff j ≤ i + N_k − N_q, docs/conventions.md); SDPA's ``is_causal`` is top-left aligned, which
-differs only when N_q ≠ N_k. Fully masked rows give O = 0 and zero gradients.
+aligned (query i sees key j iff j ≤ i + N_k − N_q, docs/conventions.md); SDPA's ``is_causal`` is top-left aligned,
+which differs only when N_q ≠ N_k. Fully masked rows give O = 0, L = +inf and zero gradients.
 
-Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) are accepted and copied to a
-contiguous layout inside the op (``Tensor.contiguous()``, a no-op for contiguous tensors); the gradients come back
-with the inputs' shapes. The backward passes are NumPy (or numba) code that autograd cannot trace, so the op is
-differentiable once: a double backward (``create_graph=True``) raises instead of returning wrong zeros.
+Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) are copied to a contiguous layout
+before the operator (``Tensor.contiguous()``, a no-op for contiguous tensors); the gradients come back with the
+inputs' shapes. The backward operators have no autograd formula of their own, so the op is differentiable once: a
+double backward (``create_graph=True``) raises instead of returning wrong zeros. L (``return_lse=True``) is not
+differentiable.
 
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
@@ -42,8 +51,6 @@ this module, so fa2edu works without PyTorch.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 try:
     import torch
@@ -53,71 +60,100 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised only where 
     raise ImportError("fa2edu.torch needs PyTorch, which is not installed: `pip install torch` "
                       "(or `pip install 'fa2edu[torch]'`); the rest of fa2edu works without it") from error
 
-import numpy as np
+import math
 
-import fa2edu
+from fa2edu import _torch_ops as ops
+from fa2edu._torch_ops import ALGORITHMS, BACKENDS, DISPATCH, MAX_HEAD_DIM, choose_backend
 
-__all__ = ["flash_attention", "ALGORITHMS", "Flash2Attention", "Flash1Attention", "StandardAttention"]
-
-#: The algorithms ``flash_attention`` can run on the CPU; on CUDA those kernels_gpu has both passes of.
-ALGORITHMS = ("flash2", "flash1", "standard")
-_CUDA_ALGORITHMS = ("flash2", "standard")
-
-_CPU_DTYPES = (torch.float32, torch.float64)
-_CUDA_DTYPES = (torch.float32,)
+__all__ = ["flash_attention", "ALGORITHMS", "BACKENDS", "DISPATCH", "MAX_HEAD_DIM", "choose_backend",
+           "Flash2Attention", "Flash1Attention", "StandardAttention"]
 
 
-# -- moving tensors between PyTorch, NumPy and numba --------------------------------------------------------------
+# -- checking and resolving the arguments ----------------------------------------------------------------------------
 
-def _to_numpy(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a NumPy array sharing its memory (no copy)."""
-    return x.detach().numpy()
-
-
-def _from_numpy(x: np.ndarray) -> torch.Tensor:
-    """A NumPy result as a CPU tensor sharing its memory (a copy only if NumPy marked it read-only)."""
-    return torch.from_numpy(x if x.flags.writeable else x.copy())
-
-
-def _kernels_gpu():
-    """kernels_gpu, imported only when a CUDA tensor arrives (it needs numba.cuda)."""
-    try:
-        import kernels_gpu
-    except ImportError as error:
-        raise ImportError(f"CUDA tensors run kernels_gpu's numba.cuda kernels, which failed to import: {error}"
-                          ) from error
-    return kernels_gpu
-
-
-def _for_gpu(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Tensors handed to kernels_gpu, detached: torch refuses ``__cuda_array_interface__`` on a tensor that
-    requires grad (the kernels read its memory, zero-copy; autograd is this Function's job)."""
-    return tuple(x.detach() for x in tensors)
+def _check_tensors(q, k, v, algorithm: str):
+    """Types, one device, one dtype; returns q, k, v (cast to the autocast dtype on CUDA under autocast).
+    Everything here reads only metadata, so ``torch.compile`` turns it into guards (a data-dependent check would
+    break its graph)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
+                            f"(for NumPy arrays call fa2edu.{algorithm}_forward directly)")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
+    if q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        # As SDPA does under autocast: attention runs in the autocast dtype (float16 or bfloat16).
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = (x.to(dtype) for x in (q, k, v))
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
+    return q, k, v
 
 
-def _from_gpu(x, like: torch.Tensor) -> torch.Tensor:
-    """A kernels_gpu result (a numba device array, or anything with ``__cuda_array_interface__``) as a tensor on
-    ``like``'s device, zero-copy: torch keeps the device array alive for as long as the tensor lives."""
-    return torch.as_tensor(x, device=like.device)
+def _check_shapes(q, k, v) -> None:
+    """(…, H_q, N_q, d), (…, H_kv, N_k, d), (…, H_kv, N_k, d_v) with H_q a multiple of H_kv and d, d_v ≤ 256."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() < 2:
+            raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {tuple(x.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != q.dim():
+            raise ValueError(f"{name} must have as many axes as q ({q.dim()}), got shape {tuple(x.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have q's head dimension d = {q.shape[-1]}, got shape {tuple(k.shape)}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v must have k's leading axes and N_k rows {tuple(k.shape[:-1])}, got {tuple(v.shape)}")
+    if q.dim() >= 3:
+        if q.shape[:-3] != k.shape[:-3]:
+            raise ValueError(f"q and k must share their batch axes, got {tuple(q.shape)} and {tuple(k.shape)}")
+        H_q, H_kv = q.shape[-3], k.shape[-3]
+        if H_kv == 0 or H_q % H_kv:
+            raise ValueError(f"q has H_q = {H_q} heads, which must be a multiple of k's and v's H_kv = {H_kv} "
+                             "(GQA/MQA: query head h reads key/value head h // (H_q / H_kv))")
+    for name, x in (("q", q), ("v", v)):
+        if not 1 <= x.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} has head dimension {x.shape[-1]}; flash_attention takes 1 to {MAX_HEAD_DIM} "
+                             "on every device (as flash-attn does)")
 
 
-@contextmanager
-def _numba_stream(device: torch.device):
-    """Order numba's launches after PyTorch's pending work and PyTorch's next work after numba's launches.
+def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
+    """Checked, contiguous q, k, v and the operator's resolved arguments (causal, scale, backend, block_sizes, M)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    q, k, v = _check_tensors(q, k, v, algorithm)
+    backend = choose_backend(q.device.type, q.dtype, algorithm, backend)
+    _check_shapes(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])          # τ = 1/√d of the caller's d (FA2 footnote 2: erratum 7)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    if M is not None and backend != "numpy":
+        raise ValueError(f"M (the simulated SRAM size) applies to the NumPy backend; backend {backend!r} runs on a "
+                         "GPU (the teaching kernels take block_sizes=(B_r, B_c))")
+    if block_sizes is not None:
+        if algorithm == "standard":
+            raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
+        if backend not in ("numpy", "teaching"):
+            raise ValueError(f"block_sizes apply to the 'numpy' and 'teaching' backends; backend {backend!r} "
+                             "chooses its own tiles")
+        block_sizes = [int(b) for b in block_sizes]
+    if algorithm == "standard" and M is not None:
+        raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
+    return (q.contiguous(), k.contiguous(), v.contiguous()), (causal, float(scale), backend, block_sizes, M)
 
-    numba launches on the legacy default stream, which is PyTorch's default stream too: there nothing is needed.
-    Under ``torch.cuda.stream(side)`` the two are not ordered, so each side waits for the other (no host sync).
-    """
-    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
-    if current == default:
-        yield
-        return
-    default.wait_stream(current)
-    yield
-    current.wait_stream(default)
 
+# -- the autograd formulas ---------------------------------------------------------------------------------------------
+#
+# Each Function is the op in torch.autograd.Function form (usable on its own: Flash2Attention.apply(q, k, v, causal,
+# scale, block_sizes, M)); its ``backward`` is also the autograd formula registered for the custom operator below,
+# so the two forms share one backward pass.
 
-# -- the three autograd Functions -----------------------------------------------------------------------------------
+def _options(args) -> dict:
+    return dict(zip(("causal", "scale", "backend", "block_sizes", "M"), args))
+
 
 class Flash2Attention(torch.autograd.Function):
     """FA2 Alg. 1 forward, Alg. 2 backward. Saves Q, K, V, O and the log-sum-exp L: never S or P.
@@ -127,182 +163,185 @@ class Flash2Attention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_sizes, M):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if q.is_cuda:
-            # FA2 Alg. 1 on the GPU: one thread block per row block of Q (FA2 Section 3.2).
-            with _numba_stream(q.device):
-                O, L = _kernels_gpu().flash2_forward(*_for_gpu(q, k, v), block_sizes=block_sizes, causal=causal,
-                                                     scale=scale)
-            O, L = _from_gpu(O, q), _from_gpu(L, q)
-        else:
-            # FA2 Alg. 1 in NumPy: returns O and L = m + log ℓ, nothing else survives the pass.
-            fwd = fa2edu.flash2_forward(_to_numpy(q), _to_numpy(k), _to_numpy(v), M=M, block_sizes=block_sizes,
-                                        causal=causal, scale=scale)
-            O, L = _from_numpy(fwd.O), _from_numpy(fwd.L)
-        # FA2 Section 3.1, tweak 2: the backward pass needs only O and L (plus the inputs) to rebuild P.
-        ctx.save_for_backward(q, k, v, O, L)
-        ctx.options = dict(causal=causal, scale=scale, block_sizes=block_sizes, M=M)
+    def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
+        (q, k, v), args = _prepare(q, k, v, "flash2", causal, scale, backend, block_sizes, M)
+        # FA2 Alg. 1 (on the backend of the dispatch table): O and L = m + log ℓ, nothing else survives the pass.
+        O, L = torch.ops.fa2edu.flash_attention_fwd(q, k, v, *args)
+        _flash2_setup_context(ctx, (q, k, v) + args, (O, L))
         return O
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dO):
         q, k, v, O, L = ctx.saved_tensors
-        options = ctx.options
-        dO = dO.contiguous()
-        if q.is_cuda:
-            options_gpu = {key: options[key] for key in ("block_sizes", "causal", "scale")}
-            # FA2 Alg. 2 on the GPU: one thread block per column block of K/V, atomic adds into dQ.
-            with _numba_stream(q.device):
-                dQ, dK, dV = _kernels_gpu().flash2_backward(*_for_gpu(q, k, v, O, L, dO), **options_gpu)
-            dQ, dK, dV = (_from_gpu(x, q) for x in (dQ, dK, dV))
-        else:
-            # FA2 Alg. 2 in NumPy: D = rowsum(dO ∘ O), then P = exp(S − L) recomputed block by block.
-            grads = fa2edu.flash2_backward(*(_to_numpy(x) for x in (q, k, v, O, L, dO)), **options)
-            dQ, dK, dV = (_from_numpy(x) for x in grads)
-        return dQ, dK, dV, None, None, None, None
+        o = ctx.options
+        # FA2 Alg. 2: D = rowsum(dO ∘ O), then P = exp(S − L) recomputed block by block; dQ, dK, dV.
+        dQ, dK, dV = torch.ops.fa2edu.flash_attention_bwd(dO, q, k, v, O, L, o["causal"], o["scale"],
+                                                          o["backend"], o["block_sizes"], o["M"])
+        return dQ, dK, dV, None, None, None, None, None
+
+
+def _flash2_setup_context(ctx, inputs, output):
+    """What FA2's forward keeps for its backward (FA2 Section 3.1, tweak 2): Q, K, V, O and L."""
+    q, k, v, *args = inputs
+    O, L = output
+    ctx.save_for_backward(q, k, v, O, L)
+    ctx.options = _options(args)
+    ctx.mark_non_differentiable(L)
+
+
+def _flash2_formula(ctx, dO, dL):
+    # Looked up at each call, so that a changed Flash2Attention.backward (a fault injected in a test) takes effect.
+    dQ, dK, dV = Flash2Attention.backward(ctx, dO)[:3]
+    return dQ, dK, dV, None, None, None, None, None
 
 
 class Flash1Attention(torch.autograd.Function):
     """FA1 Alg. 2 forward (Alg. 1 with the scale τ and the mask), Alg. 4 backward. Saves Q, K, V, O, ℓ and m.
 
     Cost per (batch, head): the same FLOPs as FA2; HBM reads 2Nd + T_c(2Nd + 2N), writes T_c(Nd + 2N) forward,
-    because O, ℓ, m go back to HBM on every inner step (the conventions' table). CPU only: kernels_gpu has FA1's forward
-    kernel but no backward.
+    because O, ℓ, m go back to HBM on every inner step (the conventions' table). CPU only: kernels_gpu has FA1's
+    forward kernel but no backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_sizes, M):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        fwd = fa2edu.flash1_forward(_to_numpy(q), _to_numpy(k), _to_numpy(v), M=M, block_sizes=block_sizes,
-                                    causal=causal, scale=scale)
-        O, l, m = (_from_numpy(x) for x in (fwd.O, fwd.l, fwd.m))
-        # FA1 Alg. 2 line 15 / Alg. 4 line 1: O and the two statistics ℓ, m are what the backward pass reads.
-        ctx.save_for_backward(q, k, v, O, l, m)
-        ctx.options = dict(causal=causal, scale=scale, block_sizes=block_sizes, M=M)
+    def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
+        (q, k, v), args = _prepare(q, k, v, "flash1", causal, scale, backend, block_sizes, M)
+        O, l, m = torch.ops.fa2edu.flash1_attention_fwd(q, k, v, *args)
+        _flash1_setup_context(ctx, (q, k, v) + args, (O, l, m))
         return O
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dO):
         q, k, v, O, l, m = ctx.saved_tensors
+        o = ctx.options
         # FA1 Alg. 4: P rebuilt block by block from ℓ and m, D_i = rowsum(dO_i ∘ O_i).
-        grads = fa2edu.flash1_backward(*(_to_numpy(x) for x in (q, k, v, O, l, m, dO.contiguous())),
-                                       **ctx.options)
-        dQ, dK, dV = (_from_numpy(x) for x in grads)
-        return dQ, dK, dV, None, None, None, None
+        dQ, dK, dV = torch.ops.fa2edu.flash1_attention_bwd(dO, q, k, v, O, l, m, o["causal"], o["scale"],
+                                                           o["backend"], o["block_sizes"], o["M"])
+        return dQ, dK, dV, None, None, None, None, None
+
+
+def _flash1_setup_context(ctx, inputs, output):
+    """FA1 Alg. 2 line 15 / Alg. 4 line 1: O and the two statistics ℓ, m are what the backward pass reads."""
+    q, k, v, *args = inputs
+    O, l, m = output
+    ctx.save_for_backward(q, k, v, O, l, m)
+    ctx.options = _options(args)
+    ctx.mark_non_differentiable(l, m)
+
+
+def _flash1_formula(ctx, dO, dl, dm):
+    dQ, dK, dV = Flash1Attention.backward(ctx, dO)[:3]
+    return dQ, dK, dV, None, None, None, None, None
 
 
 class StandardAttention(torch.autograd.Function):
     """FA1 Alg. 0 forward, Alg. 3 backward. Saves Q, K, V and the N_q × N_k matrix P: the memory FlashAttention
     removes. Cost per (batch, head): HBM reads 3Nd + 2N², writes Nd + 2N² forward. CPU (NumPy) and CUDA
-    (kernels_gpu's standard_attention and standard_attention_backward).
+    (kernels_gpu's teaching ``standard_attention`` and ``standard_attention_backward``).
 
     ``block_sizes`` and ``M`` do not apply (nothing is tiled) and must be None.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_sizes, M):
-        if block_sizes is not None or M is not None:
-            raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if q.is_cuda:
-            # FA1 Alg. 0 on the GPU: S and P materialised in global memory by separate launches.
-            with _numba_stream(q.device):
-                O, P = _kernels_gpu().standard_attention(*_for_gpu(q, k, v), causal=causal, scale=scale)
-            O, P = _from_gpu(O, q), _from_gpu(P, q)
-        else:
-            fwd = fa2edu.standard_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), causal=causal, scale=scale)
-            O, P = _from_numpy(fwd.O), _from_numpy(fwd.P)
-        # FA1 Alg. 0 line 2: P = softmax(S) was written to HBM, and Alg. 3 reads it back: it is kept alive.
-        ctx.save_for_backward(q, k, v, P)
-        ctx.options = dict(causal=causal, scale=scale)
+    def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
+        (q, k, v), args = _prepare(q, k, v, "standard", causal, scale, backend, block_sizes, M)
+        O, P = torch.ops.fa2edu.standard_attention_fwd(q, k, v, *args)
+        _standard_setup_context(ctx, (q, k, v) + args, (O, P))
         return O
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dO):
         q, k, v, P = ctx.saved_tensors
-        dO = dO.contiguous()
+        o = ctx.options
         # FA1 Alg. 3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = τ dS K, dK = τ dSᵀ Q.
-        if q.is_cuda:
-            with _numba_stream(q.device):
-                grads = _kernels_gpu().standard_attention_backward(*_for_gpu(q, k, v, P, dO), **ctx.options)
-            dQ, dK, dV = (_from_gpu(x, q) for x in grads)
-        else:
-            grads = fa2edu.standard_attention_backward(*(_to_numpy(x) for x in (q, k, v, P, dO)), **ctx.options)
-            dQ, dK, dV = (_from_numpy(x) for x in grads)
-        return dQ, dK, dV, None, None, None, None
+        dQ, dK, dV = torch.ops.fa2edu.standard_attention_bwd(dO, q, k, v, P, o["causal"], o["scale"],
+                                                             o["backend"], o["block_sizes"], o["M"])
+        return dQ, dK, dV, None, None, None, None, None
 
 
-_FUNCTIONS = {"flash2": Flash2Attention, "flash1": Flash1Attention, "standard": StandardAttention}
+def _standard_setup_context(ctx, inputs, output):
+    """FA1 Alg. 0 line 2: P = softmax(S) was written to HBM, and Alg. 3 reads it back: it is kept alive."""
+    q, k, v, *args = inputs
+    O, P = output
+    ctx.save_for_backward(q, k, v, P)
+    ctx.options = _options(args)
+    ctx.mark_non_differentiable(P)
 
 
-# -- the public op -----------------------------------------------------------------------------------------------
-
-def _check_tensors(q, k, v, algorithm: str) -> None:
-    """Type, dtype, device and finiteness checks, naming the argument; shapes are checked by fa2edu/kernels_gpu."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
-                            f"(for NumPy arrays call fa2edu.{algorithm}_forward directly)")
-    devices = {x.device for x in (q, k, v)}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    device = q.device
-    if device.type == "cpu":
-        if q.dtype not in _CPU_DTYPES:
-            hint = (" (fa2edu's NumPy path computes in float32 or float64; cast with .float() or .double())"
-                    if q.dtype in (torch.float16, torch.bfloat16) else "")
-            raise TypeError(f"q has dtype {q.dtype}; on the CPU flash_attention takes float32 or float64{hint}")
-    elif device.type == "cuda":
-        if q.dtype not in _CUDA_DTYPES:
-            raise TypeError(f"q has dtype {q.dtype}; on CUDA flash_attention takes float32 (kernels_gpu's kernels "
-                            f"are fp32 CUDA-core kernels); for float64 move the tensors to the CPU")
-        if algorithm not in _CUDA_ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r} runs on the CPU only (kernels_gpu has no FA1 backward); on "
-                             f"CUDA use one of {_CUDA_ALGORITHMS}, or move the tensors to the CPU")
-    else:
-        raise ValueError(f"q, k, v are on device {device}; flash_attention runs on 'cpu' and 'cuda'")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() < 2:
-            raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {tuple(x.shape)}")
-        if x.numel() and not bool(torch.isfinite(x.detach()).all()):
-            raise ValueError(f"{name} contains NaN or infinite values; attention inputs must be finite")
+def _standard_formula(ctx, dO, dP):
+    dQ, dK, dV = StandardAttention.backward(ctx, dO)[:3]
+    return dQ, dK, dV, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = "flash2", block_sizes=None,
-                    M=None) -> torch.Tensor:
+torch.library.register_autograd("fa2edu::flash_attention_fwd", _flash2_formula, setup_context=_flash2_setup_context)
+torch.library.register_autograd("fa2edu::flash1_attention_fwd", _flash1_formula,
+                                setup_context=_flash1_setup_context)
+torch.library.register_autograd("fa2edu::standard_attention_fwd", _standard_formula,
+                                setup_context=_standard_setup_context)
+
+
+# -- the log-sum-exp for return_lse -----------------------------------------------------------------------------------
+
+def _lse_from_l_m(l, m):
+    """FA1's statistics as FA2's L = m + log ℓ; +inf where ℓ = 0 (a row that saw no key)."""
+    seen = l > 0
+    return torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, math.inf))
+
+
+def _lse_of_scores(q, k, causal: bool, scale: float):
+    """L = logsumexp(τ q kᵀ + mask) per row, for the standard algorithm (which keeps P, not L): the N_q × N_k
+    scores once more, in PyTorch ops; +inf on fully masked rows."""
+    if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)      # GQA, spelled out (a copy; fine here)
+    S = scale * (q @ k.transpose(-1, -2))
+    if causal:
+        N_q, N_k = q.shape[-2], k.shape[-2]
+        visible = torch.ones(N_q, N_k, dtype=torch.bool, device=q.device).tril(N_k - N_q)
+        S = S.masked_fill(~visible, -math.inf)
+    L = torch.logsumexp(S, dim=-1)
+    return torch.where(torch.isneginf(L), torch.full_like(L, math.inf), L).to(ops._stat_dtype(q.dtype))
+
+
+# -- the public op -----------------------------------------------------------------------------------------------------
+
+def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = "flash2", return_lse: bool = False,
+                    *, backend: str | None = None, block_sizes=None, M=None):
     """softmax(τ·q kᵀ [+ causal mask]) v, differentiable, computed by one of the papers' algorithms.
 
     Args:
-        q (torch.Tensor): queries, shape (…, H_q, N_q, d); float32 or float64 on the CPU, float32 on CUDA; finite.
+        q (torch.Tensor): queries, shape (…, H_q, N_q, d), 1 ≤ d ≤ 256. CPU: float32 or float64, finite.
+            CUDA: float32 (``kernels_gpu.fast``), float16 or bfloat16 (``kernels_gpu.tensorcore``).
         k (torch.Tensor): keys, shape (…, H_kv, N_k, d), on q's device in q's dtype; H_q must be a multiple of H_kv
             (GQA/MQA).
-        v (torch.Tensor): values, shape (…, H_kv, N_k, d_v), on q's device in q's dtype.
+        v (torch.Tensor): values, shape (…, H_kv, N_k, d_v), 1 ≤ d_v ≤ 256, on q's device in q's dtype.
         causal (bool, optional): bottom-right aligned causal mask (query i sees key j iff j ≤ i + N_k − N_q).
             Default False.
         scale (float, optional): the softmax scale τ. Default None: 1/√d (FA2 footnote 2's 1/d is erratum 7).
         algorithm (str, optional): ``"flash2"`` (FA2 Alg. 1/2, the default), ``"flash1"`` (FA1 Alg. 2/4, CPU only)
             or ``"standard"`` (FA1 Alg. 0/3, which saves P).
-        block_sizes (tuple of int, optional): ``(B_r, B_c)`` for the tiled algorithms (None with ``"standard"``).
-            Default None: from ``M`` by the conventions' rules on the CPU, and
-            :func:`kernels_gpu.runtime.default_block_sizes` on CUDA.
-        M (int, optional): SRAM size in elements, for the tiled algorithms on the CPU only (the kernels take
-            ``block_sizes``). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`.
+        return_lse (bool, optional): also return L = logsumexp(τ q kᵀ + mask) per query row, float32 (float64 for
+            float64 inputs), +inf on rows that see no key; not differentiable. Default False.
+        backend (str, optional): which kernels run (keyword only): ``"numpy"``, ``"fast"``, ``"tensorcore"`` or
+            ``"teaching"`` (:data:`BACKENDS`). Default None: the dispatch table :data:`DISPATCH` (the fastest
+            measured for the device and dtype; see :func:`choose_backend`).
+        block_sizes (tuple of int, optional): ``(B_r, B_c)`` for the tiled algorithms on the ``"numpy"`` and
+            ``"teaching"`` backends (keyword only; None with ``"standard"``). Default None: from ``M`` by the
+            conventions' rules on the CPU, :func:`kernels_gpu.runtime.default_block_sizes` on the teaching kernels.
+        M (int, optional): SRAM size in elements, for the tiled algorithms on the ``"numpy"`` backend only
+            (keyword only). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
-        backward algorithm on the saved tensors listed in the module docstring.
+        backward algorithm on the saved tensors listed in the module docstring; ``(O, L)`` with ``return_lse``, L
+        of shape (…, H_q, N_q).
     """
-    if algorithm not in _FUNCTIONS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    _check_tensors(q, k, v, algorithm)
-    if q.is_cuda and M is not None:
-        raise ValueError("M (the simulated SRAM size) applies to the CPU path; on CUDA pass block_sizes=(B_r, B_c)")
-    return _FUNCTIONS[algorithm].apply(q, k, v, causal, scale, block_sizes, M)
+    (q, k, v), args = _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M)
+    if algorithm == "flash2":
+        O, L = torch.ops.fa2edu.flash_attention_fwd(q, k, v, *args)
+    elif algorithm == "flash1":
+        O, l, m = torch.ops.fa2edu.flash1_attention_fwd(q, k, v, *args)
+        L = _lse_from_l_m(l, m) if return_lse else None
+    else:
+        O, _ = torch.ops.fa2edu.standard_attention_fwd(q, k, v, *args)
+        L = _lse_of_scores(q.detach(), k.detach(), causal, args[1]) if return_lse else None
+    return (O, L) if return_lse else O

@@ -7,6 +7,8 @@
   against SDPA in float64. SDPA's ``is_causal`` is top-left aligned, so the bottom-right mask is built explicitly.
 * What each autograd Function keeps for the backward pass, read through ``saved_tensors_hooks``: FA2 keeps Q, K, V,
   O, L, FA1 Q, K, V, O, ℓ, m, and only the standard algorithm keeps an N_q × N_k tensor (P).
+* ``return_lse=True`` returns the log-sum-exp L of every algorithm (+inf on rows that see no key), and the
+  ``autograd.Function`` form (``Flash2Attention.apply``) is the same op as the registered operator.
 * Bad input gets a clear error naming the argument, and ``import fa2edu`` does not import torch.
 """
 
@@ -24,6 +26,7 @@ F = torch.nn.functional
 from tolerances import assert_close_to_oracle  # noqa: E402
 
 import fa2edu  # noqa: E402
+import fa2edu.torch as op  # noqa: E402
 from fa2edu.torch import ALGORITHMS, flash_attention  # noqa: E402
 
 
@@ -201,6 +204,37 @@ def test_double_backward_is_refused():
         dq.sum().backward()
 
 
+# -- return_lse and the autograd.Function form -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_return_lse_is_the_log_sum_exp(algorithm):
+    # FA2 returns its L; FA1's (ℓ, m) become m + log ℓ; the standard algorithm's L is computed from the scores.
+    # Rows that see no key (causal, N_q > N_k) have L = +inf, as in the oracle.
+    q, k, v = make_inputs((2, 4, 9, 5), (2, 2, 6, 5), 3, requires_grad=False)
+    tiled = {} if algorithm == "standard" else {"block_sizes": (4, 4)}
+    O, L = flash_attention(q, k, v, causal=True, scale=0.7, algorithm=algorithm, return_lse=True, **tiled)
+    assert torch.equal(O, flash_attention(q, k, v, causal=True, scale=0.7, algorithm=algorithm, **tiled))
+    _, L_ref = fa2edu.attention_reference(*(x.numpy() for x in (q, k, v)), causal=True, scale=0.7)
+    assert L.shape == (2, 4, 9) and L.dtype == torch.float64 and torch.isposinf(L[..., :3]).all()
+    assert_close_to_oracle(L.numpy(), L_ref, f"{algorithm} L")
+    L32 = flash_attention(*(x.float() for x in (q, k, v)), algorithm=algorithm, return_lse=True, **tiled)[1]
+    assert L32.dtype == torch.float32
+
+
+def test_the_function_form_is_the_same_op():
+    # Flash2Attention.apply (the autograd.Function form) and flash_attention (the registered operator) share the
+    # forward operator and the backward formula: equal outputs and gradients.
+    q, k, v = make_inputs((1, 2, 7, 4), (1, 1, 5, 4), 3)
+    dO = torch.randn(1, 2, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    via_op = run_op(q, k, v, dO, causal=True, block_sizes=(3, 2))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    O = op.Flash2Attention.apply(*leaves, True, None, (3, 2), None)
+    O.backward(dO)
+    assert torch.equal(O.detach(), via_op[0])
+    for a, b in zip((x.grad for x in leaves), via_op[1]):
+        assert torch.equal(a, b)
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 def test_errors_name_the_argument():
@@ -233,6 +267,16 @@ def test_errors_name_the_argument():
         flash_attention(q, k, v, algorithm="standard", block_sizes=(2, 2))
     with pytest.raises(ValueError, match="M = 4 is too small"):
         flash_attention(q, k, v, M=4)
+    with pytest.raises(ValueError, match="q has head dimension 300"):
+        flash_attention(*(torch.zeros(1, 2, 4, 300, dtype=torch.float64) for _ in range(3)))
+    with pytest.raises(ValueError, match="k must have q's head dimension"):
+        flash_attention(q, k[..., :2], v)
+    with pytest.raises(ValueError, match="v must have k's leading axes"):
+        flash_attention(q, k, v[..., :3, :])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        flash_attention(q, k, v, backend="cudnn")
+    with pytest.raises(TypeError, match="scale must be a finite real number"):
+        flash_attention(q, k, v, scale=float("nan"))
 
 
 def test_import_fa2edu_does_not_need_torch():

@@ -1,0 +1,550 @@
+"""The machinery behind ``fa2edu.torch.flash_attention``: which kernel runs, how it is called, and the operators.
+
+Three parts, in the order data flows through them:
+
+1. **The dispatch table** (:data:`DISPATCH`, :data:`BACKENDS`, :func:`choose_backend`): the one place that says
+   which *backend* computes attention for a device, a dtype and an algorithm. A backend is a family of kernels:
+
+   ==============  ===============  ==================  =================================================
+   backend         device           dtypes              what runs
+   ==============  ===============  ==================  =================================================
+   ``numpy``       cpu              float32, float64    fa2edu's NumPy algorithms (the counted textbook
+                                                        code): FA2, FA1 and standard attention
+   ``fast``        cuda             float32             ``kernels_gpu.fast``: forward v6 (padded width
+                                                        ≤ 64) or v8, backward v1 (register-tiled, CUDA
+                                                        cores)
+   ``tensorcore``  cuda             float16, bfloat16   ``kernels_gpu.tensorcore.flash2_forward`` and, once
+                                                        it exists, ``tensorcore.flash2_backward``; until
+                                                        then the backward runs ``fast`` in float32
+   ``teaching``    cuda             float32             ``kernels_gpu``'s teaching kernels (one thread per
+                                                        row, FA2 and standard attention): by name only
+   ==============  ===============  ==================  =================================================
+
+   With ``backend=None`` the table :data:`DISPATCH` picks the fastest measured one per (device, dtype); the
+   teaching kernels run only when asked for (``backend="teaching"``, or ``algorithm="standard"`` on CUDA, which
+   only they implement). In numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) a CUDA backend named explicitly
+   also takes CPU tensors: that is how the tests run the GPU paths on a machine without a GPU.
+
+2. **The kernel calls** (:func:`flash2_forward`, :func:`flash2_backward` and their FA1 and standard siblings):
+   tensors in, tensors out. The fast kernels need head dimensions that are multiples of their thread layout and
+   the tensor-core kernels multiples of 8, so inputs are **padded with zero columns** inside the call and the
+   results sliced back. Zero columns change nothing: a zero column of Q and K adds 0 to every score q·k, a zero
+   column of V gives a zero column of O (sliced off), and a zero column of dO adds 0 to D = rowsum(dO ∘ O). The
+   scale τ is always passed explicitly (the caller's default 1/√d uses the *unpadded* d).
+
+3. **The custom operators** ``fa2edu::flash_attention_fwd`` / ``fa2edu::flash_attention_bwd`` (FA2), and
+   ``fa2edu::flash1_attention_fwd|bwd``, ``fa2edu::standard_attention_fwd|bwd``: each registered with
+   ``torch.library.custom_op`` and a *fake* implementation (``register_fake``) that only computes output shapes and
+   dtypes, which is all ``torch.compile`` needs to trace through an operator it cannot look inside. Their autograd
+   formulas are registered in :mod:`fa2edu.torch`, next to the ``autograd.Function`` classes they reuse.
+
+This module is private: import :mod:`fa2edu.torch`, which checks that PyTorch is installed first.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import fa2edu
+
+__all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
+           "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
+           "standard_backward", "fast_width", "tensorcore_width", "tensorcore_has_backward"]
+
+#: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
+ALGORITHMS = ("flash2", "flash1", "standard")
+
+#: The largest head dimension (d and d_v) on every path, as in flash-attn.
+MAX_HEAD_DIM = 256
+
+
+# =================================================================================================================
+# 1. The dispatch table
+# =================================================================================================================
+
+class Backend(NamedTuple):
+    """One family of kernels: where it runs, what it takes, and what it is."""
+
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    algorithms: tuple[str, ...]
+    description: str
+
+
+BACKENDS = {
+    "numpy": Backend(("cpu",), (torch.float32, torch.float64), ALGORITHMS,
+                     "fa2edu's NumPy algorithms: the line-by-line, counted textbook code"),
+    "fast": Backend(("cuda",), (torch.float32,), ("flash2",),
+                    "kernels_gpu.fast: register-tiled CUDA-core kernels, forward v6/v8, backward v1"),
+    "tensorcore": Backend(("cuda",), (torch.float16, torch.bfloat16), ("flash2",),
+                          "kernels_gpu.tensorcore: mma.sync kernels; backward on tensor cores once "
+                          "kernels_gpu.tensorcore.flash2_backward exists, until then the fast fp32 backward"),
+    "teaching": Backend(("cuda",), (torch.float32,), ("flash2", "standard"),
+                        "kernels_gpu's teaching kernels: one thread per row, mirroring the NumPy code"),
+}
+
+#: (device type, dtype) → the backend ``algorithm="flash2"`` runs on when none is named: the fastest measured.
+DISPATCH = {
+    ("cpu", torch.float32): "numpy",
+    ("cpu", torch.float64): "numpy",
+    ("cuda", torch.float32): "fast",
+    ("cuda", torch.float16): "tensorcore",
+    ("cuda", torch.bfloat16): "tensorcore",
+}
+
+
+def simulator_enabled() -> bool:
+    """True when numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``, read by numba at import)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def _dtype_hint(device_type: str, dtype: torch.dtype) -> str:
+    """What to do about a dtype no backend takes on this device."""
+    if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return (" (fa2edu's NumPy path computes in float32 or float64; cast with .float() or .double(), or move "
+                "the tensors to a GPU, where float16 and bfloat16 run on tensor cores)")
+    if device_type == "cuda" and dtype == torch.float64:
+        return "; for float64 move the tensors to the CPU"
+    return ""
+
+
+def choose_backend(device_type: str, dtype: torch.dtype, algorithm: str = "flash2", backend: str | None = None,
+                   *, simulator: bool | None = None) -> str:
+    """The backend that computes ``algorithm`` for tensors of ``dtype`` on ``device_type``; a clear error if none.
+
+    Args:
+        device_type (str): ``"cpu"`` or ``"cuda"`` (``torch.device.type``).
+        dtype (torch.dtype): the tensors' dtype.
+        algorithm (str, optional): ``"flash2"``, ``"flash1"`` or ``"standard"``. Default ``"flash2"``.
+        backend (str, optional): a name from :data:`BACKENDS` to insist on, or None (default) for the table's
+            choice: :data:`DISPATCH` for FA2, ``"numpy"`` for the other algorithms on the CPU and ``"teaching"``
+            for ``"standard"`` on CUDA (the only kernels that implement it).
+        simulator (bool, optional): whether numba's CUDA simulator is on, which lets a CUDA backend named
+            explicitly take CPU tensors. Default None: read the environment (:func:`simulator_enabled`).
+
+    Returns:
+        str: a key of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: an unknown algorithm, backend or device, or a backend that cannot run this algorithm here.
+        TypeError: a dtype that no backend takes on this device.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"q, k, v are on device {device_type!r}; flash_attention runs on 'cpu' and 'cuda'")
+    if backend is None:
+        if algorithm == "flash2":
+            backend = DISPATCH.get((device_type, dtype))
+            if backend is None:
+                takes = " or ".join(str(t).removeprefix("torch.") for (dev, t) in DISPATCH if dev == device_type)
+                where = "on the CPU" if device_type == "cpu" else "on CUDA"
+                raise TypeError(f"q has dtype {dtype}; {where} flash_attention takes {takes}"
+                                f"{_dtype_hint(device_type, dtype)}")
+        elif device_type == "cpu":
+            backend = "numpy"
+        elif algorithm == "standard":
+            backend = "teaching"
+        else:
+            raise ValueError(f"algorithm={algorithm!r} runs on the CPU only (kernels_gpu has no FA1 backward); on "
+                             f"CUDA use 'flash2' or 'standard', or move the tensors to the CPU")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)} or None, got {backend!r}")
+    spec = BACKENDS[backend]
+    simulated_gpu = device_type == "cpu" and "cuda" in spec.devices and (
+        simulator_enabled() if simulator is None else simulator)
+    if device_type not in spec.devices and not simulated_gpu:
+        hint = (" (a CUDA backend takes CPU tensors only in numba's CUDA simulator, NUMBA_ENABLE_CUDASIM=1)"
+                if device_type == "cpu" else "")
+        raise ValueError(f"backend={backend!r} runs on {' and '.join(spec.devices)}, but q, k, v are on "
+                         f"{device_type}{hint}")
+    if algorithm not in spec.algorithms:
+        raise ValueError(f"backend={backend!r} does not implement algorithm={algorithm!r} (it has "
+                         f"{spec.algorithms})")
+    if dtype not in spec.dtypes:
+        takes = " or ".join(str(t).removeprefix("torch.") for t in spec.dtypes)
+        raise TypeError(f"q has dtype {dtype}; backend={backend!r} takes {takes}{_dtype_hint(device_type, dtype)}")
+    return backend
+
+
+# =================================================================================================================
+# 2. The kernel calls
+# =================================================================================================================
+
+# -- moving tensors between PyTorch, NumPy and numba --------------------------------------------------------------
+
+def _to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a NumPy array sharing its memory (no copy)."""
+    return x.detach().numpy()
+
+
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
+    """A NumPy result as a CPU tensor sharing its memory (a copy only if NumPy marked it read-only)."""
+    return torch.from_numpy(x if x.flags.writeable else x.copy())
+
+
+def _kernels_gpu():
+    """kernels_gpu, imported only when a GPU backend runs (it needs numba.cuda)."""
+    try:
+        import kernels_gpu
+    except ImportError as error:
+        raise ImportError(f"the CUDA backends run kernels_gpu's numba.cuda kernels, which failed to import: {error}"
+                          ) from error
+    return kernels_gpu
+
+
+def _for_kernel(x: torch.Tensor):
+    """What a numba kernel of ``kernels_gpu`` (fast or teaching) is handed for the tensor ``x``.
+
+    A CUDA tensor becomes a numba device array over the same memory (zero-copy). ``sync=False``: numba's default
+    for a foreign array would wait for the whole GPU to go idle before every launch; the order is kept instead by
+    :func:`_numba_stream`. A CPU tensor (the simulator) becomes a NumPy array, which the kernels copy in and out.
+    """
+    x = x.detach().contiguous()
+    if x.is_cuda:
+        from numba import cuda
+        return cuda.as_cuda_array(x, sync=False)
+    return x.numpy()
+
+
+def _from_kernel(x, like: torch.Tensor) -> torch.Tensor:
+    """A kernel's result as a tensor on ``like``'s device, without a copy: a tensor as is, a numba device array
+    through ``__cuda_array_interface__`` (torch keeps it alive as long as the tensor lives), a NumPy array
+    through ``torch.from_numpy``."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return torch.as_tensor(x, device=like.device)
+    return _from_numpy(np.asarray(x))
+
+
+@contextmanager
+def _numba_stream(device: torch.device):
+    """Order numba's launches after PyTorch's pending work and PyTorch's next work after numba's launches.
+
+    The fast and teaching kernels launch on numba's default stream, the legacy default stream, which is PyTorch's
+    default stream too: there nothing is needed. Under ``torch.cuda.stream(side)`` the two are not ordered, so
+    each side waits for the other (on the GPU: no host synchronisation). CPU tensors (the simulator) need nothing.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if current == default:
+        yield
+        return
+    default.wait_stream(current)
+    yield
+    current.wait_stream(default)
+
+
+# -- padding the head dimension -------------------------------------------------------------------------------------
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zero columns appended on its last axis up to ``width`` (``x`` itself when already that wide)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _unpad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` columns of ``x``, as a contiguous tensor of their own (not a view of the padded one)."""
+    return x if x.shape[-1] == width else x[..., :width].contiguous()
+
+
+def fast_width(d: int, d_v: int, pass_: str) -> int:
+    """The head dimension, d and d_v alike, that ``kernels_gpu.fast`` computes at for (d, d_v): the smallest its
+    default thread layout takes.
+
+    The forward kernels split a row of O over NX threads of 4 columns each (NX = 8 for widths ≤ 64, else 16), so
+    the width must be a multiple of 32 up to 64 and of 64 above; the backward v1 splits rows of dK, dV over 16
+    threads (a multiple of 64). Widths: forward 32, 64, 128, 192, 256; backward 64, 128, 192, 256.
+    """
+    D = max(d, d_v)
+    if pass_ == "forward":
+        return _round_up(D, 32 if D <= 64 else 64)
+    return _round_up(D, 64)
+
+
+def tensorcore_width(d: int, d_v: int) -> int:
+    """The head dimension the tensor-core kernels compute at: d = d_v, a multiple of 8 (one 16-byte chunk)."""
+    return _round_up(max(d, d_v), 8)
+
+
+#: kernels_gpu.fast's forward version per padded width: v6 up to 64, v8 (stream-K over the last wave) above
+#: (the measured choice, ``benchmarks.impls.FAST_FORWARD``), and the backward version.
+FAST_FORWARD = {64: "v6", 256: "v8"}
+FAST_BACKWARD = "v1"
+
+
+def _fast_wide_tilings():
+    """Tile shapes for widths above 128, where the default (tuned for d = 128) needs more shared memory than a
+    block may have (235 KB at 192, 301 KB at 256, against 227 KB): 64 × 64 tiles of 256 threads forward
+    (217 KB at 256), 32 × 64 backward (217 KB)."""
+    from kernels_gpu.fast import Tiling
+    return Tiling(16, 16, 4, 4), Tiling(16, 16, 2, 4)
+
+
+# -- FA2 -------------------------------------------------------------------------------------------------------------
+
+def _fast_forward(q, k, v, causal: bool, scale: float):
+    """FA2 Alg. 1 on ``kernels_gpu.fast`` (float32), padded to :func:`fast_width`."""
+    from kernels_gpu.fast import VERSIONS
+    d_v = v.shape[-1]
+    D = fast_width(q.shape[-1], d_v, "forward")
+    version = FAST_FORWARD[64] if D <= 64 else FAST_FORWARD[256]
+    tiling = {"tiling": _fast_wide_tilings()[0]} if D > 128 else {}
+    with _numba_stream(q.device):
+        O, L = VERSIONS[version](*(_for_kernel(_pad(x, D)) for x in (q, k, v)), causal=causal, scale=scale,
+                                 **tiling)
+    return _unpad(_from_kernel(O, q), d_v), _from_kernel(L, q)
+
+
+def _fast_backward(q, k, v, O, L, dO, causal: bool, scale: float):
+    """FA2 Alg. 2 on ``kernels_gpu.fast`` backward v1 (float32), padded to :func:`fast_width`."""
+    from kernels_gpu.fast import BACKWARD_VERSIONS
+    d, d_v = q.shape[-1], v.shape[-1]
+    D = fast_width(d, d_v, "backward")
+    tiling = {"tiling": _fast_wide_tilings()[1]} if D > 128 else {}
+    padded = [_for_kernel(_pad(x, D)) for x in (q, k, v, O)] + [_for_kernel(L), _for_kernel(_pad(dO, D))]
+    with _numba_stream(q.device):
+        dQ, dK, dV = BACKWARD_VERSIONS[FAST_BACKWARD](*padded, causal=causal, scale=scale, **tiling)
+    return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
+
+
+def _tensorcore():
+    from kernels_gpu import tensorcore
+    return tensorcore
+
+
+def tensorcore_has_backward() -> bool:
+    """Whether ``kernels_gpu.tensorcore`` has its backward kernel (asked at each call, not at import)."""
+    return hasattr(_tensorcore(), "flash2_backward")
+
+
+def _tensor_core_forward(q, k, v, causal: bool, scale: float):
+    """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`.
+    The kernels take PyTorch tensors themselves and launch on PyTorch's current stream."""
+    d_v = v.shape[-1]
+    D = tensorcore_width(q.shape[-1], d_v)
+    O, L = _tensorcore().flash2_forward(*(_pad(x.detach(), D).contiguous() for x in (q, k, v)), causal=causal,
+                                        scale=scale)
+    return _unpad(_from_kernel(O, q), d_v), _from_kernel(L, q)
+
+
+def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
+    """FA2 Alg. 2 for float16/bfloat16 tensors.
+
+    On tensor cores when ``kernels_gpu.tensorcore.flash2_backward`` exists (looked up now, at each call).
+    Until then: the float32 fast backward on the inputs cast up, gradients cast back to the inputs' dtype: right,
+    but paying for two casts and running on CUDA cores.
+    """
+    tensorcore = _tensorcore()
+    if hasattr(tensorcore, "flash2_backward"):
+        d, d_v = q.shape[-1], v.shape[-1]
+        D = tensorcore_width(d, d_v)
+        args = [_pad(x.detach(), D).contiguous() for x in (q, k, v, O)]
+        dQ, dK, dV = tensorcore.flash2_backward(*args[:4], L.detach().contiguous(), _pad(dO.detach(), D).contiguous(),
+                                                causal=causal, scale=scale)
+        return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
+    # The fallback: float32 on CUDA cores (kernels_gpu.fast), the same formulas on the upcast values.
+    grads = _fast_backward(*(x.float() for x in (q, k, v, O)), L.float(), dO.float(), causal, scale)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+def flash2_forward(backend: str, q, k, v, causal: bool, scale: float, block_sizes, M):
+    """(O, L) of FA2 Alg. 1 on ``backend``; O (…, N_q, d_v) in q's dtype, L (…, N_q) in float32 (float64 for
+    float64 inputs), +inf on rows that see no key."""
+    if backend == "numpy":
+        fwd = fa2edu.flash2_forward(_to_numpy(q), _to_numpy(k), _to_numpy(v), M=M, block_sizes=block_sizes,
+                                    causal=causal, scale=scale)
+        return _from_numpy(fwd.O), _from_numpy(fwd.L)
+    if backend == "fast":
+        return _fast_forward(q, k, v, causal, scale)
+    if backend == "tensorcore":
+        return _tensor_core_forward(q, k, v, causal, scale)
+    # the teaching kernel: one thread block per row block of Q (FA2 Section 3.2), any head dimension
+    with _numba_stream(q.device):
+        O, L = _kernels_gpu().flash2_forward(*(_for_kernel(x) for x in (q, k, v)), block_sizes=block_sizes,
+                                             causal=causal, scale=scale)
+    return _from_kernel(O, q), _from_kernel(L, q)
+
+
+def flash2_backward(backend: str, q, k, v, O, L, dO, causal: bool, scale: float, block_sizes, M):
+    """(dQ, dK, dV) of FA2 Alg. 2 on ``backend``, from the forward's O and L; dK, dV summed over GQA groups."""
+    if backend == "numpy":
+        grads = fa2edu.flash2_backward(*(_to_numpy(x) for x in (q, k, v, O, L, dO)), M=M, block_sizes=block_sizes,
+                                       causal=causal, scale=scale)
+        return tuple(_from_numpy(x) for x in grads)
+    if backend == "fast":
+        return _fast_backward(q, k, v, O, L, dO, causal, scale)
+    if backend == "tensorcore":
+        return _tensor_core_backward(q, k, v, O, L, dO, causal, scale)
+    with _numba_stream(q.device):
+        grads = _kernels_gpu().flash2_backward(*(_for_kernel(x) for x in (q, k, v, O, L, dO)),
+                                               block_sizes=block_sizes, causal=causal, scale=scale)
+    return tuple(_from_kernel(x, q) for x in grads)
+
+
+# -- FA1 (NumPy only) and standard attention (NumPy or the teaching kernels) ----------------------------------------
+
+def flash1_forward(backend: str, q, k, v, causal: bool, scale: float, block_sizes, M):
+    """(O, ℓ, m) of FA1 Alg. 2 (NumPy): O and the two row statistics that FA1 Alg. 4 reads back."""
+    fwd = fa2edu.flash1_forward(_to_numpy(q), _to_numpy(k), _to_numpy(v), M=M, block_sizes=block_sizes,
+                                causal=causal, scale=scale)
+    return _from_numpy(fwd.O), _from_numpy(fwd.l), _from_numpy(fwd.m)
+
+
+def flash1_backward(backend: str, q, k, v, O, l, m, dO, causal: bool, scale: float, block_sizes, M):
+    """(dQ, dK, dV) of FA1 Alg. 4 (NumPy): P rebuilt block by block from ℓ and m."""
+    grads = fa2edu.flash1_backward(*(_to_numpy(x) for x in (q, k, v, O, l, m, dO)), M=M, block_sizes=block_sizes,
+                                   causal=causal, scale=scale)
+    return tuple(_from_numpy(x) for x in grads)
+
+
+def standard_forward(backend: str, q, k, v, causal: bool, scale: float, block_sizes, M):
+    """(O, P) of FA1 Alg. 0: S and P materialised (NumPy, or the teaching kernels' separate launches)."""
+    if backend == "numpy":
+        fwd = fa2edu.standard_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), causal=causal, scale=scale)
+        return _from_numpy(fwd.O), _from_numpy(fwd.P)
+    with _numba_stream(q.device):
+        O, P = _kernels_gpu().standard_attention(*(_for_kernel(x) for x in (q, k, v)), causal=causal, scale=scale)
+    return _from_kernel(O, q), _from_kernel(P, q)
+
+
+def standard_backward(backend: str, q, k, v, P, dO, causal: bool, scale: float, block_sizes, M):
+    """(dQ, dK, dV) of FA1 Alg. 3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = τ dS K, dK = τ dSᵀ Q."""
+    if backend == "numpy":
+        grads = fa2edu.standard_attention_backward(*(_to_numpy(x) for x in (q, k, v, P, dO)), causal=causal,
+                                                   scale=scale)
+        return tuple(_from_numpy(x) for x in grads)
+    with _numba_stream(q.device):
+        grads = _kernels_gpu().standard_attention_backward(*(_for_kernel(x) for x in (q, k, v, P, dO)),
+                                                           causal=causal, scale=scale)
+    return tuple(_from_kernel(x, q) for x in grads)
+
+
+# =================================================================================================================
+# 3. The custom operators
+# =================================================================================================================
+#
+# Each operator takes the resolved arguments (scale a float, backend a name of BACKENDS) and returns new,
+# contiguous tensors. Its fake implementation returns empty tensors of the same shapes, dtypes and devices: what
+# torch.compile's tracing (FakeTensors, no data) and torch.library.opcheck need.
+
+def _check_finite(*named) -> None:
+    """Inputs must be finite. Checked on the CPU only: on a GPU the check would read the tensors once more and
+    wait for the GPU (a host synchronisation on every call); the GPU kernels, like SDPA, trust their inputs."""
+    for name, x in named:
+        if not x.is_cuda and x.numel() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} contains NaN or infinite values; attention inputs must be finite")
+
+
+def _new(x: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """An empty contiguous tensor on ``x``'s device (the fakes' outputs)."""
+    return x.new_empty(tuple(shape), dtype=x.dtype if dtype is None else dtype)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of L, ℓ, m: the compute dtype, float64 for float64 inputs and float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _contiguous(*xs):
+    return tuple(x.contiguous() for x in xs)
+
+
+@torch.library.custom_op("fa2edu::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                        backend: str, block_sizes: Optional[list[int]], M: Optional[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA2 Alg. 1: (O, L) of q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash2_forward(backend, q, k, v, causal, scale, sizes, M))
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal, scale, backend, block_sizes, M):
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
+
+
+@torch.library.custom_op("fa2edu::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
+                        L: torch.Tensor, causal: bool, scale: float, backend: str,
+                        block_sizes: Optional[list[int]], M: Optional[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA2 Alg. 2: (dQ, dK, dV) from the inputs, the forward's O and L, and the upstream gradient dO."""
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash2_backward(backend, q, k, v, O, L, dO.contiguous(), causal, scale, sizes, M))
+
+
+@flash_attention_bwd.register_fake
+def _(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
+    return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
+
+
+@torch.library.custom_op("fa2edu::flash1_attention_fwd", mutates_args=())
+def flash1_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                         backend: str, block_sizes: Optional[list[int]], M: Optional[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA1 Alg. 2: (O, ℓ, m)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash1_forward(backend, q, k, v, causal, scale, sizes, M))
+
+
+@flash1_attention_fwd.register_fake
+def _(q, k, v, causal, scale, backend, block_sizes, M):
+    stat = _stat_dtype(q.dtype)
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], stat), _new(q, q.shape[:-1], stat)
+
+
+@torch.library.custom_op("fa2edu::flash1_attention_bwd", mutates_args=())
+def flash1_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
+                         l: torch.Tensor, m: torch.Tensor, causal: bool, scale: float, backend: str,  # noqa: E741
+                         block_sizes: Optional[list[int]], M: Optional[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA1 Alg. 4: (dQ, dK, dV) from the inputs, O, ℓ, m and dO."""
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash1_backward(backend, q, k, v, O, l, m, dO.contiguous(), causal, scale, sizes, M))
+
+
+@flash1_attention_bwd.register_fake
+def _(dO, q, k, v, O, l, m, causal, scale, backend, block_sizes, M):  # noqa: E741
+    return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
+
+
+@torch.library.custom_op("fa2edu::standard_attention_fwd", mutates_args=())
+def standard_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                           backend: str, block_sizes: Optional[list[int]], M: Optional[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA1 Alg. 0: (O, P), P of shape (…, H_q, N_q, N_k)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    return _contiguous(*standard_forward(backend, q, k, v, causal, scale, None, None))
+
+
+@standard_attention_fwd.register_fake
+def _(q, k, v, causal, scale, backend, block_sizes, M):
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, (*q.shape[:-1], k.shape[-2]))
+
+
+@torch.library.custom_op("fa2edu::standard_attention_bwd", mutates_args=())
+def standard_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: torch.Tensor,
+                           causal: bool, scale: float, backend: str, block_sizes: Optional[list[int]],
+                           M: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA1 Alg. 3: (dQ, dK, dV) from the inputs, P and dO."""
+    return _contiguous(*standard_backward(backend, q, k, v, P, dO.contiguous(), causal, scale, None, None))
+
+
+@standard_attention_bwd.register_fake
+def _(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
+    return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
