@@ -2,8 +2,9 @@
 
 f16 and bf16, d = 64 and 128, causal and not, ragged N:
 ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and ``--tool racecheck``); name
-rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``). Prints one line per launch; exits
-non-zero on a wrong result."""
+rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``; backward rungs as ``bwd_v1`` …: GQA,
+ragged, causal with rows that see no key, d = 64, 128 and 256). Prints one line per launch; exits non-zero on a
+wrong result."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ def main(argv=None) -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels_gpu.tensorcore import VERSIONS
-    wanted = list(sys.argv[1:] if argv is None else argv) or list(VERSIONS)
+    from kernels_gpu.tensorcore import BACKWARD_VERSIONS, VERSIONS
+    wanted = list(sys.argv[1:] if argv is None else argv) or (list(VERSIONS) +
+                                                              [f"bwd_{v}" for v in BACKWARD_VERSIONS])
     failures = 0
     for version, forward in sorted(VERSIONS.items()):
         if version not in wanted:
@@ -37,7 +39,38 @@ def main(argv=None) -> int:
                 failures += not ok
                 print(f"{version} {dtype} d={d} causal={causal}: max error {err:.2e} {'ok' if ok else 'WRONG'}",
                       flush=True)
+    failures += _backward(wanted)
     return 1 if failures else 0
+
+
+def _backward(wanted) -> int:
+    """The backward rungs named ``bwd_v1`` … in ``wanted``: one launch per dtype and (d, causal), dQ, dK, dV checked
+    against fa2edu's float64 oracle (max error over max gradient below 2e-2). Returns the number of failures."""
+    import numpy as np
+    import torch
+
+    import fa2edu
+    from kernels_gpu.tensorcore import BACKWARD_VERSIONS, flash2_forward
+    failures = 0
+    for version, backward in sorted(BACKWARD_VERSIONS.items()):
+        if f"bwd_{version}" not in wanted:
+            continue
+        for dtype in (torch.float16, torch.bfloat16):
+            for d, causal in ((64, False), (128, True), (256, True)):
+                Q, dO = (torch.randn(1, 2, 150, d, device="cuda").to(dtype) for _ in range(2))
+                K, V = (torch.randn(1, 1, 130, d, device="cuda").to(dtype) for _ in range(2))
+                O, L = flash2_forward(Q, K, V, causal=causal)
+                grads = backward(Q, K, V, O, L, dO, causal=causal)
+                torch.cuda.synchronize()
+                ref = fa2edu.attention_reference_backward(*(x.double().cpu().numpy() for x in (Q, K, V, dO)),
+                                                          causal=causal)
+                err = max(float(np.abs(g.double().cpu().numpy() - r).max() / np.abs(r).max())
+                          for g, r in zip(grads, ref))
+                ok = err < 2e-2 and not any(g.isnan().any() for g in grads)
+                failures += not ok
+                print(f"bwd_{version} {dtype} d={d} causal={causal}: max relative error {err:.2e} "
+                      f"{'ok' if ok else 'WRONG'}", flush=True)
+    return failures
 
 
 if __name__ == "__main__":
