@@ -24,6 +24,7 @@ import sys
 import time
 from typing import NamedTuple
 
+from benchmarks import timing
 from benchmarks.flop_model import PASSES, model_flops
 from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
 
@@ -260,51 +261,8 @@ def update_history(history, config, outcome):
 
 # ---------------------------------------------------------------------------------------------- the device
 
-def cuda_setup(use_torch_allocator=True):
-    """Prepare PyTorch and numba on the GPU; returns (device, allocator name). TF32 off: fp32 means fp32."""
-    import numpy as np
-    if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 still references np.row_stack, gone in NumPy 2.5
-        np.row_stack = np.vstack
-    # numba would synchronise PyTorch's stream each time a kernel takes a tensor; both run on the legacy default
-    # stream, which orders their work already, and a host sync per call would add launch gaps to the timings
-    os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
-    import torch
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_attention needs a CUDA GPU (torch.cuda.is_available() is False); "
-                         "use --plan to see the configurations without one")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    torch.cuda.init()
-    torch.empty(1, device="cuda")  # create PyTorch's context before numba looks for one
-    allocator = "numba"
-    if use_torch_allocator:
-        from benchmarks import torch_allocator
-        try:
-            installed = torch_allocator.install()
-        except Exception as exc:  # measure anyway, without kernels_gpu's peak memory
-            installed, why = False, repr(exc)
-        else:
-            why = "numba's context existed before the plugin was installed"
-        if installed:
-            allocator = "torch"
-        else:
-            print(f"warning: numba allocations not routed through PyTorch ({why}); "
-                  "kernels_gpu peak memory will not be recorded", file=sys.stderr)
-    from benchmarks.timing import TorchDevice
-    return TorchDevice(), allocator
-
-
-def package_versions(names=("torch", "numba", "numba-cuda", "numpy", "llvmlite", "cuda-bindings", "fa2edu")):
-    """Installed versions of ``names`` (None for a missing package)."""
-    from importlib import metadata
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+# cuda_setup and package_versions live in ``timing`` (every driver starts with them); named here as before.
+cuda_setup, package_versions = timing.cuda_setup, timing.package_versions
 
 
 def _git_commit():

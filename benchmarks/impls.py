@@ -22,6 +22,10 @@ timed pass once and returns its outputs as a dict (``O`` and ``L``, or FA1's ``l
 The PyTorch forward passes run as in training (inputs require grad), as the FA2 paper times them; TF32 is off
 (``bench_attention`` sets it), so every float32 row is true fp32 arithmetic on CUDA cores.
 torch and kernels_gpu are imported inside the functions: this module imports on a machine without a GPU.
+
+The harness is layered one way: implementations (this module, the bottom: it imports nothing else of
+``benchmarks``) ← ``timing`` (how one configuration is measured, the CUDA set-up, the record of a run) ← the
+drivers (``bench_attention``, ``fast_kernels``, ``fast_backward``, ``fp16_check``, ``gpt_speed`` …).
 """
 
 import math
@@ -207,7 +211,33 @@ def _sdpa(backend_name):
     return attention
 
 
-from benchmarks.fast_kernels import _fast_builder  # noqa: E402 (the fast versions' builder; imports nothing heavy)
+def fast_builder(version, tiling=None, max_registers=None):
+    """A forward-only builder for ``kernels_gpu.fast``'s ``version`` (``"v1"`` …), with an optional tiling and
+    ptxas register cap (v5+); ``benchmarks.fast_kernels`` times every version through it."""
+    def build(pass_, x, causal, scale, options):
+        from kernels_gpu.fast import VERSIONS
+        forward = VERSIONS[version]
+        Q, K, V = x["Q"], x["K"], x["V"]
+        cap = {} if max_registers is None else {"max_registers": max_registers}   # v5+: a ptxas register cap
+
+        def call():
+            O, L = forward(Q, K, V, causal=causal, scale=scale, tiling=tiling, **cap)
+            return {"O": O, "L": L}
+        return call
+    return build
+
+
+def register_fast_versions():
+    """Add every ``kernels_gpu.fast`` forward version to :data:`IMPLS` as ``fast_v1``, ``fast_v2``, … (forward only,
+    not in the default set); returns the names added."""
+    from kernels_gpu.fast import VERSIONS
+    names = []
+    for version in VERSIONS:
+        name = f"fast_{version}"
+        IMPLS[name] = ImplSpec(name, "kernels_gpu", "float32", ("forward",), fast_builder(version),
+                               f"kernels_gpu.fast FA2 forward {version} (register-tiled)", default=False)
+        names.append(name)
+    return names
 
 IMPLS = {spec.name: spec for spec in (
     ImplSpec("kg_standard", "kernels_gpu", "float32", ("forward", "backward"), _kg_standard,
@@ -221,7 +251,7 @@ IMPLS = {spec.name: spec for spec in (
     ImplSpec("kg_flash2_fast_fp16", "kernels_gpu", "float16", ("forward", "backward"), _kg_flash2_fast_fp16,
              "kernels_gpu.fast FlashAttention-2 forward v6, backward v1 with fp16 storage and fp32 arithmetic",
              default=False),
-    ImplSpec("kg_flash2_v3", "kernels_gpu", "float32", ("forward",), _fast_builder("v3"),
+    ImplSpec("kg_flash2_v3", "kernels_gpu", "float32", ("forward",), fast_builder("v3"),
              "kernels_gpu.fast FlashAttention-2 forward v3 (register-tiled)", default=False),
     ImplSpec("kg_flash2_det", "kernels_gpu", "float32", ("backward",), _kg_flash2_det,
              "kernels_gpu FlashAttention-2 backward with deterministic dQ", default=False),

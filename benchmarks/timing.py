@@ -16,11 +16,20 @@ The protocol (``measure``), for one implementation at one (batch, heads, N, d, c
 
 Everything device-specific goes through a *device* object (``TorchDevice`` on a GPU; tests pass a fake with a
 fake clock), so the protocol itself runs and is tested without a GPU.
+
+Below the protocol: the CUDA set-up every driver starts with (``cuda_setup``: TF32 off, PyTorch's context first,
+numba's allocations through PyTorch's allocator; ``package_versions``), and the run record the fast-kernel drivers
+share (``add_run_arguments``, ``start_run``, ``measure_and_record``, ``results_table``).
+
+Layering: ``impls`` (what is timed) ← this module ← the drivers (``bench_attention``, ``fast_kernels``, …); this
+module never imports a driver.
 """
 
 import gc
 import math
+import os
 import statistics
+import sys
 import time
 
 
@@ -254,3 +263,137 @@ class TorchDevice:
         from benchmarks import torch_allocator
         return torch_allocator.poisoned()
 
+
+
+# ---------------------------------------------------------------------------------------------- the CUDA set-up
+
+def cuda_setup(use_torch_allocator=True):
+    """Prepare PyTorch and numba on the GPU; returns (device, allocator name). TF32 off: fp32 means fp32."""
+    import numpy as np
+    if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 still references np.row_stack, gone in NumPy 2.5
+        np.row_stack = np.vstack
+    # numba would synchronise PyTorch's stream each time a kernel takes a tensor; both run on the legacy default
+    # stream, which orders their work already, and a host sync per call would add launch gaps to the timings
+    os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         "use --plan (bench_attention) or --dry-run (gpt_speed) to see what it would run")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # create PyTorch's context before numba looks for one
+    allocator = "numba"
+    if use_torch_allocator:
+        from benchmarks import torch_allocator
+        try:
+            installed = torch_allocator.install()
+        except Exception as exc:  # measure anyway, without kernels_gpu's peak memory
+            installed, why = False, repr(exc)
+        else:
+            why = "numba's context existed before the plugin was installed"
+        if installed:
+            allocator = "torch"
+        else:
+            print(f"warning: numba allocations not routed through PyTorch ({why}); "
+                  "kernels_gpu peak memory will not be recorded", file=sys.stderr)
+    return TorchDevice(), allocator
+
+
+def package_versions(names=("torch", "numba", "numba-cuda", "numpy", "llvmlite", "cuda-bindings", "fa2edu")):
+    """Installed versions of ``names`` (None for a missing package)."""
+    from importlib import metadata
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+# ---------------------------------------------------------------------------------------------- a run's record
+
+def add_run_arguments(p, *, name: str, target_ms: float) -> None:
+    """The command-line arguments :func:`start_run` reads, with the fast-kernel drivers' defaults."""
+    p.add_argument("--tokens", type=int, default=16384, help="batch × N (FA2 paper: 16k)")
+    p.add_argument("--hidden", type=int, default=2048, help="heads × d (FA2 paper: 2048)")
+    p.add_argument("--target-ms", type=float, default=target_ms, help="timed work per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=name, help=f"results file fast_<name>.json (default fast_{name}.json)")
+    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>/fast_<name>.json)")
+
+
+def start_run(args, **settings):
+    """What every fast-kernel driver starts with: the CUDA device (:func:`cuda_setup`), the protocol, the results
+    header (device, date, package versions, allocator, settings: ``args.tokens``, ``args.hidden``, the protocol,
+    ``settings``, the command line) and an empty record list. Returns ``(run, out_path)``: ``run`` as
+    :func:`measure_and_record` takes it, ``out_path`` ``args.out`` or ``results/<device>/fast_<args.name>.json``."""
+    from benchmarks.results_io import default_results_path, utc_now
+
+    device, allocator = cuda_setup()
+    import torch
+    device_name = torch.cuda.get_device_name()
+    out_path = args.out or str(default_results_path(device_name, f"fast_{args.name}"))
+    protocol = Protocol(target_ms=args.target_ms, max_repeats=30)
+    header = {"device": device_name, "date": utc_now(), "versions": package_versions(), "numba_allocator": allocator,
+              "settings": {"tokens": args.tokens, "hidden": args.hidden, "protocol": protocol.as_dict(), **settings,
+                           "command": " ".join(sys.argv)}, "resources": {}}
+    run = dict(device=device, protocol=protocol, allocator=allocator, header=header, records=[],
+               device_name=device_name, seed=args.seed)
+    return run, out_path
+
+
+def measure_and_record(run, label, spec, fast, pass_, check, flops, config, resources):
+    """Time one implementation at one configuration and append its record to ``run["records"]``, printing a line.
+
+    ``run`` holds the run's ``device``, ``protocol``, ``allocator``, ``header``, ``records``, ``device_name`` and
+    ``seed``; ``config`` is ``(batch, heads, N, d, causal, scale)``; ``fast`` (a fast kernel's identity, or None)
+    with ``resources(fast, d)`` adds that kernel's resource report to the header once per (label, d).
+    """
+    from benchmarks import impls
+    from benchmarks.results_io import make_record
+
+    batch, heads, N, d, causal, scale = config
+    header, records = run["header"], run["records"]
+
+    def make_call(k):
+        x = impls.make_inputs(batch, heads, N, d, impls.config_seed(run["seed"], N, d, causal, k))
+        return spec.build(pass_, x, causal, scale, {})
+    t0 = time.perf_counter()
+    outcome = measure(make_call, check, run["device"], run["protocol"], flops,
+                      count_memory=(spec.family == "torch" or run["allocator"] == "torch"))
+    if fast is not None and outcome["status"] == "ok":
+        key = f"{label}/d{d}"
+        if key not in header["resources"]:
+            try:
+                header["resources"][key] = resources(fast, d)
+            except Exception as exc:  # noqa: BLE001
+                header["resources"][key] = {"error": repr(exc)}
+            print(f"resources {key}: {header['resources'][key]}", flush=True)
+    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "ms", "tflops", "peak_mem_bytes")}
+    records.append(make_record(impl=label if fast is None else f"fast_{label}", pass_=pass_, dtype=spec.dtype,
+                               batch=batch, heads=heads, N=N, d=d, causal=causal, device=run["device_name"],
+                               ms=outcome["ms"], tflops=outcome["tflops"], peak_mem_bytes=outcome["peak_mem_bytes"],
+                               status=outcome["status"], error=outcome["error"], **extra))
+    r = records[-1]
+    tf = "-" if r.get("tflops") is None else f"{r['tflops']:.2f}"
+    ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
+    print(f"d={d:3d} causal={int(causal)} N={N:5d} {label:22s} {r['status']:7s} {ms:>9s} ms "
+          f"{tf:>7s} TFLOP/s err={outcome.get('rel_error')} ({time.perf_counter() - t0:.1f} s)"
+          + ("" if outcome["status"] == "ok" else f" {outcome['error']}"), flush=True)
+
+
+def results_table(records):
+    """Print TFLOP/s per (d, causal, N) row, one column per implementation."""
+    labels = list(dict.fromkeys(r["impl"] for r in records))
+    keys = list(dict.fromkeys((r["d"], r["causal"], r["N"]) for r in records))
+    print("d    causal N      " + " ".join(f"{label[:14]:>14s}" for label in labels))
+    for key in keys:
+        cells = []
+        for label in labels:
+            hit = [r for r in records if (r["d"], r["causal"], r["N"]) == key and r["impl"] == label]
+            tf = hit[0].get("tflops") if hit else None
+            cells.append(f"{tf:14.2f}" if tf is not None else f"{'-':>14s}")
+        print(f"{key[0]:<4d} {int(key[1]):<6d} {key[2]:<6d} " + " ".join(cells))

@@ -1,15 +1,23 @@
-"""fa2edu.torch on a real GPU: kernels_gpu behind ``autograd``, zero-copy, checked against PyTorch's SDPA.
+"""fa2edu.torch on a real GPU: the dispatch table's kernels behind the registered operator, against PyTorch.
 
-Run on the device (``pytest -m gpu tests/gpu/test_torch_gpu.py``). Checks: the forward output and the gradients of
-``flash_attention(..., algorithm="flash2")`` (and ``"standard"``) on CUDA tensors equal SDPA's within the conventions'
-float32 rule against a float64 oracle; the CUDA path agrees with the CPU path; outputs stay on the GPU; side
-streams and non-contiguous inputs are handled; and the small GPT trains the same with either attention.
+Run on the device from the repository root::
+
+    FA2EDU_GPU=1 python -m pytest -m gpu tests/gpu/test_torch_gpu.py -q -p no:cacheprovider
+
+Checks, for CUDA float32 (``kernels_gpu.fast``), float16 and bfloat16 (``kernels_gpu.tensorcore``): the forward
+output, L and the three gradients against a float64 oracle by flash-attn's rule (error ≤ 2 × the error of PyTorch's
+own attention in the same dtype, plus a small floor); odd head dimensions 1 … 256 (padded inside the op); GQA;
+causal with N_q ≠ N_k and fully masked rows; ``return_lse``; the teaching kernels by name; the tensor-core backward
+and its float32 fallback; ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` on CUDA; side streams,
+non-contiguous inputs, autocast, and the small GPT training the same with either attention.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,16 +33,20 @@ if str(ROOT) not in sys.path:
 
 from tolerances import assert_close_to_oracle  # noqa: E402
 
+from fa2edu import _torch_ops as ops  # noqa: E402
 from fa2edu.torch import flash_attention  # noqa: E402
 
 F = torch.nn.functional
 CUDA = "cuda"
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+DTYPES = [F32, F16, BF16]
 
-# (q shape, k shape, d_v, causal): GQA, N_q ≠ N_k, ragged sizes, d = 64 and 128.
+# (q shape, k shape, d_v, causal): GQA, N_q ≠ N_k, ragged sizes, d_v ≠ d, d = 32, 64 and 128.
 CASES = {
     "gqa-causal": ((2, 8, 200, 64), (2, 2, 200, 64), 64, True),
     "Nq<Nk-causal": ((1, 4, 77, 64), (1, 4, 300, 64), 64, True),
-    "plain": ((3, 2, 129, 32), (3, 2, 95, 32), 32, False),
+    "plain-Nq>Nk": ((3, 2, 129, 32), (3, 2, 95, 32), 32, False),
+    "dv-differs": ((1, 4, 100, 64), (1, 2, 130, 64), 40, True),
     "d128": ((1, 2, 256, 128), (1, 2, 256, 128), 128, True),
 }
 
@@ -48,12 +60,11 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def inputs(case, seed=0, device=CUDA, dtype=torch.float32):
-    q_shape, k_shape, d_v, causal = CASES[case]
+def draw(q_shape, k_shape, d_v, dtype, seed=0):
+    """q, k, v, dO drawn in float64 on the CPU (the same numbers for every dtype), moved and rounded."""
     generator = torch.Generator().manual_seed(seed)
-    q, k, v, dO = (torch.randn(shape, generator=generator, dtype=torch.float64)
-                   for shape in (q_shape, k_shape, k_shape[:-1] + (d_v,), q_shape[:-1] + (d_v,)))
-    return [x.to(device=device, dtype=dtype) for x in (q, k, v, dO)], causal
+    shapes = (q_shape, k_shape, k_shape[:-1] + (d_v,), q_shape[:-1] + (d_v,))
+    return [torch.randn(s, generator=generator, dtype=F64).to(device=CUDA, dtype=dtype) for s in shapes]
 
 
 def with_grads(attention, q, k, v, dO):
@@ -64,6 +75,7 @@ def with_grads(attention, q, k, v, dO):
 
 
 def sdpa(causal):
+    """SDPA with fa2edu's bottom-right causal mask and GQA."""
     def attention(q, k, v):
         N_q, N_k = q.shape[-2], k.shape[-2]
         mask = torch.ones(N_q, N_k, dtype=torch.bool, device=q.device).tril(N_k - N_q) if causal else None
@@ -71,44 +83,161 @@ def sdpa(causal):
     return attention
 
 
-@pytest.mark.parametrize("algorithm", ["flash2", "standard"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_cuda_matches_sdpa(case, algorithm):
-    (q, k, v, dO), causal = inputs(case)
-    oracle = with_grads(sdpa(causal), *(x.double() for x in (q, k, v, dO)))        # float64 on the GPU
-    baseline = with_grads(sdpa(causal), q, k, v, dO)                                 # SDPA in float32
-    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal, algorithm=algorithm), q, k, v, dO)
+def lse_reference(q, k, causal):
+    """L = logsumexp(τ q kᵀ + mask) in float64, +inf on rows that see no key."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+    S = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        N_q, N_k = q.shape[-2], k.shape[-2]
+        S = S.masked_fill(~torch.ones(N_q, N_k, dtype=torch.bool, device=q.device).tril(N_k - N_q), -math.inf)
+    L = torch.logsumexp(S, -1)
+    return torch.where(torch.isneginf(L), torch.full_like(L, math.inf), L)
+
+
+def assert_flash_attn_rule(ours, q, k, v, dO, causal, label):
+    """ours = (O, dQ, dK, dV) against SDPA in float64, within 2 × SDPA's own error in q's dtype + a floor."""
+    oracle = with_grads(sdpa(causal), *(x.double() for x in (q, k, v, dO)))
+    baseline = with_grads(sdpa(causal), q, k, v, dO)
+    like = np.float32 if q.dtype == F32 else np.float16
     for name, x, ref, low in zip(("O", "dQ", "dK", "dV"), ours, oracle, baseline):
-        assert x.device.type == "cuda" and x.dtype == torch.float32 and x.shape == ref.shape
+        assert x.device.type == "cuda" and x.dtype == q.dtype and x.shape == ref.shape, name
         expected = ref.cpu().numpy()
         error = float(np.max(np.abs(low.double().cpu().numpy() - expected)))
-        assert_close_to_oracle(x.cpu().numpy(), expected, f"{algorithm} {case} {name}", dtype=np.float32,
-                               baseline=error)
+        assert_close_to_oracle(x.double().cpu().numpy(), expected, f"{label} {name}", dtype=like, baseline=error)
 
 
-def test_cuda_matches_the_cpu_path():
-    (q, k, v, dO), causal = inputs("gqa-causal", seed=1)
-    gpu = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
-    cpu = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), *(x.cpu() for x in (q, k, v, dO)))
-    for name, a, b in zip(("O", "dQ", "dK", "dV"), gpu, cpu):
-        scale = max(1.0, float(b.abs().max()))
-        assert float((a.cpu() - b).abs().max()) <= 1e-4 * scale, name
+# -- the default backends: float32 → fast, float16/bfloat16 → tensorcore -------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_matches_sdpa(case, dtype):
+    q_shape, k_shape, d_v, causal = CASES[case]
+    q, k, v, dO = draw(q_shape, k_shape, d_v, dtype)
+    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dO)
+    assert_flash_attn_rule(ours, q, k, v, dO, causal, f"{case} {dtype}")
 
 
-def test_fully_masked_rows_on_cuda():
-    # causal with N_q > N_k: the first N_q − N_k rows see no key: O = 0 and dQ = 0 there, no NaN anywhere.
-    generator = torch.Generator().manual_seed(2)
-    q, dO = (torch.randn(1, 2, 70, 64, generator=generator).to(CUDA) for _ in range(2))
-    k, v = (torch.randn(1, 2, 40, 64, generator=generator).to(CUDA) for _ in range(2))
-    O, dQ, dK, dV = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
-    assert all(not torch.isnan(x).any() for x in (O, dQ, dK, dV))
-    assert (O[..., :30, :] == 0).all() and (dQ[..., :30, :] == 0).all()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [1, 7, 8, 40, 59, 111, 160, 200, 256])
+def test_odd_head_dimensions_are_padded(d, dtype):
+    q, k, v, dO = draw((1, 4, 150, d), (1, 2, 170, d), d, dtype, seed=d)
+    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    assert_flash_attn_rule(ours, q, k, v, dO, True, f"d = {d} {dtype}")
 
 
-def test_non_contiguous_inputs_and_a_side_stream():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_return_lse_and_fully_masked_rows(dtype):
+    # causal with N_q = 90 > N_k = 60: the first 30 rows see no key: O = 0, L = +inf, dQ = 0, no NaN anywhere
+    q, k, v, dO = draw((2, 4, 90, 64), (2, 2, 60, 64), 64, dtype, seed=2)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    O, L = flash_attention(*leaves, causal=True, return_lse=True)
+    O.backward(dO)
+    assert L.dtype == F32 and L.shape == (2, 4, 90) and not L.requires_grad
+    assert not any(torch.isnan(x).any() for x in (O, L, *(t.grad for t in leaves)))
+    assert (O[..., :30, :] == 0).all() and torch.isposinf(L[..., :30]).all() and (leaves[0].grad[..., :30, :] == 0).all()
+    L_ref = lse_reference(q, k, True)
+    seen = torch.isfinite(L_ref)
+    assert float((L.double() - L_ref)[seen].abs().max()) <= 1e-4 * max(1.0, float(L_ref[seen].abs().max()))
+
+
+def test_the_default_is_never_the_teaching_kernel(monkeypatch):
+    calls = []
+    for name in ("_fast_forward", "_tensor_core_forward"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    q, k, v, _ = draw((1, 2, 64, 64), (1, 2, 64, 64), 64, F32)
+    flash_attention(q, k, v)
+    flash_attention(q.half(), k.half(), v.half())
+    flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert calls == ["_fast_forward", "_tensor_core_forward", "_tensor_core_forward"]
+
+
+# -- the teaching kernels by name, and the tensor-core backward and its fallback ------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["flash2", "standard"])
+@pytest.mark.parametrize("case", ["gqa-causal", "plain-Nq>Nk"])
+def test_teaching_kernels_by_name(case, algorithm):
+    q_shape, k_shape, d_v, causal = CASES[case]
+    q, k, v, dO = draw(q_shape, k_shape, d_v, F32, seed=3)
+    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal, algorithm=algorithm,
+                                                      backend="teaching"), q, k, v, dO)
+    assert_flash_attn_rule(ours, q, k, v, dO, causal, f"teaching {algorithm} {case}")
+
+
+@pytest.mark.parametrize("which", ["tensor cores", "float32 fallback"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_16_bit_backward_both_ways(dtype, which, monkeypatch):
+    tensorcore = ops._tensorcore()
+    if which == "tensor cores" and not hasattr(tensorcore, "flash2_backward"):
+        pytest.skip("kernels_gpu.tensorcore has no flash2_backward yet: the op uses the float32 fallback")
+    if which == "float32 fallback":
+        monkeypatch.setattr(ops, "_tensorcore", lambda: SimpleNamespace(flash2_forward=tensorcore.flash2_forward))
+    q, k, v, dO = draw((2, 8, 300, 128), (2, 2, 300, 128), 128, dtype, seed=4)
+    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    assert_flash_attn_rule(ours, q, k, v, dO, True, f"{which} {dtype}")
+
+
+# -- the registered operator: opcheck and torch.compile on CUDA ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_on_cuda(dtype):
+    q, k, v, dO = draw((1, 4, 70, 40), (1, 2, 90, 40), 40, dtype, seed=5)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    backend = ops.choose_backend("cuda", dtype)
+    result = torch.library.opcheck(ops.flash_attention_fwd, (q, k, v, True, 40 ** -0.5, backend, None, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    O, L = ops.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True, 40 ** -0.5, backend, None, None)
+    args = (dO, q.detach(), k.detach(), v.detach(), O, L, True, 40 ** -0.5, backend, None, None)
+    result = torch.library.opcheck(ops.flash_attention_bwd, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+class Attention(torch.nn.Module):
+    """One GPT attention layer (non-contiguous q, k, v views of one projection) calling the op."""
+
+    def __init__(self, d_model=256, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = (t.view(B, N, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        return self.proj(flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16 autocast"])
+def test_compile_fullgraph_on_cuda(precision):
+    try:
+        import triton  # noqa: F401
+        backend = "inductor"
+    except ImportError:
+        backend = "aot_eager"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Attention().to(CUDA)
+    x = torch.randn(2, 300, 256, device=CUDA)
+    runs = []
+    for run in (model, torch.compile(model, fullgraph=True, backend=backend)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=BF16, enabled=precision != "float32"):
+            y = run(x)
+        y.float().square().mean().backward()
+        runs.append([y.detach().float()] + [p.grad.clone() for p in model.parameters()])
+    tolerance = dict(rtol=1e-4, atol=1e-5) if precision == "float32" else dict(rtol=2e-2, atol=2e-3)
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, **tolerance)
+
+
+# -- streams, layouts, errors and a model ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_inputs_and_a_side_stream(dtype):
     # (B, N, H, d) projections viewed as (B, H, N, d), computed while PyTorch works on a side stream.
     generator = torch.Generator().manual_seed(3)
-    q, k, v, dO = (torch.randn(2, 150, 4, 64, generator=generator).to(CUDA).transpose(1, 2) for _ in range(4))
+    q, k, v, dO = (torch.randn(2, 150, 4, 64, generator=generator).to(CUDA, dtype).transpose(1, 2)
+                   for _ in range(4))
     expected = with_grads(lambda q, k, v: flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                                           causal=True), q, k, v, dO)
     stream = torch.cuda.Stream()
@@ -118,19 +247,40 @@ def test_non_contiguous_inputs_and_a_side_stream():
     torch.cuda.synchronize()
     for a, b in zip(got, expected):
         assert a.shape == b.shape
-        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
+        assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
+
+
+def test_autocast_runs_the_tensor_core_kernels():
+    q, k, v, _ = draw((1, 2, 64, 64), (1, 2, 64, 64), 64, F32)
+    with torch.autocast("cuda", dtype=BF16):
+        O = flash_attention(q, k, v, causal=True)
+    assert O.dtype == BF16
+    torch.testing.assert_close(O, flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True))
+
+
+def test_cuda_matches_the_cpu_path():
+    q, k, v, dO = draw(*CASES["gqa-causal"][:3], F32, seed=1)
+    gpu = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    cpu = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), *(x.cpu() for x in (q, k, v, dO)))
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), gpu, cpu):
+        scale = max(1.0, float(b.abs().max()))
+        assert float((a.cpu() - b).abs().max()) <= 1e-4 * scale, name
 
 
 def test_cuda_errors():
-    (q, k, v, _), _ = inputs("plain")
-    with pytest.raises(TypeError, match="on CUDA flash_attention takes float32"):
+    q, k, v, _ = draw(*CASES["plain-Nq>Nk"][:3], F32)
+    with pytest.raises(TypeError, match="on CUDA flash_attention takes float32 or float16 or bfloat16"):
         flash_attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="runs on the CPU only"):
         flash_attention(q, k, v, algorithm="flash1")
-    with pytest.raises(ValueError, match="M .* applies to the CPU path"):
+    with pytest.raises(ValueError, match="M .* applies to the NumPy backend"):
         flash_attention(q, k, v, M=4096)
+    with pytest.raises(ValueError, match="block_sizes apply to the 'numpy' and 'teaching' backends"):
+        flash_attention(q, k, v, block_sizes=(64, 64))
     with pytest.raises(ValueError, match="one device"):
         flash_attention(q, k.cpu(), v)
+    with pytest.raises(ValueError, match="q has head dimension 320"):
+        flash_attention(*(torch.zeros(1, 1, 8, 320, device=CUDA) for _ in range(3)))
 
 
 def test_gpt_trains_the_same_on_the_gpu():
