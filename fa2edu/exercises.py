@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fa2edu.blocks import block_sizes_kv_outer, num_blocks, tiles
+from fa2edu.context_parallel import chunk_ranges
 from fa2edu.flops import model_flops
 from fa2edu.io import simulate_io
 from fa2edu.masks import BlockKind, causal_mask
@@ -957,6 +958,54 @@ def _solution_c_to_a(c_left, c_right):
     return np.concatenate([c_left, c_right], axis=1)
 
 
+# -- 15.1 the work of one ring step ----------------------------------------------------------------------------------
+
+def _positions(N: int, rank: int, W: int, layout: str) -> np.ndarray:
+    """The global positions a rank holds, in the order it stores them."""
+    return np.concatenate([np.arange(a, b) for a, b in chunk_ranges(N, rank, W, layout)])
+
+
+def _run_step_pairs(fn, case):
+    W, c, layout = case["W"], case["c"], case["layout"]
+    N = 2 * W * c                                   # both layouts can split it: 2W chunks of c tokens
+    calls = _Calls(fn, "step_pairs")
+    for rank in range(W):
+        queries = _positions(N, rank, W, layout)
+        for source in range(W):
+            keys = _positions(N, source, W, layout)
+            visible = keys[None, :] <= queries[:, None]      # ground truth: the causal mask on global positions
+            expected = int(visible.sum())
+            got = calls(("N", N), ("W", W), ("layout", layout), ("rank", rank), ("source", source),
+                        where=f"rank {rank}, holding the K/V block of rank {source}")
+            try:
+                ok = float(got) == expected
+            except (TypeError, ValueError):
+                raise _Mismatch([f"your function returned {type(got).__name__} {got!r}; expected a number of "
+                                 "pairs"], expected, got) from None
+            if not ok:
+                raise _Mismatch([f"rank {rank} with the block of rank {source}: expected {expected} visible "
+                                 f"pairs, got {_fmt(got)}",
+                                 f"the rank's queries sit at positions {queries.tolist()}, the block's keys at "
+                                 f"{keys.tolist()}; query i sees key j iff j ≤ i (■ visible, · masked):",
+                                 *_picture(visible)], expected, got)
+
+
+def _solution_step_pairs(N, W, layout, rank, source):
+    def chunks(r):                     # the global token ranges rank r holds
+        if layout == "contiguous":
+            n = N // W
+            return [(r * n, (r + 1) * n)]
+        c = N // (2 * W)
+        return [(r * c, (r + 1) * c), ((2 * W - 1 - r) * c, (2 * W - r) * c)]
+
+    pairs = 0
+    for q_a, q_b in chunks(rank):
+        for k_a, k_b in chunks(source):
+            for i in range(q_a, q_b):  # query i sees the keys of [k_a, k_b) at positions ≤ i
+                pairs += min(max(i + 1 - k_a, 0), k_b - k_a)
+    return pairs
+
+
 # -- the catalogue -------------------------------------------------------------------------------------------------
 
 _ALL_LOGITS = Kind(("normal", "rising", "large"))
@@ -1221,6 +1270,23 @@ _EXERCISES = [
         base={"values": "distinct"},
         edge_cases=({}, {"values": "normal"}),
         n_random=8, run=_run_c_to_a, solution=_solution_c_to_a),
+    Exercise(
+        id="15.1",
+        title="the causal work of one ring step: visible (query, key) pairs, contiguous or zigzag",
+        signature="step_pairs(N, W, layout, rank, source) -> int, the pairs with key position ≤ query position "
+                  "between rank's tokens and source's tokens, per (batch, head)",
+        hint="Write down which global positions a rank holds: one range of N/W tokens (contiguous), or chunks r "
+             "and 2W − 1 − r of N/(2W) tokens (zigzag). Then, chunk against chunk, query i sees the keys of a "
+             "chunk [a, b) at positions ≤ i: how many is that, for each i? A chunk pair can be fully visible, "
+             "invisible, or a triangle with its diagonal.",
+        covers="W = 1 (the whole sequence), chunks of one token, skipped steps, diagonal steps, zigzag steps "
+               "where one query chunk sees the block and the other does not, every (rank, source) of each ring, "
+               "against the causal mask on global positions",
+        params={"W": Size(1, 6), "c": Size(1, 5), "layout": Kind(("contiguous", "zigzag"))},
+        base={"W": 1, "c": 1, "layout": "contiguous"},
+        edge_cases=({}, {"layout": "zigzag"}, {"W": 2, "c": 2}, {"W": 2, "c": 2, "layout": "zigzag"},
+                    {"W": 4, "c": 3}, {"W": 4, "c": 3, "layout": "zigzag"}, {"W": 3, "c": 1, "layout": "zigzag"}),
+        n_random=13, run=_run_step_pairs, solution=_solution_step_pairs),
 ]
 
 EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}
