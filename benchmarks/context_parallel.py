@@ -14,7 +14,8 @@ a results file (JSON, ``benchmarks.results_io``'s schema) with the device, the v
    machine has), contiguous and zigzag, causal, bf16 and fp32 by default: every rank's time (CUDA events, median
    of the repeats, a barrier before each), and beside it what ``fa2edu.simulate_context_parallel`` predicts with
    the measured link and rate: every rank's time, the idle fractions, whether each step's compute hides its
-   transfer; one-GPU attention (PyTorch SDPA) at the same N for comparison.
+   transfer (``predicted_comm_hidden``: every step's compute covers its transfer; ``predicted_comm_ms``: what
+   communication adds to the ring's time); one-GPU attention (PyTorch SDPA) at the same N for comparison.
 
 Launch it with torchrun (one process per GPU)::
 
@@ -347,7 +348,7 @@ def _attention_float64(q, k, v, causal: bool):
 # -- the run ------------------------------------------------------------------------------------------------------
 
 def _header(me: Rank, args, world: int) -> dict:
-    from benchmarks.bench_attention import package_versions
+    from benchmarks.timing import package_versions
     torch = me.torch
     versions = package_versions()
     versions.update(python=sys.version.split()[0], torch_cuda=torch.version.cuda,
@@ -438,6 +439,7 @@ def run_rank(rank: int, world: int, init_method: str, args) -> dict | None:
                     peak_mem_bytes=result["peak_mem_bytes"], **base, rank_ms=result["rank_ms"],
                     predicted_rank_ms=[t.finish_s * 1e3 for t in report.ranks],
                     predicted_ms=report.time_s * 1e3, predicted_compute_ms=report.compute_time_s * 1e3,
+                    predicted_comm_ms=(report.time_s - report.compute_time_s) * 1e3,
                     predicted_idle_fraction=report.idle_fractions,
                     predicted_comm_hidden=report.hides_communication,
                     predicted_bandwidth_to_hide=report.bandwidth_to_hide,

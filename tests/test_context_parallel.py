@@ -416,7 +416,7 @@ def test_benchmark_dry_run_on_gloo(tmp_path):
     for r in timed:
         assert len(r["rank_ms"]) == r["world_size"] == len(r["predicted_rank_ms"])
         assert len(r["predicted_idle_fraction"]) == r["world_size"] and isinstance(r["predicted_comm_hidden"], bool)
-        assert r["ms"] == max(r["rank_ms"]) > 0
+        assert r["ms"] == max(r["rank_ms"]) > 0 and r["predicted_comm_ms"] >= 0
         predicted = simulate_context_parallel(r["N"], r["d"], r["world_size"], causal=r["causal"],
                                               layout=r["layout"], batch=r["batch"], heads=r["heads"],
                                               dtype_bytes=r["dtype_bytes"], link=r["link_bytes_per_s"],
