@@ -1,0 +1,92 @@
+"""The benchmark of fa2edu.torch in a model (``benchmarks.gpt_speed``), and the harness it sits in.
+
+* ``gpt_speed`` imports without torch, prints its help, and its ``--dry-run`` trains the three models and times the
+  op on the CPU at toy sizes, writing the results file (device, versions, date, every loss curve, tokens/s, the
+  op's times) and the figure; ``--plot`` redraws the figure from the file.
+* The harness is layered one way: implementations (``impls``) ← ``timing`` ← drivers. Every import between
+  ``benchmarks`` modules, top-level or inside a function, is read from the sources and checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpt_speed_imports_without_torch_and_has_help():
+    code = ("import sys; import benchmarks.gpt_speed as g; "
+            "assert 'torch' not in sys.modules and 'kernels_gpu' not in sys.modules; g.main(['--help'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--dry-run" in done.stdout and "tokens/s" in done.stdout
+
+
+def test_gpt_speed_dry_run_writes_results_and_figure(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from benchmarks import gpt_speed
+
+    assert gpt_speed.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpt_speed.json").read_text())
+    assert result["dry_run"] and result["device"] and result["date"] and result["versions"]["torch"]
+    steps = gpt_speed.DRY["steps"]
+    (entry,) = result["training"]
+    assert set(entry["runs"]) == set(gpt_speed.RUNS) and entry["same_initial_weights"]
+    for run in entry["runs"].values():
+        assert len(run["loss"]) == steps and run["tokens_per_s"] > 0
+        assert run["timed_steps"] == steps - gpt_speed.DRY["warmup"]
+    # the same initial weights and batches: the three curves start together and stay within the noise bound
+    assert entry["runs"]["fa2edu"]["loss"][0] == pytest.approx(entry["runs"]["sdpa"]["loss"][0], abs=1e-5)
+    assert entry["within_bound"] and len(entry["bound"]) == steps
+    assert [(r["d"], r["causal"]) for r in result["micro"]] == [(8, False), (8, True)]
+    for row in result["micro"]:
+        assert row["fa2edu"]["ms"] > 0 and row["sdpa"]["ms"] > 0 and row["max_abs_diff_O"] < 1e-5
+        assert row["speed_ratio"] == pytest.approx(row["sdpa"]["ms"] / row["fa2edu"]["ms"])
+    figure = tmp_path / "gpt_speed.png"
+    assert figure.read_bytes()[:8] == PNG
+    out = capsys.readouterr().out
+    assert "training    d8  float32" in out and "MISSED" not in out          # a dry run is judged against nothing
+    figure.unlink()
+    assert gpt_speed.main(["--plot", str(tmp_path / "gpt_speed.json")]) == 0 and figure.read_bytes()[:8] == PNG
+
+
+# -- the harness's layering ------------------------------------------------------------------------------------------
+
+def benchmark_imports() -> dict[str, set[str]]:
+    """{module: the benchmarks modules it imports}, from every import statement in its source."""
+    graph = {}
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_the_harness_is_layered_one_way():
+    graph = benchmark_imports()
+    # implementations at the bottom: what is timed imports no other part of the harness
+    assert graph["impls"] == set()
+    # timing: the protocol, the CUDA set-up and a run's record; it uses implementations, never a driver
+    assert graph["timing"] <= {"impls", "flop_model", "results_io", "torch_allocator"}
+    # the drivers build on both, and on no other driver
+    for driver in ("bench_attention", "fast_kernels", "gpt_speed"):
+        assert "timing" in graph[driver] and not graph[driver] & {"bench_attention", "gpt_speed"}
+
+    # no cycle anywhere in the package
+    def reaches(start, target, seen=()):
+        return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in graph.get(start, ()))
+    cycles = [m for m in graph if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}"
