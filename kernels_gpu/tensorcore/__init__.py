@@ -21,6 +21,13 @@ The backward pass (FA2 Algorithm 2) has its own ladder, ``BACKWARD_VERSIONS`` ("
 :mod:`~kernels_gpu.tensorcore.backward_launch`); ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None)``
 returns ``Flash2Backward(dQ, dK, dV)``.
 
+Beside the ladder: ``PARTITIONING`` maps ``"split-q"`` and ``"split-k"`` to the two forwards that measure FA2
+Section 3.3 (FA2's warps splitting Q against FA1's warps splitting K/V and merging through shared memory; same tiles
+and loads otherwise; :mod:`~kernels_gpu.tensorcore.traffic` counts their shared-memory bytes), and ``TF32``
+maps ``"tf32"`` to :func:`~kernels_gpu.tensorcore.flash2_forward_tf32.flash2_forward_tf32`, a **TF32** forward for
+float32 inputs (``mma.m16n8k8`` on operands rounded to 10-bit mantissas: errors ~1e-3, not float32's ~1e-6;
+opt-in, never the float32 default).
+
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
     from kernels_gpu import tensorcore
@@ -68,4 +75,14 @@ BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_back
 #: the backward pass: v2 (predicted faster than v1; not yet measured)
 flash2_backward = flash2_backward_v2.flash2_backward
 
-__all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward"]
+from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402
+
+#: FA2 Section 3.3: the two work partitionings between warps, same signature as ``VERSIONS``' (d ≤ 128)
+PARTITIONING = {"split-k": flash2_forward_splitk.flash2_forward, "split-q": flash2_forward_splitq.flash2_forward}
+
+#: TF32 forwards for float32 inputs (labelled, opt-in): name → ``f(Q, K, V, causal=False, scale=None) ->
+#: Flash2ForwardTF32(O, L)`` with ``.precision == "tf32"``
+TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32}
+
+__all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward", "PARTITIONING",
+           "TF32"]

@@ -55,6 +55,25 @@ Two facts the FlashAttention kernels are built on follow from the tables:
 it holds (rows 2t, 2t + 1, column g), the matrix transposed on the way. So a 16 × 16 tile stored row-major loads as
 an A operand (matrices: rows 0–7 / 8–15 × columns 0–7 / 8–15 in the order of a0…a3), K stored [key][d] loads as B
 operands of S = Q·Kᵀ, and V stored [key][d] loads *transposed* as the B operands of O = P·V.
+
+**TF32: mma.m16n8k8 with .tf32 operands** (PTX ISA 9.7.14.5.7, "Matrix Fragments for mma.m16n8k8", the
+``.tf32`` case). A tf32 value is a float32 whose low 13 mantissa bits are zero (1 sign, 8 exponent, 10 mantissa
+bits), one per 32-bit register, so the k-extent halves to 8 and the tables change:
+
+====== ======= ========      ====== ======= ========
+A reg  row     column        B reg  row k   column n
+====== ======= ========      ====== ======= ========
+a0     g       t             b0     t       g
+a1     g + 8   t             b1     t + 4   g
+a2     g       t + 4
+a3     g + 8   t + 4
+====== ======= ========      ====== ======= ========
+
+C and D are the m16n8k16 table above. Here **C is not A**: a lane holds columns 2t, 2t + 1 of S but would need
+columns t, t + 4 of P as an A operand. Because P·V sums over the keys, any order of the 8 keys of a k-step serves
+as long as A and B agree: :data:`KEY_ORDER_TF32` lets A's column t be key 2t and column t + 4 be key 2t + 1, and
+then ``a0, a1, a2, a3 = c0, c2, c1, c3`` of S's accumulators, no exchange between lanes (:func:`c_to_a_tf32`);
+B's rows follow (b0 = V[2t][g], b1 = V[2t + 1][g]).
 """
 
 from __future__ import annotations
@@ -65,6 +84,8 @@ __all__ = [
     "lane_coords", "a_layout", "b_layout", "c_layout", "a_fragments", "b_fragments", "c_fragments",
     "from_a_fragments", "from_b_fragments", "from_c_fragments", "mma_reference", "c_to_a", "ldmatrix_layout",
     "ldmatrix_reference", "layout_table",
+    "a_layout_tf32", "b_layout_tf32", "a_fragments_tf32", "b_fragments_tf32", "from_a_fragments_tf32",
+    "from_b_fragments_tf32", "mma_tf32_reference", "c_to_a_tf32", "KEY_ORDER_TF32",
 ]
 
 WARP = 32
@@ -212,3 +233,76 @@ def layout_table(which: str) -> str:
             regs.append(f"{which.lower()}{r}={elems}")
         lines.append(f"lane {lane:2d}: " + "  ".join(regs))
     return "\n".join(lines)
+
+
+# -- TF32: mma.m16n8k8 with .tf32 operands -------------------------------------------------------------------------
+
+#: the key of an 8-key k-step that column k of P's tf32 A operand holds, when A comes from S's accumulators:
+#: columns t and t + 4 are keys 2t and 2t + 1 (so B's row k must be V's row ``KEY_ORDER_TF32[k]``)
+KEY_ORDER_TF32 = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def a_layout_tf32() -> np.ndarray:
+    """(32, 4, 2) int array: ``[lane, reg] = (row, col)`` of tf32 A register a0…a3 (A 16 × 8, one value each)."""
+    out = np.zeros((WARP, 4, 2), dtype=np.int64)
+    for lane in range(WARP):
+        g, t = lane_coords(lane)
+        for reg in range(4):
+            out[lane, reg] = (g + 8 * (reg % 2), t + 4 * (reg // 2))   # a1, a3: rows + 8; a2, a3: columns + 4
+    return out
+
+
+def b_layout_tf32() -> np.ndarray:
+    """(32, 2, 2) int array: ``[lane, reg] = (k, n)`` of tf32 B register b0, b1 (B 8 × 8, one value each)."""
+    out = np.zeros((WARP, 2, 2), dtype=np.int64)
+    for lane in range(WARP):
+        g, t = lane_coords(lane)
+        for reg in range(2):
+            out[lane, reg] = (t + 4 * reg, g)
+    return out
+
+
+def a_fragments_tf32(A: np.ndarray) -> np.ndarray:
+    """A (16, 8) → (32, 4): what each lane passes as a0…a3 of ``mma.m16n8k8`` with tf32 operands."""
+    return _gather(A, a_layout_tf32(), (16, 8), "A")
+
+
+def b_fragments_tf32(B: np.ndarray) -> np.ndarray:
+    """B (8, 8) → (32, 2): what each lane passes as b0, b1 of ``mma.m16n8k8`` with tf32 operands."""
+    return _gather(B, b_layout_tf32(), (8, 8), "B")
+
+
+def from_a_fragments_tf32(frags: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`a_fragments_tf32`: (32, 4) → (16, 8)."""
+    return _scatter(frags, a_layout_tf32(), (16, 8), "A fragments")
+
+
+def from_b_fragments_tf32(frags: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`b_fragments_tf32`: (32, 2) → (8, 8)."""
+    return _scatter(frags, b_layout_tf32(), (8, 8), "B fragments")
+
+
+def mma_tf32_reference(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.ndarray) -> np.ndarray:
+    """What ``mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32`` returns, per lane, as this module specifies it: D = A·B + C
+    with every product of two tf32 values exact (11-bit significands: 22 bits, exact in float64), the eight
+    products and C summed exactly (float64, then rounded once to float32). Inputs: fragments (32, 4), (32, 2) of tf32
+    values (float32 with the low 13 bits zero) and C (32, 4) float32. The tensor core's own summation order and
+    intermediate rounding are not documented and may differ from this in the last bits of float32: the GPU test
+    bounds the difference by 10·2⁻²³·(Σ|a·b| + |c|) per element (nine addends, each step's error at most one
+    float32 ulp of the running magnitude, whatever the rounding mode)."""
+    A = from_a_fragments_tf32(a_frags).astype(np.float64)
+    B = from_b_fragments_tf32(b_frags).astype(np.float64)
+    C = from_c_fragments(c_frags).astype(np.float64)
+    return c_fragments((A @ B + C).astype(np.float32))
+
+
+def c_to_a_tf32(c: np.ndarray) -> np.ndarray:
+    """FA2's register reuse for TF32: the C fragments (32, 4) of one 16 × 8 tile of S (columns = 8 keys) → the A
+    fragments (32, 4) of P for the 8-key k-step of O += P·V, lane by lane, no exchange between lanes, with the keys
+    in the order :data:`KEY_ORDER_TF32` (A's column k is key ``KEY_ORDER_TF32[k]``): a0 = c0 (row g, key 2t),
+    a1 = c2 (row g + 8, key 2t), a2 = c1 (row g, key 2t + 1), a3 = c3 (row g + 8, key 2t + 1)."""
+    c = np.asarray(c)
+    if c.shape != (WARP, 4):
+        raise ValueError(f"c must have shape (32, 4), got {c.shape}")
+    return c[:, [0, 2, 1, 3]]
+

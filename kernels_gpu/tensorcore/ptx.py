@@ -30,6 +30,12 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
                                ``lane ^ mask``
     ``syncwarp``               ``bar.warp.sync``: the warp's lanes meet; their   9.7.13.5 (bar.warp.sync)
                                shared-memory writes are visible to each other
+    ``mma_tf32``               ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.     9.7.14.5.14 (mma), fragments:
+                               tf32.f32``: D = A·B + C, A 16 × 8, B 8 × 8, one  9.7.14.5.7 "m16n8k8"
+                               tf32 value per 32-bit register
+    ``cvt_tf32``               ``cvt.rna.tf32.f32``: a float rounded to tf32    9.7.9.21 (cvt)
+                               (10 mantissa bits; nearest, ties away from
+                               zero), as the 32 bits the mma takes
     =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
@@ -57,7 +63,7 @@ from kernels_gpu.tensorcore import fragments as frag
 __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit",
     "cp_async_wait_all", "cp_async_wait_one", "pack_f16x2", "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
-    "shfl_xor", "syncwarp", "SIMULATED",
+    "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -116,6 +122,17 @@ def _halves(word, dtype: str) -> tuple[float, float]:
 def _pack(lo, hi, dtype: str) -> np.uint32:
     bits = half_bits(np.array([lo, hi], dtype=np.float32), dtype).astype(np.uint32)
     return np.uint32(bits[0] | (bits[1] << 16))
+
+
+def tf32_round(x) -> np.ndarray:
+    """float32 → the nearest tf32 value, ties away from zero, as float32 with the low 13 mantissa bits zero (what
+    ``cvt.rna.tf32.f32`` does): adding half of the dropped range, 0x1000, to the magnitude's bits and clearing the 13
+    bits rounds the magnitude to nearest with ties upward, i.e. away from zero; a carry into the exponent is the
+    correct next binade (or inf past the largest tf32). Subnormals round the same way. NaN stays NaN (0x7FFFFFFF)."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return np.where(np.isnan(x), np.uint32(0x7FFFFFFF), rounded).astype(np.uint32).view(np.float32)
 
 
 # ================================================================================================================
@@ -193,6 +210,27 @@ def _mma_twin(dtype: str):
     mma.__doc__ = (f"Simulator twin of ``mma.sync.aligned.m16n8k16.row.col.f32.{mma.__name__[4:]}."
                    f"{mma.__name__[4:]}.f32``.")
     return mma
+
+
+def _mma_tf32_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """Simulator twin of ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``: a0…a3, b0, b1 the 32-bit patterns
+    of tf32 values (from :func:`cvt_tf32`), c0…c3 float32. A register with any of its low 13 bits set is refused: it
+    is not a tf32 value, and what the tensor core makes of one is not what fa2edu specifies."""
+    def compute(values):
+        a = np.array([[_u32(x) for x in v[0]] for v in values], dtype=np.uint32)
+        b = np.array([[_u32(x) for x in v[1]] for v in values], dtype=np.uint32)
+        if ((a & 0x1FFF) != 0).any() or ((b & 0x1FFF) != 0).any():
+            raise RuntimeError("mma_tf32: an operand register is not a tf32 value (low 13 bits set): convert it "
+                               "with cvt_tf32 first")
+        c = np.array([v[2] for v in values], dtype=np.float32)
+        d = frag.mma_tf32_reference(a.view(np.float32), b.view(np.float32), c)
+        return [tuple(np.float32(x) for x in row) for row in d]
+    return _collective(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), compute)
+
+
+def _cvt_tf32_twin(x):
+    """Simulator twin of ``cvt.rna.tf32.f32``: the tf32 nearest to ``x`` (ties away from zero), as its 32 bits."""
+    return np.uint32(tf32_round(np.float32(x)).view(np.uint32))
 
 
 def _ldmatrix_twin(trans: bool):
@@ -328,8 +366,8 @@ def _build_gpu() -> dict:
         idx = context.cast(builder, index, indexty, types.intp)
         return builder.ptrtoint(builder.gep(array.data, [idx]), i64)
 
-    def make_mma(kind):
-        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+    def make_mma(kind, shape="m16n8k16"):
+        text = (f"mma.sync.aligned.{shape}.row.col.f32.{kind}.{kind}.f32 "
                 "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
 
         @intrinsic
@@ -418,6 +456,13 @@ def _build_gpu() -> dict:
         return unpack
 
     @intrinsic
+    def cvt_tf32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            return asm(builder, i32, [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
+        return types.uint32(x), codegen
+
+    @intrinsic
     def ex2(typingctx, x):
         def codegen(context, builder, signature, args):
             v = context.cast(builder, args[0], signature.args[0], types.float32)
@@ -440,7 +485,8 @@ def _build_gpu() -> dict:
                 cp_async_wait_all=make_simple("cp.async.wait_group 0;"),
                 cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
                 pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
-                unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor)
+                unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
+                mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32)
 
 
 def _build_twins() -> dict:
@@ -450,7 +496,7 @@ def _build_twins() -> dict:
                 cp_async_wait_one=_cp_async_wait_one_twin, pack_f16x2=_pack_twin("float16"),
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
-                syncwarp=_syncwarp_twin)
+                syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())

@@ -16,7 +16,8 @@ from numba import cuda, uint32
 from kernels_gpu.tensorcore import fragments as frag
 from kernels_gpu.tensorcore import ptx
 
-__all__ = ["check_mma", "check_ldmatrix", "check_pack", "check_cp_async", "check_shfl_ex2"]
+__all__ = ["check_mma", "check_ldmatrix", "check_pack", "check_cp_async", "check_shfl_ex2", "check_mma_tf32",
+           "check_cvt_tf32"]
 
 
 def _words(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -158,3 +159,54 @@ def check_shfl_ex2(seed: int = 0):
     exact = np.exp2(x.astype(np.float64))
     exact[exact < 2.0**-126] = 0.0
     return (shuffled.copy_to_host(), powers.copy_to_host()), (x[np.arange(32) ^ 5], exact.astype(np.float32))
+
+
+@cuda.jit
+def _mma_tf32_kernel(a, b, c, d):
+    lane = cuda.threadIdx.x
+    r = ptx.mma_tf32(ptx.cvt_tf32(a[lane, 0]), ptx.cvt_tf32(a[lane, 1]), ptx.cvt_tf32(a[lane, 2]),
+                     ptx.cvt_tf32(a[lane, 3]), ptx.cvt_tf32(b[lane, 0]), ptx.cvt_tf32(b[lane, 1]),
+                     c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for e in range(4):
+        d[lane, e] = r[e]
+
+
+def check_mma_tf32(seed: int = 0, scale: float = 1.0):
+    """D = A·B + C for float32 A (16 × 8), B (8 × 8) converted to tf32 in the kernel (``cvt.rna``) and float32 C,
+    per lane: ``(got, expected, magnitude)``, each (32, 4): ``magnitude`` = Σ|a·b| + |c| of each element, the scale
+    of the summation error a tensor core may make (see :func:`~kernels_gpu.tensorcore.fragments.mma_tf32_reference`)."""
+    rng = np.random.default_rng(seed)
+    A = (rng.standard_normal((16, 8)) * scale).astype(np.float32)
+    B = (rng.standard_normal((8, 8)) * scale).astype(np.float32)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    a, b, c = frag.a_fragments_tf32(A), frag.b_fragments_tf32(B), frag.c_fragments(C)
+    d = cuda.to_device(np.full((32, 4), np.nan, dtype=np.float32))
+    _mma_tf32_kernel[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d)
+    At, Bt = ptx.tf32_round(A), ptx.tf32_round(B)
+    expected = frag.mma_tf32_reference(frag.a_fragments_tf32(At), frag.b_fragments_tf32(Bt), c)
+    magnitude = np.abs(At.astype(np.float64)) @ np.abs(Bt.astype(np.float64)) + np.abs(C)
+    return d.copy_to_host(), expected, frag.c_fragments(magnitude)
+
+
+@cuda.jit
+def _cvt_tf32_kernel(x, bits):
+    k = cuda.grid(1)
+    if k < x.shape[0]:
+        bits[k] = ptx.cvt_tf32(x[k])
+
+
+def check_cvt_tf32(seed: int = 0):
+    """``cvt.rna.tf32.f32`` on random floats of every magnitude, exact ties (both signs), values that round up into
+    the next binade, subnormals and ±inf: (got bits, expected bits), (n,) uint32."""
+    rng = np.random.default_rng(seed)
+    random = (rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200)).astype(np.float32)
+    one = np.float32(1.0).view(np.uint32)
+    special = np.array([one | 0x1000, one | 0x3000, one | 0x0FFF, one | 0x1FFF, one | 0x7FFFFF,   # ties, near ties
+                        0x80000000 | one | 0x1000, 0x00001000, 0x00003000, 0x00000FFF, 0x007FFFFF,   # subnormals
+                        0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000],                # max, inf, 0
+                       dtype=np.uint32).view(np.float32)
+    x = np.concatenate([random, special]).astype(np.float32)
+    bits = cuda.to_device(np.zeros(x.size, dtype=np.uint32))
+    _cvt_tf32_kernel[-(-x.size // 64), 64](cuda.to_device(x), bits)
+    return bits.copy_to_host(), ptx.tf32_round(x).view(np.uint32)
+
