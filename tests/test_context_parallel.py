@@ -329,10 +329,10 @@ TRACE_CASES = [  # (layout, causal, B, H_q, H_kv, c, d): N = 2·W·c
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="fa2edu.distributed needs PyTorch")
-@pytest.mark.parametrize("W", [2, 3])
-def test_simulator_equals_the_traced_ring(W, tmp_path):
-    """Run ring_attention on a real gloo group of W processes under fa2edu.distributed.trace() and compare every
-    rank's every step with the simulator: source, visible pairs, FLOPs, elements sent and received, skipped."""
+def test_simulator_equals_the_traced_ring(tmp_path):
+    """Run ring_attention on a real gloo group of 3 processes, and on a ring of 2 of them (global ranks 1 and 2,
+    group ranks 0 and 1), under fa2edu.distributed.trace(), and compare every rank's every step with the
+    simulator: source, visible pairs, FLOPs, elements sent and received, skipped."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
@@ -340,15 +340,18 @@ def test_simulator_equals_the_traced_ring(W, tmp_path):
     from test_distributed import _run_group        # the spawn harness of the ring's own tests (deadline, kill)
 
     cases = []
-    for i, (layout, causal, B, H_q, H_kv, c, d) in enumerate(TRACE_CASES):
-        cases.append(dict(name=f"trace-{i}", kind="ring", group="world", W=W, layout=layout, causal=causal,
-                          dtype="float32", B=B, H_q=H_q, H_kv=H_kv, N=2 * W * c, d=d, d_v=d, scale=None,
-                          logit_gain=1.0, seed=500 + i))
-    results = _run_group(W, cases, tmp_path)
+    for W, group in ((3, dict(group="world")), (2, dict(group="sub", ranks=[1, 2]))):
+        for i, (layout, causal, B, H_q, H_kv, c, d) in enumerate(TRACE_CASES):
+            cases.append(dict(name=f"trace-W{W}-{i}", kind="ring", W=W, layout=layout, causal=causal,
+                              dtype="float32", B=B, H_q=H_q, H_kv=H_kv, N=2 * W * c, d=d, d_v=d, scale=None,
+                              logit_gain=1.0, seed=500 + 10 * W + i, **group))
+    results = _run_group(3, cases, tmp_path)
     keys = ("rank", "step", "source_rank", "visible", "flops", "elements_sent", "elements_received", "skipped")
     for case in cases:
+        W = case["W"]
         report = simulate_context_parallel(case["N"], case["d"], W, causal=case["causal"], layout=case["layout"],
                                            batch=case["B"], heads=case["H_q"], heads_kv=case["H_kv"])
+        assert sorted(results[case["name"]]) == list(range(W))
         for rank in range(W):
             traced = results[case["name"]][rank]["trace"]
             assert len(traced) == W
