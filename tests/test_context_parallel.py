@@ -22,7 +22,6 @@ from fa2edu import exercises, hardware
 from fa2edu.context_parallel import (BlockStep, chunk_ranges, ring_step_plan, simulate_context_parallel,
                                      visible_pairs)
 from fa2edu.flops import model_flops
-from fa2edu.io import block_visits, visit_form
 from fa2edu.memory import HBM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,8 +137,8 @@ def test_step_hbm_is_the_executed_flash2_ledger():
 
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_contiguous_causal_imbalance(W):
-    """Contiguous, causal: rank r computes r full blocks and its own triangle, skips W − 1 − r steps; the last rank
-    does (2W − 1)·n/(n + 1)… ≈ 2W − 1 times the first one's work; idle fractions 1 − work_r / work_{W−1}."""
+    """Contiguous, causal: rank r computes r full blocks and its own triangle, skips W − 1 − r steps; the last
+    rank does about 2W − 1 times the first one's work; idle fractions 1 − work_r / work_{W−1}."""
     n = 512
     r = simulate_context_parallel(n * W, 64, W, causal=True, layout="contiguous", heads=2)
     tri = n * (n + 1) // 2
