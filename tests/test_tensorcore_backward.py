@@ -107,9 +107,9 @@ def test_fastest_rung_matches_oracle(case, poisoned):
     flash_attn_rule(grads, Q, K, V, dO, causal)
 
 
-@pytest.mark.parametrize("version", sorted(BACKWARD_VERSIONS))
-def test_every_rung_matches_oracle(version, poisoned):
-    """Every rung on one case with several key blocks and row blocks, GQA, causal with N_q ≠ N_k."""
+@pytest.mark.parametrize("version", sorted(v for v, f in BACKWARD_VERSIONS.items() if f is not flash2_backward))
+def test_every_other_rung_matches_oracle(version, poisoned):
+    """Every other rung on one case with several key blocks and row blocks, GQA, causal with N_q ≠ N_k."""
     Q, K, V, O, L, dO = _problem((1, 2, 40, 16), (1, 1, 45, 16), "float16", True, seed=7)
     grads = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True, warps=2, B_r=16)
     flash_attn_rule(grads, Q, K, V, dO, True)

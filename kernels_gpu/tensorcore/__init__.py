@@ -66,13 +66,15 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
 #: the fastest measured forward rung (v11: ``benchmarks/results/nvidia-h100/tensorcore_v11.json``)
 flash2_forward = flash2_forward_v11.flash2_forward
 
-from kernels_gpu.tensorcore import flash2_backward_v1, flash2_backward_v2  # noqa: E402
+from kernels_gpu.tensorcore import flash2_backward_v1, flash2_backward_v2, flash2_backward_v3  # noqa: E402
 
 #: the backward rungs: name → ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None) ->
-#: Flash2Backward(dQ, dK, dV)`` (v1: FA2 Alg. 2 on mma.sync, dQ by atomic adds; v2: Q_i, dO_i double-buffered)
-BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward}
+#: Flash2Backward(dQ, dK, dV)`` (v1: FA2 Alg. 2 on mma.sync, dQ by atomic adds; v2: Q_i, dO_i double-buffered;
+#: v3: dQ by a second kernel over query blocks, no atomics)
+BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
+                     "v3": flash2_backward_v3.flash2_backward}
 
-#: the backward pass: v2 (predicted faster than v1; not yet measured)
+#: the backward pass: v2 (not yet measured; v3, the atomics-free alternative, is predicted within ±15 % of it)
 flash2_backward = flash2_backward_v2.flash2_backward
 
 from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402

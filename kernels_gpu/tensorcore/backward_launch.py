@@ -12,6 +12,10 @@ One backward pass is three launches (:func:`run_backward`)::
     preprocess   D = rowsum(dO ∘ O), L·log₂e, dQ_acc = 0          a warp per row             (Alg. 2 lines 3-4)
     main         dK_j, dV_j; dQ_acc += dS K_j (atomic adds)       a block per key block j    (lines 5-24)
     convert      dQ = τ · dQ_acc, rounded to the input dtype      a thread per two elements
+
+A rung that computes dQ in a pass of its own (:func:`run_backward_dq_pass`, v3) runs the preprocessing without
+dQ's accumulator, its key-block kernel for dK, dV, and its dQ kernel, one block per query block, which writes dQ
+itself.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import kernels_gpu.runtime as rt
 from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.backward_steps import CONVERT_THREADS, PRE_WARPS, convert_dq_kernel, preprocess_kernel
 
-__all__ = ["BackwardProblem", "prepare_backward", "finish_backward", "run_backward"]
+__all__ = ["BackwardProblem", "prepare_backward", "finish_backward", "run_backward", "run_backward_dq_pass"]
 
 
 @dataclass
@@ -159,39 +163,74 @@ def finish_backward(bp: BackwardProblem):
     return Flash2Backward(dQ, _finish_kv(bp, bp.dK, bp.dK_user), _finish_kv(bp, bp.dV, bp.dV_user))
 
 
+def _launch(kernel, grid, threads, nbytes, stream, args) -> None:
+    """Launch ``kernel`` with ``nbytes`` of dynamic shared memory (checked against the limit; raised above 48 KiB
+    once per compiled kernel, the forward's rule)."""
+    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
+
+    if nbytes > launch.MAX_DYNAMIC_BYTES:
+        raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory; a block may have "
+                         f"{launch.MAX_DYNAMIC_BYTES}")
+    if not rt.simulator_in_use() and nbytes > 48 * 1024:
+        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
+        if key not in launch._SHARED_RAISED:
+            _allow_dynamic_shared(kernel, args, nbytes)
+            launch._SHARED_RAISED.add(key)
+    kernel[grid, threads, stream, nbytes](*args)
+
+
+def _preprocess(bp: BackwardProblem, cfg, dQacc) -> object:
+    """Alg. 2 lines 3-4: D = rowsum(dO ∘ O) and L·log₂e, padded to whole row blocks (and dQ_acc = 0 when given)."""
+    p = bp.fwd
+    N_pad = cfg.padded_rows(p.N_q)
+    stats = _empty_f32(p, (p.Z, p.H_q, 2, N_pad))
+    zero_dq = dQacc is not None
+    placeholder = dQacc if zero_dq else _empty_f32(p, (1, 1, 1, 1))
+    preprocess_kernel(p.d, p.dtype, zero_dq)[(rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z), 32 * PRE_WARPS,
+                                             p.stream](bp.O, bp.dO, bp.L, stats, placeholder, np.int32(p.N_q))
+    return stats
+
+
 def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, causal, scale, **options):
     """Check the inputs, pick the rung's configuration, run the three launches (preprocess; the rung's kernel,
     one block per (key block, column chunk, key/value head, batch); dQ's conversion) and return
     ``Flash2Backward(dQ, dK, dV)`` in the caller's kind. ``options`` go to ``config_for``. The launches go to the
     forward's stream (PyTorch's current stream for CUDA tensors), with no host synchronisation."""
-    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
-
     bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
     p = bp.fwd
     cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
     kernel = make_kernel(cfg)
-    nbytes = 4 * shared_words(cfg)
-    if nbytes > launch.MAX_DYNAMIC_BYTES:
-        raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory at d = {p.d}; a block may have "
-                         f"{launch.MAX_DYNAMIC_BYTES}")
-    N_pad = cfg.padded_rows(p.N_q)
-    stats = _empty_f32(p, (p.Z, p.H_q, 2, N_pad))
+    # Alg. 2 lines 3-4: dQ_acc = 0; D = rowsum(dO ∘ O); L·log₂e.
     dQacc = _empty_f32(p, (p.Z, p.H_q, p.N_q, p.d))
-    # Alg. 2 lines 3-4: dQ_acc = 0; D = rowsum(dO ∘ O); L·log₂e (padded to whole row blocks).
-    preprocess_kernel(p.d, p.dtype)[(rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z), 32 * PRE_WARPS, p.stream](
-        bp.O, bp.dO, bp.L, stats, dQacc, np.int32(p.N_q))
+    stats = _preprocess(bp, cfg, dQacc)
     # Alg. 2 lines 5-24: one block per key block j (and column chunk).
     args = (p.Q, p.K, p.V, bp.dO, stats, dQacc, bp.dK, bp.dV, np.int32(p.N_q), np.int32(p.N_k),
             np.int32(p.H_q // p.H_kv), np.float32(p.scale), np.float32(p.scale * math.log2(math.e)))
-    if not rt.simulator_in_use() and nbytes > 48 * 1024:
-        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
-        if key not in launch._SHARED_RAISED:              # once per compiled kernel (the forward's rule)
-            _allow_dynamic_shared(kernel, args, nbytes)
-            launch._SHARED_RAISED.add(key)
-    grid = (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z)
-    kernel[grid, cfg.threads, p.stream, nbytes](*args)
+    _launch(kernel, (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads, 4 * shared_words(cfg),
+            p.stream, args)
     # Alg. 2 line 15's result, rounded once: dQ = τ · dQ_acc in the input dtype.
     n_words = p.Z * p.H_q * p.N_q * p.d // 2
     convert_dq_kernel(p.dtype)[rt.grid_size(n_words, CONVERT_THREADS), CONVERT_THREADS, p.stream](
         dQacc.reshape(-1), p.O.reshape(-1), np.float32(p.scale))
+    return finish_backward(bp)
+
+
+def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, dq_shared_words, Q, K, V, O, L,
+                         dO, *, causal, scale, **options):
+    """:func:`run_backward` for rungs that compute dQ in a pass of its own: preprocess (no dQ accumulator); the
+    rung's key-block kernel (dK, dV only), one block per (key block, column chunk, key/value head, batch); the
+    rung's dQ kernel, one block per (query block of 16·W rows, column chunk, query head, batch), which writes dQ in
+    the input dtype itself — no atomics, no conversion launch."""
+    bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
+    p = bp.fwd
+    cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
+    stats = _preprocess(bp, cfg, None)
+    common = (np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv), np.float32(p.scale),
+              np.float32(p.scale * math.log2(math.e)))
+    # Alg. 2 lines 5-24 without line 20: dK_j, dV_j, one block per key block j (and column chunk).
+    _launch(make_kernel(cfg), (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads,
+            4 * shared_words(cfg), p.stream, (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV) + common)
+    # Alg. 2 line 20 as a pass over query blocks: dQ_i = τ Σ_j dS_ij K_j, written once.
+    _launch(make_dq_kernel(cfg), (rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks, p.H_q, p.Z), cfg.threads,
+            4 * dq_shared_words(cfg), p.stream, (p.Q, p.K, p.V, bp.dO, stats, p.O) + common)
     return finish_backward(bp)

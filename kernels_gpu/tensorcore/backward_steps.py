@@ -81,7 +81,8 @@ class BackwardConfig:
 
     ``warps`` W: warps per block, 16 keys each (B_c = 16 W); ``B_r``: queries per row block Q_i (a multiple of
     16); ``chunks``: how many column chunks dK_j, dV_j are split into (1, or 2 beyond d = 128);
-    ``max_registers``: a cap on ptxas's registers per thread (None: ptxas's choice; ignored in the simulator)."""
+    ``max_registers``: a cap on ptxas's registers per thread (None: ptxas's choice; ignored in the simulator);
+    ``max_registers_dq``: the same for a rung's separate dQ kernel, if it has one."""
 
     d: int
     warps: int
@@ -91,6 +92,7 @@ class BackwardConfig:
     simulated: bool
     chunks: int = 1
     max_registers: int | None = None
+    max_registers_dq: int | None = None
 
     def __post_init__(self):
         if self.d % 8 or not 8 <= self.d <= 256:
@@ -146,11 +148,13 @@ class BackwardConfig:
         """16 × 8 tiles of dK_j (and dV_j) per warp (DC / 8)."""
         return self.DC // 8
 
-    def jit(self):
-        """The kernel decorator: ``cuda.jit``, with the register cap when there is one (GPU only)."""
-        if self.simulated or self.max_registers is None:
+    def jit(self, dq: bool = False):
+        """The kernel decorator: ``cuda.jit``, with the register cap when there is one (GPU only); ``dq``: the
+        decorator of the separate dQ kernel."""
+        cap = self.max_registers_dq if dq else self.max_registers
+        if self.simulated or cap is None:
             return cuda.jit
-        return cuda.jit(max_registers=self.max_registers)
+        return cuda.jit(max_registers=cap)
 
     def padded_rows(self, N_q: int) -> int:
         """N_q rounded up to B_r: the length of the row statistics (L·log₂e, D) the kernels read by tile."""
@@ -302,6 +306,33 @@ def make_backward_steps(cfg: BackwardConfig):
                     s[4 * n + 2 * h + e] = p
 
     @jit
+    def probabilities_rows(s, lrow, row0, col0, N_k, scale_log2, diag, mask_tile):
+        """Alg. 2 line 13 in the forward's orientation (a warp's 16 *query* rows × a tile of B_r keys, for the
+        separate dQ pass): P = 2^(S·τlog₂e − L·log₂e), in place; ``lrow`` holds L·log₂e of the lane's rows
+        ``row0`` (g) and ``row0 + 8`` (+∞ for rows past N_q or that see no key: P = 0). ``mask_tile``: the tile
+        holds a key past N_k or (causal) after some row's diagonal; those P are 0."""
+        t = cuda.laneid % 4
+        for n in range(NT):
+            for h in range(2):
+                for e in range(2):
+                    p = ex2(s[4 * n + 2 * h + e] * scale_log2 - lrow[h])
+                    if mask_tile:
+                        col = col0 + 8 * n + 2 * t + e
+                        if col >= N_k or (causal and col > row0 + 8 * h + diag):
+                            p = float32(0.0)
+                    s[4 * n + 2 * h + e] = p
+
+    @jit
+    def softmax_gradient_rows(s, dp, drow):
+        """Alg. 2 line 19 in the forward's orientation: dS = P ∘ (dP − D), in place in ``s``, ``drow`` holding D of
+        the lane's two rows."""
+        for n in range(NT):
+            for h in range(2):
+                for e in range(2):
+                    k = 4 * n + 2 * h + e
+                    s[k] = s[k] * (dp[k] - drow[h])
+
+    @jit
     def softmax_gradient(s, dp, smf, d_off):
         """Alg. 2 line 19, transposed: dSᵀ = Pᵀ ∘ (dPᵀ − D), in place in ``s`` (D_i per query column, from shared
         memory at ``d_off``). The softmax's Jacobian applied without forming it."""
@@ -380,13 +411,15 @@ def make_backward_steps(cfg: BackwardConfig):
                 copy_stats_async=copy_stats_async, zero=zero, product_transposed=product_transposed,
                 product_accumulate=product_accumulate, probabilities=probabilities,
                 softmax_gradient=softmax_gradient, store_transposed=store_transposed, dq_update=dq_update,
-                store_rows=store_rows)
+                store_rows=store_rows, probabilities_rows=probabilities_rows,
+                softmax_gradient_rows=softmax_gradient_rows)
 
 
 @functools.lru_cache(maxsize=None)
-def preprocess_kernel(d: int, dtype: str):
+def preprocess_kernel(d: int, dtype: str, zero_dq: bool = True):
     """FA2 Alg. 2 lines 3-4 as one launch, a warp per row: D_i = rowsum(dO_i ∘ O_i) (float32 products of the
-    16-bit values), L_i·log₂e, and dQ's float32 accumulator zeroed. Writes ``stats`` (Z, H, 2, N_pad): [0] the
+    16-bit values), L_i·log₂e, and dQ's float32 accumulator zeroed (``zero_dq``; rungs that compute dQ in a
+    pass of their own pass a placeholder and leave it). Writes ``stats`` (Z, H, 2, N_pad): [0] the
     scaled L, [1] D, padded past N_q with L = +∞, D = 0 (rows that then give P = 0, dS = 0). Grid
     (⌈N_pad / PRE_WARPS⌉, H, Z), PRE_WARPS warps per block. Cost: reads 2·N·d halves + N floats, writes 2·N_pad
     + N·d floats."""
@@ -407,8 +440,9 @@ def preprocess_kernel(d: int, dtype: str):
                 o0, o1 = unpack(O[z, h, row, w])
                 g0, g1 = unpack(dO[z, h, row, w])
                 acc += o0 * g0 + o1 * g1
-            for c in range(lane, d, 32):               # Alg. 2 line 3: dQ = 0 (it is accumulated atomically)
-                dQacc[z, h, row, c] = float32(0.0)
+            if zero_dq:
+                for c in range(lane, d, 32):           # Alg. 2 line 3: dQ = 0 (it is accumulated atomically)
+                    dQacc[z, h, row, c] = float32(0.0)
         for m in (16, 8, 4, 2, 1):                     # the row's 32 partial sums, five butterfly shuffles
             acc += shfl_xor(acc, m)
         if lane == 0 and row < stats.shape[3]:

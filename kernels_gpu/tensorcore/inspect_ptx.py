@@ -40,15 +40,20 @@ def _compile_without_gpu() -> None:
 
 def report(version: str, d: int, dtype: str = "float16", causal: bool = False, **options) -> dict:
     """Registers, spill bytes, stack frame of ``version``'s kernel at head dimension ``d`` (ptxas -v, sm_90).
-    ``version``: a forward rung ("v6") or a backward rung ("bwd_v1"; its register cap, if any, is passed on)."""
+    ``version``: a forward rung ("v6") or a backward rung ("bwd_v1"; its register cap, if any, is passed on; a
+    rung with a separate dQ kernel names it "bwd_v3_dq"). A module's ``PTX_SIGNATURE`` (``DQ_PTX_SIGNATURE``)
+    overrides the default argument types."""
     _compile_without_gpu()
     backward = version.startswith("bwd_")
-    name = f"flash2_backward_{version[4:]}" if backward else f"flash2_forward_{version}"
+    dq = backward and version.endswith("_dq")
+    name = f"flash2_backward_{version[4:].removesuffix('_dq')}" if backward else f"flash2_forward_{version}"
     module = importlib.import_module(f"kernels_gpu.tensorcore.{name}")
     cfg = module.config_for(d, dtype, causal, False, **options)
-    kernel = module.make_kernel(cfg)
-    ptx, _ = cuda.compile_ptx(kernel.py_func, BACKWARD_SIGNATURE if backward else SIGNATURE, cc=(9, 0))
-    cap = getattr(cfg, "max_registers", None)
+    kernel = (module.make_dq_kernel if dq else module.make_kernel)(cfg)
+    signature = getattr(module, "DQ_PTX_SIGNATURE" if dq else "PTX_SIGNATURE",
+                        BACKWARD_SIGNATURE if backward else SIGNATURE)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    cap = getattr(cfg, "max_registers_dq" if dq else "max_registers", None)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
@@ -59,7 +64,8 @@ def report(version: str, d: int, dtype: str = "float16", causal: bool = False, *
             (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
              ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame"))}
     nums.update(version=version, d=d, dtype=dtype, causal=causal, B_r=cfg.B_r, B_c=cfg.B_c, max_registers=cap,
-                shared_bytes=4 * module.shared_words(cfg), mma=ptx.count("mma.sync"),
+                shared_bytes=4 * (module.dq_shared_words if dq else module.shared_words)(cfg),
+                mma=ptx.count("mma.sync"),
                 ldmatrix=ptx.count("ldmatrix"), local_ld=len(re.findall(r"ld\.local", ptx)))
     return nums
 

@@ -3,8 +3,9 @@ benchmark-like sizes: fp16 and bf16, d = 8 … 256, GQA, ragged N_q ≠ N_k, bot
 no key, extreme logits; O and L come from the tensor-core forward (the path a training step takes).
 
 Determinism: dK and dV are summed inside one thread block in a fixed order, so they are bit-identical over reruns
-(asserted). dQ is accumulated with float32 atomic adds from every key block, in whatever order the blocks run, so
-it is *not* bit-reproducible; its run-to-run variation is asserted to stay at float32 rounding level.
+(asserted). In v1 and v2, dQ is accumulated with float32 atomic adds from every key block, in whatever order the
+blocks run, so it is *not* bit-reproducible; its run-to-run variation is asserted to stay at float32 rounding
+level. v3 computes dQ without atomics: bit-identical (asserted).
 
 Run on the device from the repository root::
 
@@ -134,10 +135,14 @@ def test_extreme_logits(version):
     check(BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True), Q, K, V, dO, True)
 
 
+#: the rungs whose dQ is a sum of float32 atomic adds (v3 computes dQ in a pass of its own, without atomics)
+ATOMIC_DQ = {"v1", "v2"}
+
+
 @pytest.mark.parametrize("version", sorted(BACKWARD_VERSIONS))
 def test_dk_dv_bit_identical_dq_close_over_reruns(version):
-    """dK, dV: bit-identical over 20 reruns. dQ (float32 atomic adds in varying order): within float32 rounding
-    of the first run, not bit-identical by design."""
+    """dK, dV: bit-identical over 20 reruns. dQ: bit-identical too where no atomics make it (v3); with atomic adds
+    in varying order (v1, v2), within float32 rounding of the first run, not bit-identical by design."""
     Q, K, V, dO = _inputs((2, 8, 1024, 64), (2, 4, 1024, 64), "float16", seed=12)
     O, L = flash2_forward(Q, K, V, causal=True)
     dQ0, dK0, dV0 = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True)
@@ -146,3 +151,4 @@ def test_dk_dv_bit_identical_dq_close_over_reruns(version):
         dQ, dK, dV = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True)
         assert torch.equal(dK, dK0) and torch.equal(dV, dV0)
         assert (dQ.float() - dQ0.float()).abs().max().item() <= 2e-3 * scale
+        assert version in ATOMIC_DQ or torch.equal(dQ, dQ0)
