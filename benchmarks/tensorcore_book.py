@@ -1,29 +1,37 @@
 """What chapter 14 reads from the tensor-core results, computed in one place and tested.
 
-Chapter 14 ("Tensor cores from Python") teaches from one GPU run of ``python -m benchmarks.tensorcore``, committed
-as ``benchmarks/results/<device>/tensorcore.json``: a header (device, versions, date), ``mma_ceiling`` (the
-TFLOP/s of a numba kernel that does nothing but ``mma.sync``) and one record per (impl, dtype, causal, d, N)
-with its time and TFLOP/s. Beside it lie the logs of the GPU tests and of ``compute-sanitizer``. This module does
-the reading and the arithmetic, so that the chapter asks each question in one line and
-``tests/test_tensorcore_book.py`` checks the answers. Nothing here times anything or needs a GPU.
+Chapter 14 ("Tensor cores from Python") teaches from the GPU runs of ``python -m benchmarks.tensorcore`` committed
+under ``benchmarks/results/nvidia-h100/``: ``tensorcore.json`` (v1-v5), ``tensorcore_v6.json`` (v5, v6),
+``tensorcore_v7.json`` (v6, v7), ``tensorcore_v9.json`` (v6-v9), ``tensorcore_v11.json`` (v6, v9, v10, v11) and
+``tensorcore_v11_d256.json``. Each run has a header (device, versions, date), ``mma_ceiling`` (the TFLOP/s of a
+numba kernel that does nothing but ``mma.sync``) and one record per (impl, dtype, causal, d, N) with its time and
+TFLOP/s, SDPA flash (``sdpa_flash``) included: every rung is compared with SDPA *of its own run*. Beside them lie
+the tile-width sweep (``tensorcore_tiles_v9.json``), the host-cost measurement
+(``tensorcore_launch_overhead.json``), two Nsight Compute reports (``ncu_tensorcore_*_d128.txt``) and the logs of
+the GPU tests and of ``compute-sanitizer``. This module does the reading and the arithmetic, so that the chapter
+asks each question in one line and ``tests/test_tensorcore_book.py`` checks the answers. Nothing here times
+anything or needs a GPU.
 
 The rungs' module headers (``kernels_gpu/tensorcore/flash2_forward_v*.py``) state what each rung changed and what
-it predicted before it was first measured; :func:`rung_header` returns those paragraphs as written, so the
-chapter quotes them instead of retyping them.
+it predicted before it was first measured; :func:`rung_header` returns those paragraphs as written, and
+:data:`PREDICTIONS` types each prediction's range as the header states it (the only numbers typed here), so that
+:func:`check_predictions` can set it beside the measurement.
 
 Typical use (the chapter's)::
 
     from benchmarks import tensorcore_book as tcb
-    run = tcb.load()                             # the committed H100 run
-    tcb.series(run, "v5", d=64)                  # ([N, ...], [TFLOP/s, ...]) for a figure
-    print(tcb.as_text(tcb.ladder_table(run, N=4096)))
-    tcb.targets(run)                             # the project's forward targets: met or missed
+    runs = tcb.load_runs()                         # every committed run, by file name
+    tcb.rung_series(runs, "v9", d=64)              # ([N, ...], [TFLOP/s, ...], file) for a figure
+    print(tcb.format_predictions(tcb.check_predictions(runs)))
+    tcb.targets(runs[tcb.NEWEST], "v11")           # the project's forward targets: met or missed
+    tcb.ncu_report("ncu_tensorcore_v8_v9_d128.txt")["v9"].instructions
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import math
 import re
 from collections import Counter
@@ -31,26 +39,52 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = [
-    "RESULTS", "DEFAULT_RUN", "RUNGS", "BASELINE", "TARGET_TFLOPS", "TARGET_RATIO", "TARGET_MIN_N",
-    "TensorCoreRun", "load", "forward_flops", "record", "tflops", "series", "LadderRow", "ladder_table",
-    "PairRow", "pair_table", "causal_speedup", "TargetCheck", "targets", "as_text", "rung_header",
+    "RESULTS", "FOLDER", "DEFAULT_RUN", "NEWEST", "RUNGS", "LATEST", "RUNG_FILE", "BASELINE", "CUDA_CORE",
+    "TARGET_TFLOPS", "TARGET_TFLOPS_MIN_N", "TARGET_RATIO", "TARGET_RATIO_MIN_N", "TARGET_CAUSAL",
+    "TARGET_CAUSAL_N", "MMA_FLOPS",
+    "TensorCoreRun", "load", "load_runs", "forward_flops", "record", "tflops", "series", "rung_below",
+    "rung_series", "RungPoint", "rung_points", "baseline_range", "cuda_core_series", "LadderRow", "ladder_table",
+    "PairRow", "pair_table", "causal_speedup", "TargetCheck", "targets", "CausalCheck", "causal_targets",
+    "as_text", "rung_header", "Prediction", "PREDICTIONS", "PredictionCheck", "check_predictions",
+    "format_predictions", "NcuKernel", "parse_ncu_text", "ncu_report", "mma_count", "instructions_per_mma",
+    "blocks_by_registers", "TileRow", "tile_sweep", "LaunchRow", "launch_overhead",
     "SanitizerReport", "sanitizer_report", "gpu_test_counts",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: the run chapter 14 teaches from
-DEFAULT_RUN = RESULTS / "nvidia-h100" / "tensorcore.json"
+#: the device folder chapter 14 teaches from
+FOLDER = RESULTS / "nvidia-h100"
+#: the first run (v1-v5 and SDPA flash on the full grid, bf16 and causal for v5)
+DEFAULT_RUN = FOLDER / "tensorcore.json"
+#: the newest run of the ladder: v6, v9, v10, v11 and SDPA flash, bf16 and causal for v11
+NEWEST = "tensorcore_v11.json"
 #: the forward rungs, in ladder order
-RUNGS = ("v1", "v2", "v3", "v4", "v5")
+RUNGS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11")
+#: the fastest rung (``kernels_gpu.tensorcore.flash2_forward``)
+LATEST = "v11"
+#: the run in which each rung was first measured (beside the rung below it, and SDPA flash)
+RUNG_FILE = {"v1": "tensorcore.json", "v2": "tensorcore.json", "v3": "tensorcore.json", "v4": "tensorcore.json",
+             "v5": "tensorcore.json", "v6": "tensorcore_v6.json", "v7": "tensorcore_v7.json",
+             "v8": "tensorcore_v9.json", "v9": "tensorcore_v9.json", "v10": NEWEST, "v11": NEWEST}
 #: what every rung is compared with in the same run: PyTorch's SDPA with its flash backend
 BASELINE = "sdpa_flash"
-#: the project's forward targets: TFLOP/s and fraction of SDPA flash, at sequence lengths N ≥ TARGET_MIN_N
+#: the fastest fp32 CUDA-core forward of chapter 10 (``kernels_gpu.fast``): (file, impl) of ``benchmarks.book``
+CUDA_CORE = ("final.json", "kg_flash2_fast")
+#: the project's forward targets: TFLOP/s at N ≥ TARGET_TFLOPS_MIN_N; a fraction of SDPA flash of the same run at
+#: every N ≥ TARGET_RATIO_MIN_N; causal faster than non-causal (wall time) by TARGET_CAUSAL at N = TARGET_CAUSAL_N
 TARGET_TFLOPS = 150.0
+TARGET_TFLOPS_MIN_N = 4096
 TARGET_RATIO = 0.5
-TARGET_MIN_N = 4096
+TARGET_RATIO_MIN_N = 1024
+TARGET_CAUSAL = 1.6
+TARGET_CAUSAL_N = 8192
+#: FLOPs of one ``mma.sync.m16n8k16``: 16 × 8 outputs, 16 multiply-adds each
+MMA_FLOPS = 2 * 16 * 8 * 16
 
 _KEYS = ("impl", "dtype", "causal", "d", "N", "batch", "heads", "ms", "tflops", "status")
 
+
+# -- runs -----------------------------------------------------------------------------------------------------------
 
 class TensorCoreRun(NamedTuple):
     """One run of ``benchmarks.tensorcore``: where it was read from, its header, the mma.sync ceiling (TFLOP/s)
@@ -70,11 +104,15 @@ class TensorCoreRun(NamedTuple):
         """The run's date, ``YYYY-MM-DD``."""
         return str(self.header.get("date", "unknown date"))[:10]
 
+    @property
+    def impls(self) -> list:
+        """The implementations the run measured, rungs in ladder order, then the rest."""
+        found = {r["impl"] for r in self.records}
+        return [v for v in RUNGS if v in found] + sorted(found - set(RUNGS))
+
 
 def load(path=None) -> TensorCoreRun:
     """Read a tensor-core results file (default :data:`DEFAULT_RUN`); every record is checked for its keys."""
-    import json
-
     path = Path(path) if path is not None else DEFAULT_RUN
     payload = json.loads(path.read_text())
     if not isinstance(payload, dict) or "records" not in payload or "mma_ceiling" not in payload:
@@ -85,6 +123,21 @@ def load(path=None) -> TensorCoreRun:
             raise ValueError(f"{path}: record {i} lacks {missing}")
     return TensorCoreRun(path, payload.get("header", {}), float(payload["mma_ceiling"]["tflops"]),
                          list(payload["records"]))
+
+
+def load_runs(folder=None) -> dict:
+    """Every run of ``benchmarks.tensorcore`` in ``folder`` (default :data:`FOLDER`): file name → run, oldest
+    first. ``tensorcore*.json`` files that are not such runs (the tile sweep, the host-cost table) are left out."""
+    folder = Path(folder) if folder is not None else FOLDER
+    runs = []
+    for path in sorted(folder.glob("tensorcore*.json")):
+        payload = json.loads(path.read_text())
+        if isinstance(payload, dict) and "records" in payload and "mma_ceiling" in payload:
+            runs.append(load(path))
+    if not runs:
+        raise FileNotFoundError(f"no tensor-core run (tensorcore*.json with 'mma_ceiling') in {folder}")
+    runs.sort(key=lambda r: (r.header.get("date", ""), r.path.name))
+    return {r.path.name: r for r in runs}
 
 
 def forward_flops(batch: int, heads: int, N: int, d: int, causal: bool) -> float:
@@ -116,9 +169,80 @@ def series(run: TensorCoreRun, impl: str, d: int, dtype: str = "float16",
     return Ns, [tflops(run, impl, d, N, dtype, causal) for N in Ns]
 
 
+def rung_below(rung: str) -> str | None:
+    """The rung a rung changed (``"v6"`` for ``"v7"``); None for v1."""
+    if rung not in RUNGS:
+        raise ValueError(f"rung must be one of {RUNGS}, got {rung!r}")
+    i = RUNGS.index(rung)
+    return RUNGS[i - 1] if i else None
+
+
+def rung_series(runs: dict, rung: str, d: int, dtype: str = "float16",
+                causal: bool = False) -> tuple[list, list, str]:
+    """``(Ns, TFLOP/s, file)`` of a rung from the run that first measured it (:data:`RUNG_FILE`); empty lists if
+    that run did not measure this (dtype, causal, d)."""
+    name = RUNG_FILE[rung] if rung in RUNG_FILE else None
+    if name is None:
+        raise ValueError(f"rung must be one of {RUNGS}, got {rung!r}")
+    if name not in runs:
+        raise KeyError(f"no run {name} (the run that measured {rung}) among {sorted(runs)}")
+    Ns, values = series(runs[name], rung, d, dtype, causal)
+    return Ns, values, name
+
+
+class RungPoint(NamedTuple):
+    """A rung at one N in the run that measured it: TFLOP/s, the gain over the rung below in the same run (None
+    if that run did not time it there) and the fraction of the same run's SDPA flash."""
+
+    N: int
+    tflops: float
+    gain: float | None
+    of_sdpa: float
+
+
+def rung_points(runs: dict, rung: str, d: int, Ns=(1024, 4096, 16384), dtype: str = "float16",
+                causal: bool = False) -> list[RungPoint]:
+    """:class:`RungPoint` of ``rung`` at each N of ``Ns`` (a KeyError names a configuration its run lacks)."""
+    run = runs[RUNG_FILE[rung]]
+    below = rung_below(rung)
+    points = []
+    for N in Ns:
+        value = tflops(run, rung, d, N, dtype, causal)
+        try:
+            gain = value / tflops(run, below, d, N, dtype, causal) if below else None
+        except KeyError:
+            gain = None
+        points.append(RungPoint(N, value, gain, value / tflops(run, BASELINE, d, N, dtype, causal)))
+    return points
+
+
+def baseline_range(runs: dict, d: int, dtype: str = "float16", causal: bool = False,
+                   impl: str = BASELINE) -> tuple[list, list, list]:
+    """``(Ns, lowest, highest)`` TFLOP/s of ``impl`` (SDPA flash) over every run that measured it at (dtype,
+    causal, d): the spread of one unchanged kernel between runs on the same GPU."""
+    by_N = {}
+    for run in runs.values():
+        for N, value in zip(*series(run, impl, d, dtype, causal)):
+            by_N.setdefault(N, []).append(value)
+    Ns = sorted(by_N)
+    return Ns, [min(by_N[N]) for N in Ns], [max(by_N[N]) for N in Ns]
+
+
+def cuda_core_series(d: int, causal: bool = False, folder=None) -> tuple[list, list, str]:
+    """``(Ns, TFLOP/s, device)`` of the fastest fp32 CUDA-core forward (:data:`CUDA_CORE`), read by
+    ``benchmarks.book`` from the device folder chapter 10 teaches from (its own grid: batch × N = 16k tokens,
+    hidden 2048, as here)."""
+    from benchmarks import book
+
+    name, impl = CUDA_CORE
+    run = book.run(name, folder)
+    keys = sorted(k for k in run.ok if k[0] == impl and k[1] == "forward" and k[2] == d and k[3] == causal)
+    return [k[4] for k in keys], [run.ok[k]["tflops"] for k in keys], run.header.get("device", "unknown device")
+
+
 class LadderRow(NamedTuple):
-    """One rung at one (d, N): TFLOP/s, the gain over the rung below (None for v1), the fraction of SDPA flash
-    and of the mma.sync ceiling, all from the same run."""
+    """One rung at one (d, N): TFLOP/s, the gain over the rung below (None for the first), the fraction of SDPA
+    flash and of the mma.sync ceiling, all from the same run."""
 
     impl: str
     d: int
@@ -130,13 +254,14 @@ class LadderRow(NamedTuple):
 
 
 def ladder_table(run: TensorCoreRun, N: int = 4096, ds=(64, 128), dtype: str = "float16",
-                 causal: bool = False) -> list[LadderRow]:
-    """Every rung of :data:`RUNGS` at sequence length N, for each head dimension in ``ds``."""
+                 causal: bool = False, rungs=None) -> list[LadderRow]:
+    """Every rung of ``rungs`` (default: those the run measured) at sequence length N, for each d in ``ds``."""
+    rungs = [v for v in (rungs or RUNGS) if v in run.impls]
     rows = []
     for d in ds:
         sdpa = tflops(run, BASELINE, d, N, dtype, causal)
         previous = None
-        for impl in RUNGS:
+        for impl in rungs:
             value = tflops(run, impl, d, N, dtype, causal)
             rows.append(LadderRow(impl, d, N, value, None if previous is None else value / previous,
                                   value / sdpa, value / run.ceiling))
@@ -156,7 +281,7 @@ class PairRow(NamedTuple):
     ratio: float
 
 
-def pair_table(run: TensorCoreRun, impl: str = "v5", other: str = BASELINE, N=None) -> list[PairRow]:
+def pair_table(run: TensorCoreRun, impl: str = LATEST, other: str = BASELINE, N=None) -> list[PairRow]:
     """Every (dtype, causal, d, N) where both were measured (only sequence length ``N`` if given), sorted."""
     keys = sorted({(r["dtype"], bool(r["causal"]), r["d"], r["N"]) for r in run.records
                    if r["impl"] == impl and r["status"] == "ok" and (N is None or r["N"] == N)})
@@ -177,8 +302,11 @@ def causal_speedup(run: TensorCoreRun, impl: str, d: int, N: int, dtype: str = "
             / float(record(run, impl, d, N, dtype, True)["ms"]))
 
 
+# -- the project's targets ------------------------------------------------------------------------------------------
+
 class TargetCheck(NamedTuple):
-    """One measured configuration against the project's two forward targets."""
+    """One measured configuration against the TFLOP/s and SDPA-ratio targets; a verdict is None where its
+    target does not apply (N below the target's smallest N)."""
 
     dtype: str
     causal: bool
@@ -186,17 +314,44 @@ class TargetCheck(NamedTuple):
     N: int
     tflops: float
     of_sdpa: float
-    meets_tflops: bool
-    meets_ratio: bool
+    meets_tflops: bool | None
+    meets_ratio: bool | None
 
 
-def targets(run: TensorCoreRun, impl: str = "v5", min_N: int = TARGET_MIN_N,
-            target_tflops: float = TARGET_TFLOPS, target_ratio: float = TARGET_RATIO) -> list[TargetCheck]:
-    """``impl`` at every measured configuration with N ≥ ``min_N``: ≥ ``target_tflops`` TFLOP/s? ≥
-    ``target_ratio`` × SDPA flash of the same run?"""
+def targets(run: TensorCoreRun, impl: str = LATEST, tflops_min_N: int = TARGET_TFLOPS_MIN_N,
+            ratio_min_N: int = TARGET_RATIO_MIN_N, target_tflops: float = TARGET_TFLOPS,
+            target_ratio: float = TARGET_RATIO) -> list[TargetCheck]:
+    """``impl`` at every configuration where it and SDPA flash were measured: ≥ ``target_tflops`` TFLOP/s (at
+    N ≥ ``tflops_min_N``)? ≥ ``target_ratio`` × SDPA flash of the same run (at N ≥ ``ratio_min_N``)?"""
     return [TargetCheck(row.dtype, row.causal, row.d, row.N, row.tflops, row.ratio,
-                        row.tflops >= target_tflops, row.ratio >= target_ratio)
-            for row in pair_table(run, impl, BASELINE) if row.N >= min_N]
+                        row.tflops >= target_tflops if row.N >= tflops_min_N else None,
+                        row.ratio >= target_ratio if row.N >= ratio_min_N else None)
+            for row in pair_table(run, impl, BASELINE)]
+
+
+class CausalCheck(NamedTuple):
+    """The wall-time gain of causal masking (non-causal ms / causal ms) of ``impl`` and of SDPA flash at one
+    (dtype, d, N), and whether ``impl``'s reaches the target."""
+
+    dtype: str
+    d: int
+    N: int
+    speedup: float
+    sdpa_speedup: float
+    meets: bool
+
+
+def causal_targets(run: TensorCoreRun, impl: str = LATEST, N: int = TARGET_CAUSAL_N,
+                   target: float = TARGET_CAUSAL) -> list[CausalCheck]:
+    """:func:`causal_speedup` of ``impl`` (and SDPA flash) at sequence length N for every (dtype, d) where both
+    masks were measured, against ``target``."""
+    keys = sorted({(r["dtype"], r["d"]) for r in run.records if r["impl"] == impl and r["N"] == N
+                   and r["status"] == "ok" and r["causal"]})
+    rows = []
+    for dtype, d in keys:
+        ours = causal_speedup(run, impl, d, N, dtype)
+        rows.append(CausalCheck(dtype, d, N, ours, causal_speedup(run, BASELINE, d, N, dtype), ours >= target))
+    return rows
 
 
 def as_text(rows, digits: int = 2) -> str:
@@ -221,6 +376,8 @@ def as_text(rows, digits: int = 2) -> str:
     return "\n".join(lines)
 
 
+# -- the rungs' headers and predictions -----------------------------------------------------------------------------
+
 def rung_header(version: str) -> dict:
     """The module header of ``kernels_gpu/tensorcore/flash2_forward_<version>.py`` in parts: ``title`` (its
     first line), ``prediction`` and ``measured`` (the paragraphs that begin with those bold words), and
@@ -241,32 +398,356 @@ def rung_header(version: str) -> dict:
     return out
 
 
+class Prediction(NamedTuple):
+    """What a rung's header predicted before its first GPU run, for one head dimension: ``low``–``high`` in
+    ``unit``, judged at every N of ``Ns`` (fp16).
+
+    ``unit``: ``"ratio"`` (``impl``'s TFLOP/s over ``against``'s), ``"TFLOP/s"``, or ``"causal"`` (``impl``'s
+    wall-time ratio non-causal / causal). ``impl`` defaults to the rung; ``file`` to the run that measured it
+    (:data:`RUNG_FILE`); ``against_file`` to ``file`` — a different one makes the comparison cross two runs.
+    ``words`` quotes the header."""
+
+    rung: str
+    d: int
+    low: float
+    high: float
+    unit: str
+    words: str
+    against: str | None = None
+    causal: bool = False
+    Ns: tuple = (4096, 8192, 16384)
+    impl: str | None = None
+    file: str | None = None
+    against_file: str | None = None
+
+
+def _each(rung, low, high, unit, words, against=None, ds=(64, 128), **kw):
+    return tuple(Prediction(rung, d, low, high, unit, words, against, **kw) for d in ds)
+
+
+#: every rung's prediction as its header states it (for "unchanged", the ±10 % that v10's header measured between
+#: identical kernels in one run); judged at N ≥ 4096 unless the header names one N
+PREDICTIONS: tuple[Prediction, ...] = (
+    Prediction("v1", 64, 40.0, 80.0, "TFLOP/s", "40-80 TFLOP/s at N = 4096", Ns=(4096,)),
+    *_each("v2", 1.5, 2.5, "ratio", "1.5-2.5× v1", "v1"),
+    *_each("v3", 1.10, 1.25, "ratio", "+10-25 % over v2", "v2"),
+    *_each("v4", 1.20, 1.40, "ratio", "+20-40 % over v3", "v3"),
+    Prediction("v5", 64, 1.10, 1.20, "ratio", "+10-20 % at d = 64", "v4"),
+    Prediction("v5", 128, 1.05, 1.10, "ratio", "+5-10 % at d = 128", "v4"),
+    *_each("v6", 1.05, 1.12, "ratio", "+5-12 %", "v5"),
+    Prediction("v7", 64, 1.3, 1.5, "ratio", "1.3-1.5× at d = 64", "v6"),
+    Prediction("v7", 128, 1.4, 1.7, "ratio", "1.4-1.7× at d = 128", "v6"),
+    Prediction("v8", 64, 130.0, 160.0, "TFLOP/s", "91 → 130-160 TFLOP/s at 4096", Ns=(4096,)),
+    Prediction("v8", 128, 1.3, 1.6, "ratio", "1.3-1.6× (d = 128)", "v7"),
+    *_each("v9", 1.10, 1.20, "ratio", "+10-20 %", "v8"),
+    Prediction("v10", 64, 1.03, 1.06, "ratio", "+3-6 % at d = 64", "v9"),
+    Prediction("v10", 128, 0.90, 1.10, "ratio", "d = 128 unchanged", "v9"),
+    Prediction("v10", 256, 1.5, 2.0, "ratio", "1.5-2× v6 at d = 256", "v6", impl="v11",
+               file="tensorcore_v11_d256.json"),
+    *_each("v11", 1.05, 1.15, "ratio", "causal: +5-15 % over v9", "v9", causal=True,
+           against_file="tensorcore_v9.json"),
+    *_each("v11", 0.90, 1.10, "ratio", "non-causal: unchanged", "v10"),
+    Prediction("v11", 128, 1.41, 1.6, "causal", "causal/non-causal 1.41 → 1.6", Ns=(8192,)),
+)
+
+
+class PredictionCheck(NamedTuple):
+    """A :class:`Prediction` beside what was measured: the lowest and highest value over its Ns, and a verdict:
+    ``within`` the range, ``above`` or ``below`` it entirely, or ``partly`` (the measured range straddles an end).
+    ``same_run``: False when the comparison crosses two runs."""
+
+    prediction: Prediction
+    got_low: float
+    got_high: float
+    verdict: str
+    same_run: bool
+
+
+def _measure(runs: dict, p: Prediction, N: int) -> float:
+    run = runs[p.file or RUNG_FILE[p.rung]]
+    impl = p.impl or p.rung
+    if p.unit == "causal":
+        return causal_speedup(run, impl, p.d, N)
+    value = tflops(run, impl, p.d, N, causal=p.causal)
+    if p.unit == "TFLOP/s":
+        return value
+    if p.unit != "ratio":
+        raise ValueError(f"unit must be 'ratio', 'TFLOP/s' or 'causal', got {p.unit!r}")
+    return value / tflops(runs[p.against_file or p.file or RUNG_FILE[p.rung]], p.against, p.d, N, causal=p.causal)
+
+
+def _verdict(low: float, high: float, got_low: float, got_high: float) -> str:
+    if got_low > high:
+        return "above"
+    if got_high < low:
+        return "below"
+    return "within" if low <= got_low and got_high <= high else "partly"
+
+
+#: the digits a prediction's unit is stated and judged to (TFLOP/s as whole numbers, ratios to two places)
+_DIGITS = {"TFLOP/s": 0, "ratio": 2, "causal": 2}
+
+
+def check_predictions(runs: dict, predictions=PREDICTIONS) -> list[PredictionCheck]:
+    """Every prediction against the committed runs (``runs`` from :func:`load_runs`); the measured values are
+    judged at the precision the table prints them (:data:`_DIGITS`)."""
+    rows = []
+    for p in predictions:
+        values = [_measure(runs, p, N) for N in p.Ns]
+        lo, hi = min(values), max(values)
+        digits = _DIGITS[p.unit]
+        same = p.against_file is None or p.against_file == (p.file or RUNG_FILE[p.rung])
+        rows.append(PredictionCheck(p, lo, hi, _verdict(p.low, p.high, round(lo, digits), round(hi, digits)), same))
+    return rows
+
+
+def format_predictions(rows) -> str:
+    """The prediction checks as a fixed-width table (at most 96 characters a line); a verdict marked ``*`` compares
+    two runs."""
+    def span(low, high, unit):
+        suffix, digits = (" TFLOP/s" if unit == "TFLOP/s" else "×"), _DIGITS[unit]
+        if round(low, digits) == round(high, digits):
+            return f"{low:.{digits}f}{suffix}"
+        return f"{low:.{digits}f}-{high:.{digits}f}{suffix}"
+
+    def Ns(values):
+        k = [f"{N // 1024}k" if N % 1024 == 0 else str(N) for N in values]
+        return k[0] if len(k) == 1 else f"{k[0]}-{k[-1]}"
+    lines = [f"{'rung':4}  {'d':>3}  {'the header said':30}  {'predicted':15}  {'measured':15}  {'N':6}  verdict"]
+    for row in rows:
+        p = row.prediction
+        lines.append(f"{p.rung:4}  {p.d:>3}  {p.words[:30]:30}  {span(p.low, p.high, p.unit):15}  "
+                     f"{span(row.got_low, row.got_high, p.unit):15}  {Ns(p.Ns):6}  {row.verdict}"
+                     f"{'' if row.same_run else '*'}")
+    return "\n".join(lines)
+
+
+# -- Nsight Compute reports -----------------------------------------------------------------------------------------
+
+class NcuKernel(NamedTuple):
+    """One kernel of an Nsight Compute text report (``ncu --set full``, default page).
+
+    ``metrics``: ``(section, metric name) → (value, unit)`` from the sections' tables (numeric values only);
+    ``advice``: each OPT/INF/WRN paragraph as one line; ``grid`` and ``block``: the launch's dimensions."""
+
+    rung: str
+    grid: tuple
+    block: tuple
+    metrics: dict
+    advice: list
+
+    def metric(self, name: str, section: str | None = None) -> float:
+        """The value of metric ``name`` (in ``section`` if given); KeyError if absent, ValueError if two
+        sections give it different values."""
+        found = {(s, n): v for (s, n), (v, _) in self.metrics.items() if n == name and section in (None, s)}
+        if not found:
+            raise KeyError(f"{self.rung}: no metric {name!r}" + (f" in section {section!r}" if section else ""))
+        values = set(found.values())
+        if len(values) > 1:
+            raise ValueError(f"{self.rung}: {name!r} differs between sections {sorted(s for s, _ in found)}")
+        return values.pop()
+
+    @property
+    def instructions(self) -> int:
+        """Warp-level instructions executed (``Executed Instructions``)."""
+        return int(self.metric("Executed Instructions"))
+
+    @property
+    def registers(self) -> int:
+        return int(self.metric("Registers Per Thread"))
+
+    def fused_nonfused(self, kind: str = "FP64") -> tuple[int, int]:
+        """``(fused, non-fused)`` instruction counts of ``kind`` ("FP32", "FP64") from ncu's advice on fusing
+        them; ``(0, 0)`` when the report gives none."""
+        pattern = re.compile(rf"executes ([\d,]+) fused and ([\d,]+) non-fused {kind} instructions")
+        for line in self.advice:
+            m = pattern.search(line)
+            if m:
+                return int(m.group(1).replace(",", "")), int(m.group(2).replace(",", ""))
+        return 0, 0
+
+    def busiest_pipe(self) -> tuple[str, float] | None:
+        """``(pipe, % of peak)`` of the highest-utilised pipeline ncu names, or None."""
+        for line in self.advice:
+            m = re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", line)
+            if m:
+                return m.group(1), float(m.group(2))
+        return None
+
+
+_KERNEL_LINE = re.compile(r"^  (?P<module>\w+)::\S+.*\((?P<grid>\d+, \d+, \d+)\)x\((?P<block>\d+, \d+, \d+)\)")
+_DASHES = re.compile(r"^\s*-{3,}[ -]*$")
+_ROW = re.compile(r"^ {4}(?P<name>\S(?:.*?\S)?)\s{2,}(?:(?P<unit>\S+)\s+)?(?P<value>-?[\d,]*\.?\d+)\s*$")
+_ADVICE = re.compile(r"^ {4}(OPT|INF|WRN) ")
+
+
+def parse_ncu_text(text: str) -> list[NcuKernel]:
+    """The kernels of an Nsight Compute text report, in report order. A kernel's rung is read from its module
+    (``flash2_forward_v7::…`` → ``"v7"``; the module name itself otherwise)."""
+    kernels, current = [], None
+    section, table, paragraph = "", None, None         # table: None, "header" (after "Metric Name") or "rows"
+
+    def close_paragraph():
+        if current is not None and paragraph is not None:
+            current["advice"].append(" ".join(paragraph.split()))
+
+    for line in text.splitlines():
+        m = _KERNEL_LINE.match(line)
+        if m:
+            close_paragraph()
+            paragraph = None
+            module = m["module"]
+            rung = re.search(r"_(v\d+)$", module)
+            current = {"rung": rung.group(1) if rung else module, "metrics": {}, "advice": [],
+                       "grid": tuple(int(x) for x in m["grid"].split(", ")),
+                       "block": tuple(int(x) for x in m["block"].split(", "))}
+            kernels.append(current)
+            continue
+        if current is None:
+            continue
+        if line.startswith("    Section: "):
+            close_paragraph()
+            paragraph, section, table = None, line.split("Section: ", 1)[1].strip(), None
+            continue
+        if _ADVICE.match(line):
+            close_paragraph()
+            paragraph = line.strip()[3:]
+            continue
+        if paragraph is not None and line.startswith(" " * 10) and line.strip():
+            paragraph += " " + line.strip()
+            continue
+        close_paragraph()
+        paragraph = None
+        if line.startswith("    Metric Name"):
+            table = "header"
+            continue
+        if _DASHES.match(line):
+            table = "rows" if table == "header" else None     # a table's rows lie between its last two rules
+            continue
+        row = _ROW.match(line)
+        if row and table == "rows":
+            value = float(row["value"].replace(",", ""))
+            current["metrics"].setdefault((section, row["name"]), (value, row["unit"] or ""))
+    close_paragraph()
+    return [NcuKernel(k["rung"], k["grid"], k["block"], k["metrics"], k["advice"]) for k in kernels]
+
+
+def ncu_report(name: str, folder=None) -> dict:
+    """rung → :class:`NcuKernel` of the report ``name`` in ``folder`` (default :data:`FOLDER`)."""
+    path = (Path(folder) if folder is not None else FOLDER) / name
+    kernels = parse_ncu_text(path.read_text(errors="replace"))
+    if not kernels:
+        raise ValueError(f"{path}: no kernel found (not an Nsight Compute text report?)")
+    return {k.rung: k for k in kernels}
+
+
+def mma_count(N: int, d: int, batch: int, heads: int, causal: bool = False) -> float:
+    """``mma.sync.m16n8k16`` instructions (warp-wide) of one forward call when N and d are multiples of the
+    tiles: the paper's FLOP count over :data:`MMA_FLOPS`."""
+    return forward_flops(batch, heads, N, d, causal) / MMA_FLOPS
+
+
+def instructions_per_mma(kernel: NcuKernel, N: int, d: int) -> float:
+    """Warp instructions executed per ``mma.sync`` in a profiled non-causal launch of sequence length N and head
+    dimension d; batch and heads are the launch grid's (heads, batch) = (grid y, grid z)."""
+    _, heads, batch = kernel.grid
+    return kernel.instructions / mma_count(N, d, batch, heads)
+
+
+# -- registers, blocks per SM and the tile sweep --------------------------------------------------------------------
+
+def blocks_by_registers(registers: int, threads: int = 128, registers_per_sm: int = 65536,
+                        max_warps: int = 64) -> int:
+    """Blocks of ``threads`` threads an SM can hold as far as registers go: registers are allocated per warp in
+    units of 256 (sm_80 to sm_90), and an SM has ``registers_per_sm`` of them and at most ``max_warps`` warps."""
+    if not 1 <= registers <= 255:
+        raise ValueError(f"registers must be in [1, 255] per thread, got {registers}")
+    if threads < 1 or threads % 32:
+        raise ValueError(f"threads must be a positive multiple of 32, got {threads}")
+    per_warp = -(-registers * 32 // 256) * 256
+    warps = min(registers_per_sm // per_warp, max_warps)
+    return warps // (threads // 32)
+
+
+class TileRow(NamedTuple):
+    """One (d, N, B_c) of the tile-width sweep: ptxas's registers per thread, the blocks per SM they allow, the
+    TFLOP/s and the fraction of the same run's SDPA flash."""
+
+    d: int
+    N: int
+    B_c: int
+    registers: int
+    blocks: int
+    tflops: float
+    of_sdpa: float
+
+
+def tile_sweep(name: str = "tensorcore_tiles_v9.json", folder=None) -> list[TileRow]:
+    """The rows of a ``benchmarks.tensorcore_tiles`` file, sorted by (d, N, B_c)."""
+    path = (Path(folder) if folder is not None else FOLDER) / name
+    records = [r for r in json.loads(path.read_text())["records"] if r["status"] == "ok"]
+    sdpa = {(r["d"], r["N"]): r["tflops"] for r in records if r["impl"] == BASELINE}
+    rows = [TileRow(r["d"], r["N"], r["B_c"], r["registers"], blocks_by_registers(r["registers"]),
+                    r["tflops"], r["tflops"] / sdpa[(r["d"], r["N"])])
+            for r in records if r["impl"] != BASELINE]
+    return sorted(rows)
+
+
+class LaunchRow(NamedTuple):
+    """Host cost of one call (``benchmarks.launch_overhead``): µs on the host, ms of one call timed alone
+    between two events and per call of many queued calls, and the TFLOP/s of each."""
+
+    impl: str
+    d: int
+    N: int
+    host_us: float
+    single_ms: float
+    queued_ms: float
+    tflops_single: float
+    tflops_queued: float
+
+
+def launch_overhead(name: str = "tensorcore_launch_overhead.json", folder=None) -> list[LaunchRow]:
+    """The rows of the host-cost file, in file order."""
+    path = (Path(folder) if folder is not None else FOLDER) / name
+    return [LaunchRow(*(row[f] for f in LaunchRow._fields)) for row in json.loads(path.read_text())["rows"]]
+
+
+# -- logs -----------------------------------------------------------------------------------------------------------
+
 class SanitizerReport(NamedTuple):
-    """A ``compute-sanitizer --tool memcheck`` log of ``kernels_gpu.tensorcore.sanitize``: the checked launches
-    (lines ending in ``ok``), the ERROR SUMMARY count, how many of the reported errors were failed host API calls
-    (by call name) and how many were accesses by a kernel (``Invalid __global__/__shared__/__local__ ...``)."""
+    """A ``compute-sanitizer`` log of ``kernels_gpu.tensorcore.sanitize``: the checked launches (lines ending in
+    ``ok``), the memcheck ERROR SUMMARY count (None in a racecheck log), how many of the reported errors were
+    failed host API calls (by call name), how many were accesses by a kernel (``Invalid __global__/__shared__/
+    __local__ ...``), and the racecheck hazards (None in a memcheck log)."""
 
     cases_ok: int
     errors_reported: int | None
     api_errors: dict
     kernel_errors: int
+    hazards: int | None = None
 
 
 def sanitizer_report(path=None) -> SanitizerReport:
-    """Read a memcheck log (default: ``sanitizer_tensorcore_memcheck.log`` beside :data:`DEFAULT_RUN`)."""
-    path = Path(path) if path is not None else DEFAULT_RUN.parent / "sanitizer_tensorcore_memcheck.log"
+    """Read a memcheck or racecheck log (default: ``sanitizer_tensorcore_memcheck.log`` in :data:`FOLDER`; a bare
+    file name is looked up there)."""
+    path = FOLDER / "sanitizer_tensorcore_memcheck.log" if path is None else Path(path)
+    if not path.is_absolute() and not path.exists():
+        path = FOLDER / path
     text = path.read_text(errors="replace")
-    cases = len(re.findall(r"^v\d .*: max error \S+ ok$", text, re.M))
+    cases = len(re.findall(r"^v\d+ .*: max error \S+ ok$", text, re.M))
     summary = re.findall(r"ERROR SUMMARY: (\d+) errors?", text)
     api = Counter(re.findall(r"Program hit \S+ .*? on CUDA API call to (\w+)\.", text))
     kernel = len(re.findall(r"^=+ Invalid __(?:global|shared|local)__ ", text, re.M))
-    return SanitizerReport(cases, int(summary[-1]) if summary else None, dict(api), kernel)
+    hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards?", text)
+    return SanitizerReport(cases, int(summary[-1]) if summary else None, dict(api), kernel,
+                           int(hazards[-1]) if hazards else None)
 
 
 def gpu_test_counts(path=None) -> dict:
     """``{'passed': n, 'failed': n, ..., 'seconds': s}`` from the last pytest summary line of a GPU test log
-    (default: ``gpu_tests_tensorcore.log`` beside :data:`DEFAULT_RUN`)."""
+    (default: ``gpu_tests_tensorcore.log`` in :data:`FOLDER`)."""
     from benchmarks.book import pytest_counts
 
-    path = Path(path) if path is not None else DEFAULT_RUN.parent / "gpu_tests_tensorcore.log"
+    path = Path(path) if path is not None else FOLDER / "gpu_tests_tensorcore.log"
     return pytest_counts(path.read_text(errors="replace"))

@@ -1,8 +1,10 @@
-"""benchmarks.tensorcore_book: what chapter 14 reads from the committed tensor-core run, checked.
+"""benchmarks.tensorcore_book: what chapter 14 reads from the committed tensor-core runs, checked.
 
-Two kinds of test: properties of the committed H100 run that the chapter relies on (every rung and SDPA at every
-N, TFLOP/s consistent with the times, the tables' arithmetic), and the helpers on small synthetic files whose
-answers are known (missing or duplicated records, the target verdicts, the sanitizer log's error classes).
+Two kinds of test: properties of the committed H100 runs that the chapter relies on (every rung in the run that
+first measured it, SDPA flash in every run, TFLOP/s consistent with the times, the tables' arithmetic, the
+Nsight Compute numbers the rung headers quote), and the helpers on small synthetic files whose answers are known
+(missing or duplicated records, the target verdicts, prediction verdicts, an Nsight Compute report, the
+sanitizer log's error classes).
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ def run():
     return tcb.load()
 
 
-def _write(tmp_path, records, ceiling=500.0):
-    path = tmp_path / "tensorcore.json"
-    path.write_text(json.dumps({"header": {"device": "Test GPU", "date": "2030-01-02T03:04:05+00:00"},
+@pytest.fixture(scope="module")
+def runs():
+    return tcb.load_runs()
+
+
+def _write(tmp_path, records, ceiling=500.0, name="tensorcore.json", date="2030-01-02T03:04:05+00:00"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"header": {"device": "Test GPU", "date": date},
                                 "mma_ceiling": {"tflops": ceiling}, "records": records}))
     return path
 
@@ -33,27 +40,67 @@ def _rec(impl, N, tflops, d=64, dtype="float16", causal=False, batch=2, heads=4)
                 ms=flops / tflops / 1e9, tflops=tflops, status="ok")
 
 
-def test_the_committed_run_has_what_the_chapter_plots(run):
-    assert run.device and run.date[:4].isdigit() and run.ceiling > 0
-    for impl in (*tcb.RUNGS, tcb.BASELINE):
+# -- the committed runs ---------------------------------------------------------------------------------------------
+
+def test_the_committed_runs_have_what_the_chapter_plots(runs):
+    assert tcb.NEWEST in runs and "tensorcore.json" in runs
+    assert len({r.device for r in runs.values()}) == 1
+    for rung in tcb.RUNGS:
         for d in (64, 128):
-            Ns, values = tcb.series(run, impl, d)
-            assert Ns == sorted(Ns) and len(Ns) >= 3, (impl, d, Ns)
-            assert all(0 < v < run.ceiling * 1.7 for v in values)
-    for row in tcb.pair_table(run):
-        assert row.dtype in ("float16", "bfloat16")
+            Ns, values, name = tcb.rung_series(runs, rung, d)
+            assert name == tcb.RUNG_FILE[rung] and Ns == sorted(Ns) and len(Ns) >= 3, (rung, d, Ns)
+            ceiling = runs[name].ceiling
+            assert all(0 < v < ceiling for v in values)
+            # the rung below was timed in the same run (the gains of the chapter are within one run)
+            below = tcb.rung_below(rung)
+            if below:
+                assert tcb.series(runs[name], below, d)[0] == Ns, (rung, below)
+    for name, r in runs.items():            # every run measured SDPA flash beside its rungs
+        for d in {rec["d"] for rec in r.records}:
+            assert len(tcb.series(r, tcb.BASELINE, d)[0]) >= 3, (name, d)
+    assert tcb.rung_series(runs, "v8", 64, causal=True)[0] == []          # never measured causal
+    assert len(tcb.rung_series(runs, tcb.LATEST, 128, causal=True)[0]) >= 3
 
 
-def test_tflops_agree_with_the_times(run):
+def test_tflops_agree_with_the_times(runs):
     """Each record's TFLOP/s is the paper's FLOP count over its time (causal halves the count)."""
-    for r in run.records:
+    for r in (rec for run in runs.values() for rec in run.records):
         expected = tcb.forward_flops(r["batch"], r["heads"], r["N"], r["d"], r["causal"]) / r["ms"] / 1e9
         assert math.isclose(r["tflops"], expected, rel_tol=1e-6), r
 
 
+def test_rung_points_are_same_run_ratios(runs):
+    for rung in ("v1", "v7", "v11"):
+        for p in tcb.rung_points(runs, rung, 128):
+            run = runs[tcb.RUNG_FILE[rung]]
+            assert p.tflops == tcb.tflops(run, rung, 128, p.N)
+            assert math.isclose(p.of_sdpa * tcb.tflops(run, tcb.BASELINE, 128, p.N), p.tflops)
+            if rung == "v1":
+                assert p.gain is None
+            else:
+                assert math.isclose(p.gain * tcb.tflops(run, tcb.rung_below(rung), 128, p.N), p.tflops)
+    with pytest.raises(ValueError, match="rung"):
+        tcb.rung_below("v12")
+
+
+def test_baseline_range_spans_every_run(runs):
+    Ns, low, high = tcb.baseline_range(runs, 64)
+    for i, N in enumerate(Ns):
+        values = [tcb.tflops(r, tcb.BASELINE, 64, N) for r in runs.values()
+                  if N in tcb.series(r, tcb.BASELINE, 64)[0]]
+        assert (low[i], high[i]) == (min(values), max(values)) and len(values) >= 5
+
+
+def test_cuda_core_series_is_chapter_10s_fastest_kernel():
+    for causal in (False, True):
+        Ns, values, device = tcb.cuda_core_series(128, causal)
+        assert Ns == sorted(Ns) and len(Ns) >= 3 and device
+        assert all(10 < v < 100 for v in values)       # fp32 CUDA cores: tens of TFLOP/s
+
+
 def test_ladder_table_arithmetic(run):
     rows = tcb.ladder_table(run, N=4096)
-    assert [row.impl for row in rows] == list(tcb.RUNGS) * 2
+    assert [row.impl for row in rows] == ["v1", "v2", "v3", "v4", "v5"] * 2
     for d in (64, 128):
         mine = [row for row in rows if row.d == d]
         assert mine[0].gain is None
@@ -62,6 +109,15 @@ def test_ladder_table_arithmetic(run):
         sdpa = tcb.tflops(run, tcb.BASELINE, d, 4096)
         assert all(math.isclose(row.of_sdpa * sdpa, row.tflops) for row in mine)
         assert all(math.isclose(row.of_ceiling * run.ceiling, row.tflops) for row in mine)
+
+
+def test_load_runs_skips_other_files_and_orders_by_date(tmp_path):
+    _write(tmp_path, [_rec("v2", 1024, 5.0)], name="tensorcore_b.json", date="2030-01-01T00:00:00")
+    _write(tmp_path, [_rec("v1", 1024, 5.0)], name="tensorcore_a.json", date="2030-01-02T00:00:00")
+    (tmp_path / "tensorcore_tiles.json").write_text(json.dumps({"header": {}, "records": []}))
+    assert list(tcb.load_runs(tmp_path)) == ["tensorcore_b.json", "tensorcore_a.json"]
+    with pytest.raises(FileNotFoundError):
+        tcb.load_runs(tmp_path / "nowhere")
 
 
 def test_record_errors_name_the_missing_or_duplicated_record(tmp_path):
@@ -82,19 +138,40 @@ def test_record_errors_name_the_missing_or_duplicated_record(tmp_path):
         tcb.load(incomplete)
 
 
+# -- targets --------------------------------------------------------------------------------------------------------
+
 def test_targets_and_pairs_on_known_numbers(tmp_path):
-    records = [_rec("v5", 2048, 200.0), _rec(tcb.BASELINE, 2048, 300.0),
-               _rec("v5", 4096, 160.0), _rec(tcb.BASELINE, 4096, 400.0),      # 160 ≥ 150, 0.4 < 0.5
-               _rec("v5", 8192, 140.0), _rec(tcb.BASELINE, 8192, 200.0),      # 140 < 150, 0.7 ≥ 0.5
-               _rec("v5", 8192, 50.0, causal=True)]                           # no baseline: left out
+    records = [_rec("v11", 1024, 100.0), _rec(tcb.BASELINE, 1024, 300.0),     # 0.33 < 0.5; TFLOP/s n/a
+               _rec("v11", 4096, 160.0), _rec(tcb.BASELINE, 4096, 400.0),     # 160 ≥ 150, 0.4 < 0.5
+               _rec("v11", 8192, 140.0), _rec(tcb.BASELINE, 8192, 200.0),     # 140 < 150, 0.7 ≥ 0.5
+               _rec("v11", 8192, 120.0, causal=True),                         # ms: 140 / 2 / 120 → 1.71×
+               _rec(tcb.BASELINE, 8192, 100.0, causal=True),                  # SDPA: 200 / 2 / 100 → 1.0×
+               _rec("v11", 512, 50.0)]                                        # no baseline: left out
     run = tcb.load(_write(tmp_path, records))
     checks = tcb.targets(run)
-    assert [(c.N, c.meets_tflops, c.meets_ratio) for c in checks] == [(4096, True, False), (8192, False, True)]
-    assert [row.N for row in tcb.pair_table(run)] == [2048, 4096, 8192]
+    assert [(c.N, c.causal, c.meets_tflops, c.meets_ratio) for c in checks] == [
+        (1024, False, None, False), (4096, False, True, False), (8192, False, False, True),
+        (8192, True, False, True)]
+    assert [c.N for c in tcb.targets(run, ratio_min_N=4096) if c.meets_ratio is None] == [1024]
+    assert [row.N for row in tcb.pair_table(run)] == [1024, 4096, 8192, 8192]
     assert [row.N for row in tcb.pair_table(run, N=4096)] == [4096]
-    speed = tcb.causal_speedup(run, "v5", 64, 8192)
-    expected = tcb.record(run, "v5", 64, 8192)["ms"] / tcb.record(run, "v5", 64, 8192, causal=True)["ms"]
-    assert math.isclose(speed, expected)
+    speed = tcb.causal_speedup(run, "v11", 64, 8192)
+    assert math.isclose(speed, 2 * 120.0 / 140.0)
+    (causal,) = tcb.causal_targets(run)
+    assert causal.meets and math.isclose(causal.speedup, speed) and math.isclose(causal.sdpa_speedup, 1.0)
+    assert not tcb.causal_targets(run, target=1.8)[0].meets
+
+
+def test_the_committed_targets_as_the_chapter_states_them(runs):
+    newest = runs[tcb.NEWEST]
+    checks = tcb.targets(newest)
+    assert len(checks) == 40
+    rated = [c for c in checks if c.meets_tflops is not None]
+    assert all(c.N >= tcb.TARGET_TFLOPS_MIN_N for c in rated)
+    assert [(c.dtype, c.causal, c.d, c.N) for c in rated if not c.meets_tflops] == [("float16", True, 64, 4096)]
+    assert all(c.meets_ratio is False for c in checks if c.N == 1024)
+    assert all(c.meets_ratio for c in checks if c.N >= 4096)
+    assert [(c.dtype, c.d) for c in tcb.causal_targets(newest) if not c.meets] == [("float16", 128)]
 
 
 def test_as_text_aligns_and_formats():
@@ -105,16 +182,182 @@ def test_as_text_aligns_and_formats():
     assert tcb.as_text([]) == "(no rows)"
 
 
+# -- headers and predictions ----------------------------------------------------------------------------------------
+
 def test_rung_headers_quote_prediction_and_measurement():
     for version in tcb.RUNGS:
         header = tcb.rung_header(version)
-        assert header["title"].startswith(f"Tensor-core FA2 forward, {version}")
+        assert header["title"].startswith(f"Tensor-core FA2 forward, {version}:")
         assert header["prediction"].startswith("**Prediction")
         assert header["measured"].startswith("**Measured")
     assert tcb.rung_header("v5")["limits"].startswith("**What limits")
     with pytest.raises(ValueError, match="version"):
-        tcb.rung_header("v9")
+        tcb.rung_header("v12")
 
+
+def test_every_rung_has_a_prediction_and_its_words_are_the_headers(runs):
+    assert {p.rung for p in tcb.PREDICTIONS} == set(tcb.RUNGS)
+    for p in tcb.PREDICTIONS:
+        assert p.low <= p.high and p.unit in ("ratio", "TFLOP/s", "causal")
+        assert p.against is None or p.unit == "ratio"
+        assert len(p.words) <= 30
+    # the ranges as the headers print them
+    for p in tcb.PREDICTIONS:
+        text = tcb.rung_header(p.rung)["prediction"]
+        if p.unit == "TFLOP/s":
+            assert f"{p.low:.0f}-{p.high:.0f}" in text, p
+        elif p.words.startswith("+"):
+            assert f"+{round(100 * (p.low - 1))}-{round(100 * (p.high - 1))} %" in text, p
+
+
+def test_check_predictions_on_known_numbers(tmp_path):
+    records = [_rec("v2", N, 2.0 * t, d=d) for N, t in ((4096, 10.0), (8192, 10.0), (16384, 10.0))
+               for d in (64, 128)]
+    records += [_rec("v1", N, 10.0, d=d) for N in (4096, 8192, 16384) for d in (64, 128)]
+    runs = {"tensorcore.json": tcb.load(_write(tmp_path, records))}
+    p = tcb.Prediction("v2", 64, 1.5, 2.5, "ratio", "1.5-2.5× v1", "v1")
+    (row,) = tcb.check_predictions(runs, [p])
+    assert (row.got_low, row.got_high, row.verdict, row.same_run) == (2.0, 2.0, "within", True)
+    for low, high, verdict in ((2.1, 3.0, "below"), (1.2, 1.9, "above"), (1.995, 2.2, "within")):
+        (row,) = tcb.check_predictions(runs, [p._replace(low=low, high=high)])
+        assert row.verdict == verdict, (low, high)
+    (row,) = tcb.check_predictions(runs, [tcb.Prediction("v1", 64, 9.0, 10.0, "TFLOP/s", "9-10")])
+    assert row.verdict == "within" and row.got_low == 10.0
+    with pytest.raises(ValueError, match="unit"):
+        tcb.check_predictions(runs, [p._replace(unit="percent")])
+    assert tcb._verdict(1.0, 2.0, 0.5, 1.5) == "partly"
+
+
+def test_the_committed_predictions(runs):
+    rows = tcb.check_predictions(runs)
+    verdict = {(r.prediction.rung, r.prediction.d, r.prediction.causal, r.prediction.unit): r.verdict
+               for r in rows}
+    assert verdict[("v1", 64, False, "TFLOP/s")] == "below"
+    assert verdict[("v4", 128, False, "ratio")] == "above"
+    assert verdict[("v7", 64, False, "ratio")] == "below"
+    assert [r.same_run for r in rows].count(False) == 2              # v11 causal against v9's run
+    text = tcb.format_predictions(rows)
+    assert len(text.splitlines()) == len(rows) + 1
+    assert max(len(line) for line in text.splitlines()) <= 96
+    assert "partly*" in text or "within*" in text
+
+
+# -- Nsight Compute -------------------------------------------------------------------------------------------------
+
+_NCU = """==PROF== Connected to process 1 (/usr/bin/python3)
+[1] python3@127.0.0.1
+  flash2_forward_v7::flash2_forward_tc_v7[v1,abc](Array<unsigned int, 4, C>, int) (32, 16, 4)x(128, 1, 1), CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    Duration                         ms         3.38
+    Block Size                                   128
+    ----------------------- ----------- ------------
+
+    OPT   This kernel executes 24576 fused and 36347985 non-fused FP64 instructions. By converting pairs of 12345
+          non-fused instructions to their fused equivalent.
+    ----- --------------------------------------------------------------------------------------------------------
+    INF   ALU is the highest-utilized pipeline (30.1%) based on elapsed cycles in the workload.
+
+    Section: Instruction Statistics
+    ---------------------------------------- ----------- -------------
+    Metric Name                              Metric Unit  Metric Value
+    ---------------------------------------- ----------- -------------
+    Executed Instructions                           inst 1,287,326,677
+    Registers Per Thread             register/thread             255
+    ---------------------------------------- ----------- -------------
+
+    Section: Launch Statistics
+    ---------------------------------------- ----------- -------------
+    Metric Name                              Metric Unit  Metric Value
+    ---------------------------------------- ----------- -------------
+    Duration                         ms         9.99
+    ---------------------------------------- ----------- -------------
+  other_module::some_kernel[v2](int) (1, 1, 1)x(32, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: Launch Statistics
+    ---------------------------------------- ----------- -------------
+    Metric Name                              Metric Unit  Metric Value
+    ---------------------------------------- ----------- -------------
+    Registers Per Thread             register/thread              16
+    ---------------------------------------- ----------- -------------
+"""
+
+
+def test_parse_ncu_text_on_a_small_report():
+    v7, other = tcb.parse_ncu_text(_NCU)
+    assert (v7.rung, v7.grid, v7.block) == ("v7", (32, 16, 4), (128, 1, 1))
+    assert v7.instructions == 1_287_326_677 and v7.registers == 255
+    assert v7.metric("Block Size") == 128
+    assert v7.metric("Duration", "GPU Speed Of Light Throughput") == 3.38
+    with pytest.raises(ValueError, match="differs"):
+        v7.metric("Duration")                       # two sections, two values
+    with pytest.raises(KeyError, match="Spilling"):
+        v7.metric("Local Memory Spilling Requests")
+    assert v7.fused_nonfused("FP64") == (24576, 36347985)        # the advice paragraph is joined
+    assert v7.fused_nonfused("FP32") == (0, 0)
+    assert v7.busiest_pipe() == ("ALU", 30.1)
+    assert (other.rung, other.registers, other.busiest_pipe()) == ("other_module", 16, None)
+    assert tcb.parse_ncu_text("no kernels here") == []
+
+
+def test_the_committed_ncu_reports_agree_with_the_headers():
+    """The figures v7-v9's headers quote: 1 287 and 903 and 545 million instructions, 36 million FP64 in v7,
+    ten then four instructions per MMA, the shared pipe busiest in v9; batch 4 × 16 heads at N = 4096."""
+    ncu = tcb.ncu_report("ncu_tensorcore_v6_v7_d128.txt") | tcb.ncu_report("ncu_tensorcore_v8_v9_d128.txt")
+    assert list(ncu) == ["v6", "v7", "v8", "v9"]
+    assert [round(ncu[v].instructions / 1e6) for v in ("v7", "v8", "v9")] == [1287, 903, 545]
+    assert round(sum(ncu["v7"].fused_nonfused("FP64")) / 1e6) == 36
+    assert sum(ncu["v8"].fused_nonfused("FP64")) < 1e5
+    assert round(tcb.instructions_per_mma(ncu["v7"], 4096, 128)) == 10
+    assert round(tcb.instructions_per_mma(ncu["v9"], 4096, 128)) == 4
+    assert ncu["v9"].busiest_pipe()[0] == "Shared"
+    for k in ncu.values():
+        assert k.grid[1:] == (2048 // 128, 16384 // 4096)             # heads, batch of the profiled call
+        assert k.registers == (172 if k.rung == "v6" else 255)
+        assert tcb.blocks_by_registers(k.registers) == k.metric("Block Limit Registers")
+    with pytest.raises(FileNotFoundError):
+        tcb.ncu_report("no_such_report.txt")
+
+
+def test_mma_count_is_flops_over_one_instruction():
+    assert tcb.MMA_FLOPS == 4096
+    assert tcb.mma_count(4096, 128, 4, 16) == 4 * 4096 ** 2 * 128 * 64 / 4096
+    assert tcb.mma_count(4096, 128, 4, 16, causal=True) == tcb.mma_count(4096, 128, 4, 16) / 2
+
+
+# -- registers and the tile sweep -----------------------------------------------------------------------------------
+
+def test_blocks_by_registers_steps():
+    # 128 threads = 4 warps; per warp registers rounded up to 256
+    assert [tcb.blocks_by_registers(r) for r in (128, 129, 168, 169, 255)] == [4, 3, 3, 2, 2]
+    assert tcb.blocks_by_registers(32) == 16                          # the 64-warp limit
+    assert tcb.blocks_by_registers(64, threads=256) == 4
+    for bad in (0, 256):
+        with pytest.raises(ValueError, match="registers"):
+            tcb.blocks_by_registers(bad)
+    with pytest.raises(ValueError, match="threads"):
+        tcb.blocks_by_registers(64, threads=100)
+
+
+def test_tile_sweep_rows():
+    rows = tcb.tile_sweep()
+    assert rows == sorted(rows) and {(r.d, r.B_c) for r in rows} == {(64, 32), (64, 64), (128, 32), (128, 64)}
+    by = {(r.d, r.N, r.B_c): r for r in rows}
+    assert by[(64, 4096, 32)].blocks == 3 and by[(64, 4096, 64)].blocks == 2
+    assert by[(64, 4096, 32)].tflops > by[(64, 4096, 64)].tflops          # v10's choice at d = 64
+    assert by[(128, 4096, 64)].tflops > by[(128, 4096, 32)].tflops        # and at d = 128
+    assert all(0 < r.of_sdpa < 1 for r in rows)
+
+
+def test_launch_overhead_rows():
+    rows = tcb.launch_overhead()
+    assert {r.impl for r in rows} == {"tensorcore", tcb.BASELINE}
+    for r in rows:
+        assert r.queued_ms <= r.single_ms and r.tflops_queued >= r.tflops_single and r.host_us > 0
+
+
+# -- logs -----------------------------------------------------------------------------------------------------------
 
 def test_sanitizer_report_tells_api_errors_from_kernel_errors(tmp_path):
     log = tmp_path / "memcheck.log"
@@ -124,14 +367,21 @@ def test_sanitizer_report_tells_api_errors_from_kernel_errors(tmp_path):
         "to cuGetProcAddress_v2.",
         "========= Invalid __shared__ read of size 4 bytes",
         "v1 torch.float16 d=64 causal=False: max error 2.91e-04 ok",
+        "v11 torch.float16 d=64 causal=False: max error 2.91e-04 ok",
         "v2 torch.float16 d=64 causal=False: max error 2.91e-04 FAILED",
         "========= ERROR SUMMARY: 2 errors",
     ]))
     report = tcb.sanitizer_report(log)
-    assert report == tcb.SanitizerReport(1, 2, {"cuGetProcAddress_v2": 1}, 1)
-    committed = tcb.sanitizer_report()
-    assert committed.errors_reported == sum(committed.api_errors.values()) + committed.kernel_errors
-    assert committed.cases_ok > 0
+    assert report == tcb.SanitizerReport(2, 2, {"cuGetProcAddress_v2": 1}, 1, None)
+    race = tmp_path / "racecheck.log"
+    race.write_text("v7 torch.float16 d=64 causal=True: max error 1e-04 ok\n"
+                    "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n")
+    assert tcb.sanitizer_report(race) == tcb.SanitizerReport(1, None, {}, 0, 3)
+    for name in ("sanitizer_tensorcore_memcheck.log", "sanitizer_tensorcore_v7_v11_memcheck.log"):
+        committed = tcb.sanitizer_report(name)
+        assert committed.errors_reported == sum(committed.api_errors.values()) + committed.kernel_errors
+        assert committed.cases_ok > 0 and committed.kernel_errors == 0
+    assert tcb.sanitizer_report("sanitizer_tensorcore_v7_v11_racecheck.log").hazards == 0
 
 
 def test_gpu_test_counts_reads_the_committed_log():
