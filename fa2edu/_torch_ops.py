@@ -13,9 +13,10 @@ Three parts, in the order data flows through them:
    ``fast``        cuda             float32             ``kernels_gpu.fast``: forward v6 (padded width
                                                         ≤ 64) or v8, backward v1 (register-tiled, CUDA
                                                         cores)
-   ``tensorcore``  cuda             float16, bfloat16   ``kernels_gpu.tensorcore.flash2_forward`` and, once
-                                                        it exists, ``tensorcore.flash2_backward``; until
-                                                        then the backward runs ``fast`` in float32
+   ``tensorcore``  cuda             float16, bfloat16   ``kernels_gpu.tensorcore.flash2_forward`` and
+                                                        ``flash2_backward`` (mma.sync); a kernels_gpu
+                                                        without the backward kernel runs ``fast``'s in
+                                                        float32 instead
    ``teaching``    cuda             float32             ``kernels_gpu``'s teaching kernels (one thread per
                                                         row, FA2 and standard attention): by name only
    ==============  ===============  ==================  =================================================
@@ -83,8 +84,8 @@ BACKENDS = {
     "fast": Backend(("cuda",), (torch.float32,), ("flash2",),
                     "kernels_gpu.fast: register-tiled CUDA-core kernels, forward v6/v8, backward v1"),
     "tensorcore": Backend(("cuda",), (torch.float16, torch.bfloat16), ("flash2",),
-                          "kernels_gpu.tensorcore: mma.sync kernels; backward on tensor cores once "
-                          "kernels_gpu.tensorcore.flash2_backward exists, until then the fast fp32 backward"),
+                          "kernels_gpu.tensorcore: mma.sync kernels, forward and backward (float32 "
+                          "accumulators); without tensorcore.flash2_backward, the fast float32 backward"),
     "teaching": Backend(("cuda",), (torch.float32,), ("flash2", "standard"),
                         "kernels_gpu's teaching kernels: one thread per row, mirroring the NumPy code"),
 }
@@ -343,17 +344,17 @@ def _tensor_core_forward(q, k, v, causal: bool, scale: float):
 def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
     """FA2 Alg. 2 for float16/bfloat16 tensors.
 
-    On tensor cores when ``kernels_gpu.tensorcore.flash2_backward`` exists (looked up now, at each call).
-    Until then: the float32 fast backward on the inputs cast up, gradients cast back to the inputs' dtype: right,
-    but paying for two casts and running on CUDA cores.
+    On tensor cores with ``kernels_gpu.tensorcore.flash2_backward``, looked up now, at each call (not at import).
+    A kernels_gpu without it gets the float32 fast backward on the inputs cast up, gradients cast back to the
+    inputs' dtype: right, but paying for the casts and running on CUDA cores.
     """
     tensorcore = _tensorcore()
     if hasattr(tensorcore, "flash2_backward"):
         d, d_v = q.shape[-1], v.shape[-1]
         D = tensorcore_width(d, d_v)
-        args = [_pad(x.detach(), D).contiguous() for x in (q, k, v, O)]
-        dQ, dK, dV = tensorcore.flash2_backward(*args[:4], L.detach().contiguous(), _pad(dO.detach(), D).contiguous(),
-                                                causal=causal, scale=scale)
+        Q, K, V, O_, dO_ = (_pad(x.detach(), D).contiguous() for x in (q, k, v, O, dO))
+        dQ, dK, dV = tensorcore.flash2_backward(Q, K, V, O_, L.detach().contiguous(), dO_, causal=causal,
+                                                scale=scale)
         return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
     # The fallback: float32 on CUDA cores (kernels_gpu.fast), the same formulas on the upcast values.
     grads = _fast_backward(*(x.float() for x in (q, k, v, O)), L.float(), dO.float(), causal, scale)

@@ -1,7 +1,8 @@
 """A small decoder-only transformer (pre-LN, character level) whose attention is one switch.
 
 ``attention="sdpa"`` calls ``torch.nn.functional.scaled_dot_product_attention``; ``attention="fa2edu"`` calls
-``fa2edu.torch.flash_attention`` (FA2 Alg. 1 forward, Alg. 2 backward: NumPy on the CPU, kernels_gpu on CUDA).
+``fa2edu.torch.flash_attention`` (FA2 Alg. 1 forward, Alg. 2 backward: NumPy on the CPU; on CUDA kernels_gpu's fast
+float32 kernels, or its tensor-core kernels for float16/bfloat16 and under ``torch.autocast``).
 Everything else is identical, so two models built from the same seed differ only in who computes attention.
 
 Default size: 2 layers, d_model = 64, 2 heads of d = 32, context 64, about 0.1 M parameters.
