@@ -158,3 +158,9 @@ def test_bad_input(changes, match):
     args = _args(**changes)
     with pytest.raises((TypeError, ValueError), match=match):
         flash2_backward(**args)
+
+
+def test_benchmark_parses_its_grid_without_a_gpu():
+    from benchmarks import tensorcore_backward as bench
+    args = bench.parse_args(["--out", "x.json", "--N", "1024,4096", "--d", "64"])
+    assert args.impls.split(",") == sorted(BACKWARD_VERSIONS) + ["sdpa_flash"] and args.causal == "0,1"

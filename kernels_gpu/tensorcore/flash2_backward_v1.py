@@ -22,10 +22,10 @@ per row block up to d = 64, 32 beyond (dK_j, dV_j take 2·4·d/8 registers per l
 computes one half of dK_j, dV_j's columns (two blocks per key block; each recomputes Sᵀ and dPᵀ).
 
 **Skipped and masked tiles (FA2 Section 3.1.1, bottom-right causal).** A key block never visits the row blocks
-whose queries all precede its first key (the loop starts at :func:`~kernels_gpu.tensorcore.backward_steps.
-first_row_block`); the key/causal test runs only on tiles that can hold a masked pair (keys past N_k, or a key
-after the diagonal of the tile's first query). Queries past N_q and fully masked rows read L = +∞ (P = 0, dS = 0),
-so they need no test at all.
+whose queries all precede its first key (the loop starts where
+:func:`~kernels_gpu.tensorcore.backward_steps.first_row_block` says); the key/causal test runs only on tiles that
+can hold a masked pair (keys past N_k, or a key after the diagonal of the tile's first query). Queries past N_q
+and fully masked rows read L = +∞ (P = 0, dS = 0), so they need no test at all.
 
 v1 loads Q_i, dO_i, L_i, D_i with ``cp.async`` and waits for them at once: every row block starts with the full
 latency of its copy, nothing overlapped (the forward v1-v3's schedule; v2 double-buffers).

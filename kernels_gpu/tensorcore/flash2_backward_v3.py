@@ -259,9 +259,10 @@ def make_dq_kernel(cfg: BackwardConfig):
 
 def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, **tile):
     """FA2 backward on tensor cores, rung v3 (dK, dV by key blocks as v2; dQ by a second kernel over query blocks,
-    without atomics). Same arguments and result as :func:`kernels_gpu.tensorcore.flash2_backward_v1.
-    flash2_backward`; dQ is bit-reproducible here. Cost: 14·N_q·N_k·d FLOPs per head (7 products; the paper's
-    model counts 10), no atomic adds; ``tile``: ``warps``, ``B_r``, ``chunks``."""
+    without atomics). Same arguments and result as v1's
+    (:func:`kernels_gpu.tensorcore.flash2_backward_v1.flash2_backward`); dQ is bit-reproducible here. Cost:
+    14·N_q·N_k·d FLOPs per head (7 products; the paper's model counts 10), no atomic adds; ``tile``: ``warps``,
+    ``B_r``, ``chunks``."""
     return backward_launch.run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words,
                                                 dq_shared_words, Q, K, V, O, L, dO, causal=causal, scale=scale,
                                                 **tile)
