@@ -6,7 +6,8 @@
     python -m benchmarks.gpt_speed --plot FILE.json         # redraw the figure of a results file
 
 **Training** (``examples/gpt``'s model, one attention switch): for each configuration (``d64``: 4 layers,
-d_model 256, 4 heads of d = 64; ``d128``: 4 layers, d_model 512, 4 heads of d = 128; context 2048, batch 8) and
+d_model 512, 8 heads of d = 64; ``d128``: 4 layers, d_model 1024, 8 heads of d = 128; context 4096, batch 4: 16k
+tokens a step; attention is a little under half of the FLOPs at d64, a third at d128) and
 each precision (``float32``, TF32 off; ``bfloat16``: float32 weights under ``torch.autocast``), three models from
 the same seed see the same batches: ``sdpa`` (``F.scaled_dot_product_attention``, whatever backend PyTorch picks),
 ``reference`` (SDPA forced to its MATH backend: the float noise of this model, measured) and ``fa2edu``
@@ -44,8 +45,9 @@ from benchmarks import timing  # noqa: E402
 from benchmarks.flop_model import model_flops  # noqa: E402
 from benchmarks.results_io import default_results_path, utc_now  # noqa: E402
 
-#: model sizes: 4 heads of d = 64 or 128 (d_model = heads · d), 4 layers
-CONFIGS = {"d64": dict(n_layer=4, n_head=4, d_model=256), "d128": dict(n_layer=4, n_head=4, d_model=512)}
+#: model sizes: 8 heads of d = 64 or 128 (d_model = heads · d), 4 layers. Large enough that the GPU's work in a
+#: step outlasts the host's (numba prepares every kernel launch in Python, a fraction of a millisecond each).
+CONFIGS = {"d64": dict(n_layer=4, n_head=8, d_model=512), "d128": dict(n_layer=4, n_head=8, d_model=1024)}
 PRECISIONS = ("float32", "bfloat16")
 RUNS = ("sdpa", "reference", "fa2edu")
 #: the op alone: SDPA's backend compared against in each dtype
@@ -304,14 +306,16 @@ def build_parser():
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="float32 and/or bfloat16 (autocast)")
     p.add_argument("--steps", type=int, default=40, help="training steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (they include compilation)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=2048, help="sequence length N")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=4096, help="sequence length N")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--micro-dtypes", default="float32,bfloat16,float16", help="dtypes of the op-alone benchmark")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per op configuration")
+    p.add_argument("--micro-N", type=int, default=2048, help="sequence length of the op-alone benchmark (batch × N "
+                                                             "= 16k tokens, heads × d = 2048)")
     p.add_argument("--numba-allocator", choices=("torch", "numba"), default="torch",
                    help="numba's device allocations from PyTorch's caching allocator (as the kernel benchmarks) or "
                         "numba's own")
@@ -330,7 +334,8 @@ def _settings(args):
         settings = dict(configs={c: CONFIGS[c] for c in args.configs.split(",")},
                         precisions=tuple(args.precisions.split(",")), context=args.context, batch=args.batch,
                         steps=args.steps, warmup=args.warmup, micro_d=(64, 128),
-                        micro_dtypes=tuple(args.micro_dtypes.split(",")), micro_N=2048, tokens=16384, hidden=2048,
+                        micro_dtypes=tuple(args.micro_dtypes.split(",")), micro_N=args.micro_N, tokens=16384,
+                        hidden=2048,
                         repeats=args.repeats, lr=args.lr, seed=args.seed)
     if settings["warmup"] >= settings["steps"]:
         raise SystemExit(f"--warmup ({settings['warmup']}) must be smaller than --steps ({settings['steps']})")
