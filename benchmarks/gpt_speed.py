@@ -7,7 +7,7 @@
 
 **Training** (``examples/gpt``'s model, one attention switch): for each configuration (``d64``: 4 layers,
 d_model 512, 8 heads of d = 64; ``d128``: 4 layers, d_model 1024, 8 heads of d = 128; context 4096, batch 4: 16k
-tokens a step; attention is a little under half of the FLOPs at d64, a third at d128) and
+tokens a step; attention is a little under half of the FLOPs at d64, over a quarter at d128) and
 each precision (``float32``, TF32 off; ``bfloat16``: float32 weights under ``torch.autocast``), three models from
 the same seed see the same batches: ``sdpa`` (``F.scaled_dot_product_attention``, whatever backend PyTorch picks),
 ``reference`` (SDPA forced to its MATH backend: the float noise of this model, measured) and ``fa2edu``

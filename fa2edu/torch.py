@@ -128,8 +128,10 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
     _check_shapes(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])          # τ = 1/√d of the caller's d (FA2 footnote 2: erratum 7)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     if M is not None and backend != "numpy":
         raise ValueError(f"M (the simulated SRAM size) applies to the NumPy backend; backend {backend!r} runs on a "
                          "GPU (the teaching kernels take block_sizes=(B_r, B_c))")

@@ -275,8 +275,10 @@ def test_errors_name_the_argument():
         flash_attention(q, k, v[..., :3, :])
     with pytest.raises(ValueError, match="backend must be one of"):
         flash_attention(q, k, v, backend="cudnn")
-    with pytest.raises(TypeError, match="scale must be a finite real number"):
+    with pytest.raises(ValueError, match="scale must be finite"):
         flash_attention(q, k, v, scale=float("nan"))
+    with pytest.raises(TypeError, match="scale must be a real number or None, got str"):
+        flash_attention(q, k, v, scale="0.5")
 
 
 def test_import_fa2edu_does_not_need_torch():
