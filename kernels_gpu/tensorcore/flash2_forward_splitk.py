@@ -7,8 +7,8 @@ add up the result. This is referred to as the 'split-K' scheme. However, this is
 write their intermediate results out to shared memory, synchronize, then add up the intermediate results."* This
 rung is that scheme on tensor cores, with FA2's loop order (Q_i outer) and everything else taken from its partner
 :mod:`~kernels_gpu.tensorcore.flash2_forward_splitq`: the same block (4 warps, B_r = 64, B_c = 64, d ≤ 128), the
-same copies, the same ``ldmatrix`` loads (as many per tile: see below), the same float32 base-2 arithmetic, P̃ in
-registers. Only the partitioning differs.
+same copies, ``ldmatrix`` operand loads, the same float32 base-2 arithmetic, P̃ in registers. Only the
+partitioning differs, and what follows from it.
 
 **Split-K, per K/V tile j.** Warp w takes the keys 16w … 16w + 15 of the tile and *all* 64 rows of Q_i (four 16-row
 MMA tiles). For each row tile it computes the 16 × 16 slice S_w = Q_i K_{j,w}ᵀ, its own statistics over its 16 keys
@@ -21,20 +21,26 @@ not once at the end? A warp that kept its own (m, ℓ, Õ) over its key slice fo
 64 rows: 2d float registers per lane (256 at d = 128, past the 255 a thread may have) — FA1 reduces as it goes for
 the same reason, and so must any split-K that keeps the accumulators in registers.
 
-Operand loads per warp and tile match split-Q's exactly: split-Q loads its 16 Q rows once (KS ldmatrix) and all of
-K_j (KS·4) and V_j (4·d/16); split-K loads all of Q_i (KS·4), its 16 keys of K_j (KS) and its 16 rows of V_j once
-per row tile (4·d/16). What split-K adds is the exchange: each warp writes B_r·(d + 8) floats per tile (its Õ_w
-fragments, m_w and ℓ_w, in fragment order so that the reader's lane l finds what the writer's lane l held: no bank
-conflicts, no index arithmetic) and each owner reads 4 × 16·(d + 8); one more ``syncthreads`` per tile; and an
-exchange buffer of 4·64·(d + 8)·4 bytes (139 KiB at d = 128: with Q_i and the K/V stages 221 KiB, one block per SM
-where split-Q fits two). :func:`~kernels_gpu.tensorcore.traffic.shared_memory_traffic` counts every byte.
+What follows, per warp and tile (ldmatrix.x4 loads, KS = d/16 k-steps): split-Q loads its 16 Q rows (KS), all of
+K_j (4·KS) and all of V_j (4·d/16); split-K loads all of Q_i (4·KS), its 16 keys of K_j (KS) and its 16 rows of V_j
+(d/16, kept in registers for the four row tiles) — fewer operand bytes (48 KiB per tile and block against 72 at
+d = 64). What split-K adds is the exchange: each warp writes B_r·(d + 8) floats per tile (its Õ_w fragments,
+m_w and ℓ_w, in fragment order so that the reader's lane l finds what the writer's lane l held: no bank conflicts,
+and every access one base register plus a constant) and each owner reads 4 × 16·(d + 8); a third ``syncthreads``
+per tile; and an exchange buffer of 4·64·(d + 8)·4 bytes (72 KiB at d = 64, 136 KiB at d = 128), which leaves room
+for one block (4 warps) per SM where split-Q fits four (d = 64) or two (d = 128).
+:func:`~kernels_gpu.tensorcore.traffic.shared_memory_traffic` counts every byte. ptxas (sm_90, no GPU needed:
+``python -m kernels_gpu.tensorcore.inspect_ptx splitk splitq``): split-K 135 / 255 registers at d = 64 / 128, no
+spills; split-Q 123 / 161.
 
-**Prediction (written before any GPU run).** Per tile and block at d = 64 split-Q's ldmatrix reads move 72 KiB; the
-exchange adds 72 KiB written and 72 KiB read, tripling the shared-memory traffic, and v9's Nsight profile already
-found the shared-memory pipe the busiest unit (48 %). Add the third barrier per tile (all four warps wait for the
-slowest) and, at d = 128, half the resident warps: **split-K 0.45-0.65× split-Q's TFLOP/s at d = 64 and 0.35-0.55×
-at d = 128, N ≥ 4096** — FA2's qualitative claim ("these shared memory reads/writes slow down the forward pass"),
-made quantitative.
+**Prediction (written before any GPU run).** Per tile and block at d = 64, split-Q moves 88 KiB of shared memory
+(16 KiB of K_j, V_j copied in, 72 KiB of operand loads); split-K 208 KiB (16 + 48 + 72 written + 72 read) — 2.4×,
+and 2.3× at d = 128 (176 against 400 KiB) — while v9's Nsight profile already found the shared-memory pipe the
+busiest unit (48 %). On top: the third barrier per tile (four warps wait for the slowest), and a quarter (d = 64) or
+half (d = 128) of split-Q's resident warps to hide latencies with. **Split-K at 0.2-0.4× split-Q's TFLOP/s at
+d = 64 and d = 128, N ≥ 4096** — FA2's qualitative claim ("these shared memory reads/writes slow down the forward
+pass") made quantitative; how much of the loss is traffic and how much is occupancy only a profile can split
+(Nsight Compute: shared-memory pipe utilisation, barrier stalls, achieved occupancy).
 
 **Measured:** (to be filled after the GPU run)
 """
@@ -77,18 +83,22 @@ def make_kernel(cfg: Config):
     jit = device(cfg.simulated)
     W, B_r, B_c, RS, NO = cfg.warps, cfg.B_r, cfg.B_c, cfg.RS, cfg.NO
     RT = B_r // 16                           # 16-row MMA tiles of Q_i, every one computed by every warp
-    if B_c != 16 * W or RT != W:
-        raise ValueError(f"split-K here gives each warp 16 keys of a tile and one row tile to own: B_c = 16·W and "
-                         f"B_r = 16·W, got B_c = {B_c}, B_r = {B_r}, W = {W}")
+    if B_c != 16 * W or RT != W or W != 4:
+        raise ValueError(f"split-K here gives each of 4 warps 16 keys of a tile and one row tile to own: W = 4, "
+                         f"B_c = B_r = 64, got B_c = {B_c}, B_r = {B_r}, W = {W}")
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     K_OFF = B_r * RS                         # word offsets in the one shared array: Q_i, stage 0 (K, V),
     V_OFF = K_OFF + B_c * RS                 # stage 1 (K, V), then the exchange: Õ_w, m_w, ℓ_w of every warp
     STAGE = 2 * B_c * RS
-    PO_OFF = K_OFF + 2 * STAGE
-    MX_OFF = PO_OFF + W * B_r * cfg.D
-    LX_OFF = MX_OFF + W * RT * 2 * 32
+    X_OFF = K_OFF + 2 * STAGE
+    # The exchange buffer, per writing warp w and row tile r, SL slots of 32 words (one per lane): Õ_w's 4·NO
+    # accumulator registers (slot 4n + e), then m_w of rows g, g + 8 (slots 4NO, 4NO + 1), then ℓ_w (4NO + 2, + 3).
+    # Word X_OFF + ((w·RT + r)·SL + slot)·32 + lane: a lane writes and reads at fixed offsets from one base.
+    SL = 4 * NO + 4
+    M_SLOT, L_SLOT = 4 * NO, 4 * NO + 2
     causal = cfg.causal
     S_LEN, O_LEN = 4 * 2 * RT, 4 * NO        # register arrays: S_w (2 tiles of 16 × 8 per row tile), Õ
+    VB_LEN = 2 * NO                          # ... and the warp's V_j slice as B fragments
     neg_inf = float32(-float("inf"))
 
     @jit
@@ -123,14 +133,38 @@ def make_kernel(cfg: Config):
         return mx, rowsum
 
     @jit
-    def merge_row(o, m, l, h, x, mw, owner, lane, scale_log2):
+    def row_tile_partials(s, po, vb, out, r, row, col0, N_k, scale_log2, diag, mask_tile):
+        """FA2 Alg. 1 lines 9-10 on the warp's slice of row tile r (constant: see the kernel), in place: the slice's
+        statistics and P̃_w for the lane's two rows (``row``: its first, global), then the partial
+        Õ_w = P̃_w V_{j,w} — one 16-key k-step, A straight from S's accumulators of tiles 2r, 2r + 1, B from ``vb``
+        — and (m_w, ℓ_w, Õ_w) written to the exchange buffer for the owner of row tile r. ``out``: the buffer seen
+        from this warp's and lane's first word (``out[(r·SL + slot)·32]``); ``col0``: the warp's first key."""
+        for hh in range(2):
+            m_w, l_w = slice_softmax(s, 2 * r, hh, row + 8 * hh, col0, N_k, scale_log2, diag, mask_tile)
+            out[(r * SL + M_SLOT + hh) * 32] = m_w
+            out[(r * SL + L_SLOT + hh) * 32] = l_w
+        a0 = pack(s[8 * r], s[8 * r + 1])
+        a1 = pack(s[8 * r + 2], s[8 * r + 3])
+        a2 = pack(s[8 * r + 4], s[8 * r + 5])
+        a3 = pack(s[8 * r + 6], s[8 * r + 7])
+        zero(po, O_LEN)
+        for n in range(NO):
+            mma_into(po, n, a0, a1, a2, a3, vb[2 * n], vb[2 * n + 1])
+        # Õ_w to shared memory in fragment order (slot 4n + e), lane by lane.
+        for n in range(NO):
+            for e in range(4):
+                out[(r * SL + 4 * n + e) * 32] = po[4 * n + e]
+
+    @jit
+    def merge_row(o, m, l, h, inp, mw, scale_log2):
         """The exchange's second half for one of the owner lane's two rows (constant h): the W warps' (m_w, ℓ_w,
-        Õ_w) of the owner's row tile, read from shared memory ``x`` (the float32 view) in fragment order, merged
-        into the running (m, ℓ, Õ) by the log-sum-exp rule — m_new = max(m, max_w m_w), ℓ ← e^(m − m_new)·ℓ +
-        Σ_w e^(m_w − m_new)·ℓ_w, Õ likewise (FA2 Alg. 1 lines 9-10 across warps). ``mw``: W registers of scratch."""
+        Õ_w) of the owner's row tile, read in fragment order, merged into the running (m, ℓ, Õ) by the log-sum-exp
+        rule — m_new = max(m, max_w m_w), ℓ ← e^(m − m_new)·ℓ + Σ_w e^(m_w − m_new)·ℓ_w, Õ likewise (FA2 Alg. 1
+        lines 9-10 across warps). ``inp``: the buffer seen from writer 0's first word for the owner's row tile and
+        this lane (writer w's slot at ``inp[(w·RT·SL + slot)·32]``); ``mw``: W registers of scratch."""
         m_new = m[h]
         for w in range(W):
-            mw[w] = x[MX_OFF + ((w * RT + owner) * 2 + h) * 32 + lane]
+            mw[w] = inp[(w * RT * SL + M_SLOT + h) * 32]
             m_new = max(m_new, mw[w])
         # Guard: while no warp's slice has had a visible key for this row, m_new = −∞ and e^(m_w − m_new) would be
         # NaN; measuring from 0 instead makes every β = e^(−∞) = 0 (the partials of such a row are 0 anyway), and
@@ -146,11 +180,10 @@ def make_kernel(cfg: Config):
         # The merge: each warp's partial weighted by e^(m_w − m_new) (0 for a slice with no visible key).
         for w in range(W):
             beta = ex2(mw[w] * scale_log2 - m_scaled)
-            at = (w * RT + owner) * 2 + h
-            l[h] += beta * x[LX_OFF + at * 32 + lane]
+            l[h] += beta * inp[(w * RT * SL + L_SLOT + h) * 32]
             for n in range(NO):
                 for e in range(2):
-                    o[4 * n + 2 * h + e] += beta * x[PO_OFF + (((w * RT + owner) * NO + n) * 4 + 2 * h + e) * 32 + lane]
+                    o[4 * n + 2 * h + e] += beta * inp[(w * RT * SL + 4 * n + 2 * h + e) * 32]
         m[h] = m_new
 
     @cuda.jit
@@ -171,7 +204,12 @@ def make_kernel(cfg: Config):
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
         mw = cuda.local.array(W, float32)
+        vb = cuda.local.array(VB_LEN, uint32)  # this warp's 16 rows of V_j as B fragments (b0, b1 of each O tile)
         row0 = i * B_r + 16 * warp + g        # the owned row tile's rows of this lane: row0 and row0 + 8
+        # The exchange buffer as this lane writes it (its warp's slots) and reads it (its row tile's slots): views
+        # from one base each, so every access is the base plus a constant (one address register, not hundreds).
+        out = x[X_OFF + warp * RT * SL * 32 + lane:]
+        inp = x[X_OFF + warp * SL * 32 + lane:]
         diag = N_k - N_q
         scale_log2 = scale * float32(LOG2E)   # τ·log₂e: exp(τx) = 2^(x·τlog₂e)
 
@@ -213,38 +251,31 @@ def make_kernel(cfg: Config):
                     mma_into(s, 2 * r, a0, a1, a2, a3, b0, b1)
                     mma_into(s, 2 * r + 1, a0, a1, a2, a3, b2, b3)
 
-            # Lines 9-10, each warp on its own slice: per row tile, the slice's statistics, P̃_w, the partial
-            # Õ_w = P̃_w V_{j,w} (one 16-key k-step, A straight from S's accumulators), all written out for the
-            # owner of that row tile. The mask only where a key of the tile can be invisible to some row.
+            # Lines 9-10, each warp on its own slice, row tile by row tile: statistics, P̃_w, the partial Õ_w, all
+            # written out for the owner of that row tile. The mask only where a key of the tile can be invisible to
+            # some row. Four calls with a constant r, not a loop: a loop over r stayed rolled, and S_w's registers
+            # went to local memory to be indexed by it (as steps.row_softmax says of h).
             mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > i * B_r + diag)
-            for r in range(RT):
-                at = (warp * RT + r) * 2 * 32 + lane
-                for hh in range(2):
-                    m_w, l_w = slice_softmax(s, 2 * r, hh, i * B_r + 16 * r + 8 * hh + g, j * B_c + 16 * warp,
-                                             N_k, scale_log2, diag, mask_tile)
-                    x[MX_OFF + at + 32 * hh] = m_w
-                    x[LX_OFF + at + 32 * hh] = l_w
-                a0 = pack(s[8 * r], s[8 * r + 1])
-                a1 = pack(s[8 * r + 2], s[8 * r + 3])
-                a2 = pack(s[8 * r + 4], s[8 * r + 5])
-                a3 = pack(s[8 * r + 6], s[8 * r + 7])
-                zero(po, O_LEN)
-                for p in range(NO // 2):
-                    # B (transposed on the way): this warp's keys 16w + 8(u % 2) + 0…7, columns 16p + 8(u // 2) …
-                    v_row = (V_OFF + stage + (16 * warp + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p
-                             + 4 * (lane // 16))
-                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
-                    mma_into(po, 2 * p, a0, a1, a2, a3, b0, b1)
-                    mma_into(po, 2 * p + 1, a0, a1, a2, a3, b2, b3)
-                # Õ_w to shared memory in fragment order: word ((w·RT + r)·NO + n)·4 + e, lane by lane.
-                for n in range(NO):
-                    for e in range(4):
-                        x[PO_OFF + (((warp * RT + r) * NO + n) * 4 + e) * 32 + lane] = po[4 * n + e]
+            row = i * B_r + g                 # this lane's first row in row tile 0
+            col0 = j * B_c + 16 * warp        # this warp's first key
+            for p in range(NO // 2):
+                # B (transposed on the way): this warp's keys 16w + 8(u % 2) + 0…7, columns 16p + 8(u // 2) …
+                v_row = (V_OFF + stage + (16 * warp + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p
+                         + 4 * (lane // 16))
+                b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                vb[4 * p] = b0
+                vb[4 * p + 1] = b1
+                vb[4 * p + 2] = b2
+                vb[4 * p + 3] = b3
+            row_tile_partials(s, po, vb, out, 0, row, col0, N_k, scale_log2, diag, mask_tile)
+            row_tile_partials(s, po, vb, out, 1, row + 16, col0, N_k, scale_log2, diag, mask_tile)
+            row_tile_partials(s, po, vb, out, 2, row + 32, col0, N_k, scale_log2, diag, mask_tile)
+            row_tile_partials(s, po, vb, out, 3, row + 48, col0, N_k, scale_log2, diag, mask_tile)
             cuda.syncthreads()                # the exchange: every warp's partials are in shared memory
 
             # The owner of row tile w merges the four warps' partials of its rows (log-sum-exp rule).
-            merge_row(o, m, l, 0, x, mw, warp, lane, scale_log2)
-            merge_row(o, m, l, 1, x, mw, warp, lane, scale_log2)
+            merge_row(o, m, l, 0, inp, mw, scale_log2)
+            merge_row(o, m, l, 1, inp, mw, scale_log2)
             cuda.syncthreads()                # stage j mod 2 (and the exchange buffer) free for the next tiles
 
         ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)

@@ -3,7 +3,7 @@
 This is the partner of :mod:`~kernels_gpu.tensorcore.flash2_forward_splitk` in the measurement of FA2 Section 3.3,
 built so that the two differ in the work partitioning between warps and in nothing else: the same block (4 warps,
 B_r = 64 query rows, B_c = 64 keys per K/V tile, d ≤ 128), the same copies (``cp.async``, double-buffered K/V, v9's
-copy addressing), the same ``ldmatrix`` operand loads, the same float32 base-2 softmax with the mask only on the
+copy addressing), ``ldmatrix`` operand loads, the same float32 base-2 softmax with the mask only on the
 tiles that need it, P̃ kept in registers. It is v6's kernel with v8's float32 softmax and v9's copies — the ladder's
 split-Q at one row tile per warp.
 

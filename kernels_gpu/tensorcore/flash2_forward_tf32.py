@@ -61,13 +61,24 @@ from kernels_gpu.tensorcore import launch, ptx
 from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",
-           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM"]
+           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE"]
 
 #: the unit roundoff of tf32 under round-to-nearest (10 mantissa bits): 2⁻¹¹
 UNIT_ROUNDOFF_TF32 = 2.0 ** -11
 #: float32's unit roundoff, 2⁻²⁴
 UNIT_ROUNDOFF_FP32 = 2.0 ** -24
 MAX_HEAD_DIM = 256
+
+
+def _ptx_signature():
+    from numba import types
+    f32 = types.float32[:, :, :, ::1]
+    return (f32, f32, f32, f32, types.float32[:, :, ::1], types.int32, types.int32, types.int32, types.float32)
+
+
+#: the kernel's argument types (Q, K, V, O float32 (Z, H, N, d); L; N_q, N_k, G; τ), for compiling it to PTX without
+#: a GPU: ``python -m kernels_gpu.tensorcore.inspect_ptx tf32 --dtype float32``
+PTX_SIGNATURE = _ptx_signature()
 
 
 class Flash2ForwardTF32(NamedTuple):
@@ -120,9 +131,12 @@ class TF32Config:
         return self.d // 8
 
 
-def config_for(d: int, causal: bool, simulated: bool) -> TF32Config:
+def config_for(d: int, dtype: str, causal: bool, simulated: bool) -> TF32Config:
     """The tile shape: 4 warps (B_r = 64); B_c = 32 keys up to d = 128 (Q_i and two stages of K_j, V_j: 101 KiB at
-    d = 128, two blocks per SM), 16 beyond (133 KiB at d = 256)."""
+    d = 128, two blocks per SM), 16 beyond (133 KiB at d = 256). ``dtype``: the inputs' element type, "float32"
+    (the rungs' signature, so that :mod:`~kernels_gpu.tensorcore.inspect_ptx` compiles this kernel as theirs)."""
+    if dtype != "float32":
+        raise ValueError(f"the TF32 kernel takes float32 inputs (dtype 'float32'), got {dtype!r}")
     return TF32Config(d=d, B_c=32 if d <= 128 else 16, causal=causal, simulated=simulated)
 
 
@@ -372,7 +386,7 @@ def flash2_forward_tf32(Q, K, V, causal=False, scale=None) -> Flash2ForwardTF32:
                          f"got d = {d}")
     Q4, K4, V4 = _contiguous(Q4, "Q"), _contiguous(K4, "K"), _contiguous(V4, "V")
     simulated = rt.simulator_in_use()
-    cfg = config_for(d, bool(causal), simulated)
+    cfg = config_for(d, "float32", bool(causal), simulated)
     kernel = make_kernel(cfg)
     O = rt.device_empty((layout.Z, layout.H_q, layout.N_q, d))
     L = rt.device_empty((layout.Z, layout.H_q, layout.N_q))

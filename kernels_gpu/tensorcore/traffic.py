@@ -4,7 +4,7 @@ FA2 Section 3.3 argues that split-K (FA1: the warps of a block split K and V) lo
 Q) because split-K's warps "write their intermediate results out to shared memory, synchronize, then add up the
 intermediate results". :func:`shared_memory_traffic` turns that into bytes for the two rungs that make the
 comparison, :mod:`~kernels_gpu.tensorcore.flash2_forward_splitq` and
-:mod:`~kernels_gpu.tensorcore.flash2_forward_splitk` (same tile shape, same copies, same operand loads), by counting
+:mod:`~kernels_gpu.tensorcore.flash2_forward_splitk` (same tile shape, same copies, same MMAs), by counting
 what their code does — every ``cp.async`` writes 16 bytes into shared memory, every ``ldmatrix.x4`` reads 4 × 8 rows
 of 16 bytes (512 bytes per warp), every scalar shared access of split-K's exchange moves 4 bytes per lane:
 
@@ -13,13 +13,14 @@ per block          split-Q                                        split-K
 =================  =============================================  ============================================
 copies in, once    Q_i: B_r·D·2                                   the same
 copies in, tile j  K_j, V_j: 2·B_c·D·2                            the same
-ldmatrix, tile j   W·512·(KS·(1 + B_c/16) + (B_c/16)·D/16)        W·512·(KS·(1 + B_r/16) + (B_r/16)·D/16)
+ldmatrix, tile j   W·512·(KS·(1 + B_c/16) + (B_c/16)·D/16)        W·512·(KS·(1 + B_r/16) + D/16)
 exchange, tile j   none                                           writes W·B_r·(D + 8)·4, reads as many
 =================  =============================================  ============================================
 
-(D: d rounded up to 16; KS = D/16 k-steps; B_r = B_c = 16·W = 64, so the two ldmatrix rows are equal: the operand
-loads of the two partitionings are the same bytes, and the exchange is split-K's whole extra.) Tests count the same
-bytes in numba's simulator, access by access, and compare.
+(D: d rounded up to 16; KS = D/16 k-steps; B_r = B_c = 16·W = 64. Split-Q's warps each load their Q rows and all of
+K_j, V_j; split-K's load all of Q_i and their quarter of K_j, V_j, the V quarter once for the four row tiles: split-K
+reads fewer operand bytes, 2/3 of split-Q's at d = 64, and the exchange is its extra.) Tests count the same bytes in
+numba's simulator, access by access, and compare.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def _per_tile(variant: str, cfg) -> dict:
         write = read = 0
     else:
         RT = B_r // 16
-        # per warp: its K slice once per k-step plus the RT row tiles of Q_i, and its V slice once per row tile
-        ldmatrix = KS * (1 + RT) + RT * (NO // 2)
+        # per warp: its K slice once per k-step plus the RT row tiles of Q_i, and its V slice once (kept in
+        # registers for the RT row tiles)
+        ldmatrix = KS * (1 + RT) + NO // 2
         # per lane: RT row tiles × (m_w, ℓ_w for two rows + Õ_w's NO·4 accumulators) written; each owner lane
         # reads, for its two rows, the W warps' m_w, ℓ_w and NO·2 accumulators (flash2_forward_splitk.merge_row)
         write = W * 32 * 4 * RT * (4 + 4 * NO)
