@@ -33,15 +33,18 @@ add two factors within (1 ± u). So |O_ic − O_ref,ic| ≤ max_j |v_jc|·(e^(2E
 smaller, and still 100-1000× those of float32. Inputs that are already tf32 values lose only P̃'s rounding, about
 u·max|v| — the part of TF32's error no input can avoid (the tests check the kernel against that tighter bound).
 
-**Prediction (written before any GPU run).** Each 16 × 8 × 8 MMA (2 048 FLOPs) costs a warp two scalar shared
-loads and two conversions for its B operand plus, amortised, A's (Q's A fragments are reloaded for every K/V tile;
-P̃'s come from registers): about 64 shared-memory words per MMA per warp against ldmatrix's 16 for an m16n8k16 of
-twice the FLOPs — 8× the shared-memory bytes per FLOP of the 16-bit rungs. At 128 bytes per clock and SM that
-bounds the kernel near 1 000 FLOP/clock/SM, ~225 TFLOP/s on an H100, and the issue slots (a load, a convert and
-address arithmetic per operand register, four schedulers) bound it about as tightly; mma.sync tf32 itself runs
-at half the f16 rate. Against v6 (same tile loop, 106-129 TFLOP/s fp16 at N ≥ 4096) with 4× the operand
-instructions per FLOP: **35-60 TFLOP/s at d = 64 and 128, N ≥ 4096** — 1.1-1.8× kernels_gpu.fast's float32
-forward (30-36) and around SDPA memory-efficient float32 (35-46), with 100-1000× its error.
+**Prediction (written before any GPU run).** Per warp and K/V tile at d = 64 (B_c = 32), 160 scalar shared loads
+and 176 conversions per lane feed 64 MMAs of 2 048 FLOPs: 0.16 shared-memory bytes per FLOP, 2.2× v6's 0.07
+(ldmatrix, m16n8k16), and about 6× v6's instructions per FLOP (every operand register is a load, a conversion and
+its address arithmetic, where one ldmatrix gives four registers). So instruction issue binds, not the tensor cores
+(tf32 mma.sync runs at half the f16 rate: ~240 TFLOP/s by the measured f16 ceiling). v6, the same loop, made
+106-129 TFLOP/s in fp16 at N ≥ 4096: at 4-6× its instructions per FLOP, **25-45 TFLOP/s at d = 64 and 128,
+N ≥ 4096** — about kernels_gpu.fast's float32 forward (30-36) and SDPA memory-efficient float32 (35-46), with
+~1000× the first one's error (SDPA's is measured beside it: the benchmark records every one). ptxas (sm_90, ``python -m kernels_gpu.tensorcore.inspect_ptx tf32 --dtype float32 --d 64 128
+256``): 119 / 150 / 252 registers, no spills, 52 / 101 / 133 KB of shared memory. What would come next: Q's and K's
+fragments by ``ldmatrix`` (a b16 8 × 8 matrix of 32-bit data is an 8 × 4 tf32 tile whose lane (g, t) holds
+(g, t): exactly a0 of A and b0 of B; V's transposed load has no 32-bit form), and the conversion done once per
+tile in shared memory instead of once per warp.
 
 **Measured:** (to be filled after the GPU run)
 """
