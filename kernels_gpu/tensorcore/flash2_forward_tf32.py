@@ -40,11 +40,12 @@ its address arithmetic, where one ldmatrix gives four registers). So instruction
 (tf32 mma.sync runs at half the f16 rate: ~240 TFLOP/s by the measured f16 ceiling). v6, the same loop, made
 106-129 TFLOP/s in fp16 at N ≥ 4096: at 4-6× its instructions per FLOP, **25-45 TFLOP/s at d = 64 and 128,
 N ≥ 4096** — about kernels_gpu.fast's float32 forward (30-36) and SDPA memory-efficient float32 (35-46), with
-~1000× the first one's error (SDPA's is measured beside it: the benchmark records every one). ptxas (sm_90, ``python -m kernels_gpu.tensorcore.inspect_ptx tf32 --dtype float32 --d 64 128
-256``): 119 / 150 / 252 registers, no spills, 52 / 101 / 133 KB of shared memory. What would come next: Q's and K's
-fragments by ``ldmatrix`` (a b16 8 × 8 matrix of 32-bit data is an 8 × 4 tf32 tile whose lane (g, t) holds
-(g, t): exactly a0 of A and b0 of B; V's transposed load has no 32-bit form), and the conversion done once per
-tile in shared memory instead of once per warp.
+~1000× the first one's error (SDPA's is measured beside it: the benchmark records every one). ptxas (sm_90,
+``python -m kernels_gpu.tensorcore.inspect_ptx tf32 --dtype float32 --d 64 128 256``): 119 / 150 / 252 registers,
+no spills, 52 / 101 / 133 KB of shared memory. What would come next: Q's and K's fragments by ``ldmatrix`` (a b16
+8 × 8 matrix of 32-bit data is an 8 × 4 tf32 tile whose lane (g, t) holds (g, t): exactly a0 of A and b0 of B;
+V's transposed load has no 32-bit form), and the conversion done once per tile in shared memory instead of once
+per warp.
 
 **Measured:** (to be filled after the GPU run)
 """
