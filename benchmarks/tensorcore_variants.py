@@ -97,7 +97,7 @@ def partition_impl(name: str, causal: bool):
 
 def float64_errors(impls, d: int, N: int, causal: bool, seed: int = 0) -> list:
     """Each float32 implementation's error against float64 attention on one shape (batch 1, heads = hidden / d):
-    max |O − O_ref| and ‖O − O_ref‖ / ‖O_ref‖."""
+    ``max |O − O_ref|`` and ``‖O − O_ref‖ / ‖O_ref‖``."""
     import torch
     heads = HIDDEN // d
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -26,12 +26,13 @@ base-2 softmax, masks on the tiles that need them):**
 * O is stored as float32.
 
 **Error (what the tests assert).** With u = 2⁻¹¹, the scores the kernel exponentiates are off by at most
-E_i = τ·max_j (2u + u² + (d + 2)·2⁻²⁴)·Σ_k |q_ik||k_jk| (Q and K rounded, float32 accumulation); a perturbation of
-at most E in every score moves each softmax weight by a factor within [e^(−2E), e^(2E)]; P̃ and V rounded to tf32
-add two factors within (1 ± u). So |O_ic − O_ref,ic| ≤ max_j |v_jc|·(e^(2E_i)(1 + u)² − 1) plus float32 slack, and
-|L_i − L_ref,i| ≤ E_i plus float32 slack: :func:`tf32_error_bound`. It is a worst case; typical errors are 10-100×
-smaller, and still 100-1000× those of float32. Inputs that are already tf32 values lose only P̃'s rounding, about
-u·max|v| — the part of TF32's error no input can avoid (the tests check the kernel against that tighter bound).
+``E_i = τ·max_j (2u + u² + (d + 2)·2⁻²⁴)·Σ_k |q_ik|·|k_jk|`` (Q and K rounded, float32 accumulation); a
+perturbation of at most E in every score moves each softmax weight by a factor within [e^(−2E), e^(2E)]; P̃ and V
+rounded to tf32 add two factors within (1 ± u). So ``|O_ic − O_ref,ic| ≤ max_j |v_jc|·(e^(2E_i)(1 + u)² − 1)`` plus
+float32 slack, and ``|L_i − L_ref,i| ≤ E_i`` plus float32 slack: :func:`tf32_error_bound`. It is a worst case;
+typical errors are 10-100× smaller, and still 100-1000× those of float32. Inputs that are already tf32 values lose
+only P̃'s rounding, about ``u·max|v|`` — the part of TF32's error no input can avoid (the tests check the kernel
+against that tighter bound).
 
 **Prediction (written before any GPU run).** Per warp and K/V tile at d = 64 (B_c = 32), 160 scalar shared loads
 and 176 conversions per lane feed 64 MMAs of 2 048 FLOPs: 0.16 shared-memory bytes per FLOP, 2.2× v6's 0.07
@@ -422,17 +423,17 @@ def tf32_error_bound(Q, K, V, scale=None):
     """Worst-case bounds on the TF32 kernel's error against exact attention, for host arrays: ``(bound_O,
     bound_L)`` shaped like O (…, N_q, d) and L (…, N_q). With u = 2⁻¹¹ (tf32 round-to-nearest) for each of Q, K, V
     that is not already made of tf32 values (0 for one that is: rounding it changes nothing), and
-    E_i = τ·max_j (u_Q + u_K + u_Q·u_K + (d + 2)·2⁻²⁴)·Σ_k |q_ik||k_jk| (the largest error of a scaled score: Q and
-    K rounded to tf32, the products accumulated in float32):
+    ``E_i = τ·max_j (u_Q + u_K + u_Q·u_K + (d + 2)·2⁻²⁴)·Σ_k |q_ik|·|k_jk|`` (the largest error of a scaled score: Q
+    and K rounded to tf32, the products accumulated in float32):
 
-    * |O_ic − O_ic,exact| ≤ max_j |v_jc|·(e^(2E_i)(1 + u)(1 + u_V) − 1) + 16·2⁻²⁴·max_j |v_jc| — the softmax weights
-      move by factors within e^(±2E_i), P̃ is rounded to tf32 for the product with V (u; ℓ sums the unrounded P̃),
-      V is rounded (u_V), the rest is float32 arithmetic;
-    * |L_i − L_i,exact| ≤ E_i + 2⁻²⁰·(1 + |L_i|) (the log-sum-exp moves by at most the largest score error);
+    * ``|O_ic − O_ic,exact| ≤ max_j |v_jc|·(e^(2E_i)(1 + u)(1 + u_V) − 1) + 16·2⁻²⁴·max_j |v_jc|`` — the softmax
+      weights move by factors within e^(±2E_i), P̃ is rounded to tf32 for the product with V (u; ℓ sums the
+      unrounded P̃), V is rounded (u_V), the rest is float32 arithmetic;
+    * ``|L_i − L_i,exact| ≤ E_i + 2⁻²⁰·(1 + |L_i|)`` (the log-sum-exp moves by at most the largest score error);
       ``bound_L`` is E_i, the float32 term is the caller's to add.
 
     The maxima over j run over every key, masked or not, so the bounds hold for causal calls too. For inputs already
-    in tf32 only P̃'s rounding is left: about u·max|v|, the error TF32 cannot avoid."""
+    in tf32 only P̃'s rounding is left: about ``u·max|v|``, the error TF32 cannot avoid."""
     q, k, v = _heads(Q, K, V)
     d = q.shape[-1]
     tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -450,8 +451,8 @@ def error_against_fp32(Q, K, V, causal=False, scale=None) -> dict:
     """The TF32 kernel beside kernels_gpu's float32 kernel on the same host inputs, both against the float64
     oracle (:func:`fa2edu.attention_reference` on the float32-rounded inputs): a dict with the largest absolute
     error of O of each (``"tf32"``, ``"fp32"``), the worst-case TF32 bound (``"tf32_bound"``), the largest
-    |O| (``"max_abs_O"``) and both unit roundoffs. The float32 kernel is the one ``fa2edu.distributed`` uses on
-    CUDA float32: ``kernels_gpu.fast`` v6 for d ≤ 64, v8 beyond."""
+    magnitude of O (``"max_abs_O"``) and both unit roundoffs. The float32 kernel is the one ``fa2edu.distributed``
+    uses on CUDA float32: ``kernels_gpu.fast`` v6 for d ≤ 64, v8 beyond."""
     import fa2edu
     from kernels_gpu.fast import VERSIONS
 

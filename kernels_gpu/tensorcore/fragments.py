@@ -288,7 +288,7 @@ def mma_tf32_reference(a_frags: np.ndarray, b_frags: np.ndarray, c_frags: np.nda
     products and C summed exactly (float64, then rounded once to float32). Inputs: fragments (32, 4), (32, 2) of tf32
     values (float32 with the low 13 bits zero) and C (32, 4) float32. The tensor core's own summation order and
     intermediate rounding are not documented and may differ from this in the last bits of float32: the GPU test
-    bounds the difference by 10·2⁻²³·(Σ|a·b| + |c|) per element (nine addends, each step's error at most one
+    bounds the difference by ``10·2⁻²³·(Σ|a·b| + |c|)`` per element (nine addends, each step's error at most one
     float32 ulp of the running magnitude, whatever the rounding mode)."""
     A = from_a_fragments_tf32(a_frags).astype(np.float64)
     B = from_b_fragments_tf32(b_frags).astype(np.float64)

@@ -173,7 +173,7 @@ def _mma_tf32_kernel(a, b, c, d):
 
 def check_mma_tf32(seed: int = 0, scale: float = 1.0):
     """D = A·B + C for float32 A (16 × 8), B (8 × 8) converted to tf32 in the kernel (``cvt.rna``) and float32 C,
-    per lane: ``(got, expected, magnitude)``, each (32, 4): ``magnitude`` = Σ|a·b| + |c| of each element, the scale
+    per lane: ``(got, expected, magnitude)``, each (32, 4): ``magnitude`` = ``Σ|a·b| + |c|`` of each element, the scale
     of the summation error a tensor core may make (see :func:`~kernels_gpu.tensorcore.fragments.mma_tf32_reference`)."""
     rng = np.random.default_rng(seed)
     A = (rng.standard_normal((16, 8)) * scale).astype(np.float32)
