@@ -1,0 +1,964 @@
+"""Split-KV decoding (Flash-Decoding) from a contiguous or paged KV cache, as numba.cuda kernels.
+
+:func:`decode_attention` is :func:`fa2edu.decode_attention` on the GPU, with the same arguments and results::
+
+    O, L = kernels_gpu.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True)
+
+q (B, H_q, N_new, d); a contiguous cache (B, H_kv, N_max, d) or a paged one (num_pages, H_kv, page_size, d) with
+``block_table`` (B, max_pages); ``cache_seqlens`` (B,). Storage float32, float16 or bfloat16 (bfloat16 as PyTorch
+tensors); all arithmetic float32. O (B, H_q, N_new, d_v) in the storage dtype, L (B, H_q, N_new) float32 (+inf on
+a token that sees no key).
+
+**Why these kernels look as they do.** A decoding step reads the whole cache to produce G·N_new rows of output per
+KV head (G = H_q / H_kv): about 2·G·N_new FLOPs per element read, a few, against the hundreds a GPU can do per
+element its memory delivers (chapter 13). So the kernel's only job is to stream K and V once, at the memory's rate:
+
+1. **One pass over each page serves the whole query group.** A program is (sequence b, KV head h, split s): its
+   query tile is the R = G·N_new rows of the G query heads of the group and the N_new new tokens (FA2 Alg. 1 with
+   a single row block). Each cached K/V row is loaded once and used for all R rows while it is in registers.
+2. **Split-KV.** One program per (sequence, KV head) is 8 programs for one sequence on a 132-SM GPU. The keys of a
+   sequence are cut into ``num_splits`` ranges of whole key blocks (pages of a paged cache: the cut of
+   :func:`fa2edu.inference.split_ranges`); each range is a program that writes a partial (O_s, L_s) in float32, and
+   a second, small launch merges them by the log-sum-exp rule of :func:`fa2edu.merge_attention_states` (a split
+   that saw no key holds O = 0, L = +inf, the merge's identity).
+3. **Paged KV** (PagedAttention): key j of sequence b lives in physical page ``block_table[b, j // page_size]``,
+   row ``j % page_size``; the page size is a compile-time constant, so the division is a multiply and a shift.
+4. **Wide loads, no shared memory in the loop.** Inside a program, groups of ``lanes`` consecutive threads each
+   take one key at a time: a lane holds ``vec`` 32-bit words (16 bytes when the layout allows) of the key's row
+   per chunk, its slice of the R query rows in registers, and the partial dot products of its slice; a butterfly of
+   warp shuffles sums the slices, so every lane of the group ends with the R scores. Consecutive groups take
+   consecutive keys (a warp's loads cover whole, contiguous rows). Each group runs its own online softmax (FA2
+   Alg. 1 lines 8-10) over its keys with its slice of Õ in registers; at the end the groups of a block merge
+   through shared memory by the same (m, ℓ) rule (FA1 Section 3.1), and the block writes its (O_s, L_s).
+
+Costs per (sequence b with n_b keys, KV head), R = G·N_new rows, S splits: global reads n_b·(d + d_v) cache
+elements (once), S·R·d query elements, S·R·(d_v + 1) partial floats (merge); writes S·R·(d_v + 1) partial floats
+(S > 1) and R·(d_v + 1) outputs. FLOPs 2·R·n_b·(d + d_v).
+
+**Prediction** (written before any measurement; H100 SXM, decode N_new = 1, H_q = 32, H_kv = 8, d = 128, fp16, the
+``benchmarks.decode`` grid): at contexts ≥ 16k, the bytes that must move (K, V once, q, O) over the kernel time
+(CUDA-graph replay) reach 80-95 % of the device-to-device copy rate measured in the same run at batch 8 and 32,
+and 65-85 % at batch 1 (fewer, shorter programs: the tail of the split programs and the merge launch weigh more);
+at 4k, 30-60 %. A call made from Python (no graph) adds its host time, about 40-80 µs for two launches: at batch
+1 and contexts ≤ 16k that host time, not the GPU, sets the pace, as it does for PyTorch's SDPA there. num_splits=1
+at batch 1 and contexts ≥ 32k is 5-10× slower than the default (8 programs on 132 SMs). Paged (256-key pages)
+within 3 % of contiguous with the same key blocks. Against SDPA's best backend: ahead at batch 1 (SDPA does not
+split the keys for this shape), within ±10 % at batch 32 and long contexts, where both stream at the copy rate.
+The instruction budget per 16-byte load (about 75 instructions per lane at R = 4: conversions, 32 FFMAs for the
+scores, 16 shuffles and adds for their sums, 32 FFMAs for P̃V) is about half of what an SM can issue at the
+memory's rate, so enough warps must be resident to hide the load latency: 4 warps per program and the split rule
+below aim at 2-4 programs per SM.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from numbers import Integral
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, decode_block_size
+from fa2edu.inference import default_num_splits as _utilisation_rule
+from fa2edu.validation import check_scale
+from kernels_gpu import decode_io as io
+from kernels_gpu import runtime as rt
+
+__all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "DecodeResult", "DecodeTiling",
+           "decode_tiling", "default_num_splits", "MIN_SPLIT_KEYS", "load_words", "butterfly_sum", "split_kernel",
+           "merge_kernel"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+#: the fewest keys a split covers when the rule picks the split count (a shorter split pays its prologue and
+#: epilogue for too few loads)
+MIN_SPLIT_KEYS = 128
+#: warps of a merge block (one warp per output row)
+MERGE_WARPS = 4
+#: 32-bit words of K and V one lane keeps in flight per step (K and V of its ``keys`` keys together)
+WORDS_IN_FLIGHT = 32
+#: float32 values of the query tile (and of Õ) one lane holds per KV row
+LANE_FLOATS = 32
+
+
+# -- the 16-byte load --------------------------------------------------------------------------------------------
+
+def _build_loads_gpu() -> dict:
+    """``ld.global.nc.v{2,4}.{u32,f32}`` (PTX ISA 9.7.9.8, ``ld.global.nc``: a load through the read-only data
+    cache; the cache is never written while a kernel reads it): 2 or 4 consecutive 32-bit words in one
+    instruction. The caller guarantees the address is a multiple of 8 or 16 bytes (see :func:`decode_tiling`)."""
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    def make(vec: int):
+        @intrinsic
+        def load(typingctx, ary, index):
+            if not isinstance(ary, types.Array) or ary.dtype not in (types.uint32, types.float32):
+                return None
+            is_float = ary.dtype == types.float32
+            sig = types.UniTuple(ary.dtype, vec)(ary, index)
+
+            def codegen(context, builder, signature, args):
+                array = context.make_array(signature.args[0])(context, builder, args[0])
+                idx = context.cast(builder, args[1], signature.args[1], types.intp)
+                addr = builder.ptrtoint(builder.gep(array.data, [idx]), ir.IntType(64))
+                elt = ir.FloatType() if is_float else ir.IntType(32)
+                regs = ",".join(f"${i}" for i in range(vec))
+                text = (f"{{ .reg .u64 ga; cvta.to.global.u64 ga, ${vec}; "
+                        f"ld.global.nc.v{vec}.{'f32' if is_float else 'u32'} {{{regs}}}, [ga]; }}")
+                constraints = ",".join([("=f" if is_float else "=r")] * vec) + ",l"
+                fnty = ir.FunctionType(ir.LiteralStructType([elt] * vec), [ir.IntType(64)])
+                res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=False), [addr])
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(vec)])
+            return sig, codegen
+        return load
+
+    return {2: make(2), 4: make(4)}
+
+
+def _load2_twin(ary, index):
+    """Simulator twin of the 8-byte load: the two words."""
+    i = int(index)
+    return ary[i], ary[i + 1]
+
+
+def _load4_twin(ary, index):
+    """Simulator twin of the 16-byte load: the four words."""
+    i = int(index)
+    return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_loads(simulator: bool) -> dict:
+    return {2: _load2_twin, 4: _load4_twin} if simulator else _build_loads_gpu()
+
+
+@functools.lru_cache(maxsize=None)
+def load_words(vec: int, simulator: bool):
+    """A device function ``load(X, i, dst, o)``: words X[i … i + vec − 1] into ``dst[o …]``, in one instruction
+    for vec = 2 or 4 (8 or 16 bytes), a plain load for vec = 1."""
+    jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+    if vec == 1:
+        @jit
+        def load1(X, i, dst, o):
+            dst[o] = X[i]
+        return load1
+    wide = _wide_loads(simulator)[vec]
+    if vec == 2:
+        @jit
+        def load2(X, i, dst, o):
+            w0, w1 = wide(X, i)
+            dst[o] = w0
+            dst[o + 1] = w1
+        return load2
+
+    @jit
+    def load4(X, i, dst, o):
+        w0, w1, w2, w3 = wide(X, i)
+        dst[o] = w0
+        dst[o + 1] = w1
+        dst[o + 2] = w2
+        dst[o + 3] = w3
+    return load4
+
+
+# -- storage: a 32-bit word → float32 values, and back ---------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _converters(storage: str, simulator: bool):
+    """``unpack(word) -> (lo, hi)`` (float32 storage: (word, 0)) and ``pack(lo, hi) -> word`` (float32: lo)."""
+    from kernels_gpu.tensorcore import ptx
+    jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+    if storage == "float32":
+        @jit
+        def unpack(w):
+            return w, float32(0.0)
+
+        @jit
+        def pack(lo, hi):
+            return lo
+        return unpack, pack
+    if storage == "float16":
+        return ptx.unpack_f16x2, ptx.pack_f16x2
+    return ptx.unpack_bf16x2, ptx.pack_bf16x2
+
+
+@functools.lru_cache(maxsize=None)
+def butterfly_sum(n: int, lanes: int, simulator: bool):
+    """A device function ``butterfly(s, scratch, t)``: each of the ``n`` values of ``s`` summed over the ``lanes``
+    consecutive threads of this thread's group (lanes a power of two ≤ 32), every lane ending with the sums.
+
+    On the GPU: log2(lanes) stages of ``shfl.sync.bfly`` (each stage adds the value of lane ``lane ^ mask``); the
+    lanes' results are bitwise equal, since each stage adds the same two numbers in either order. The simulator
+    has no warp shuffles: there each stage exchanges all n values through shared memory (``scratch``, n floats per
+    thread) between two barriers, so every thread of the block must call it."""
+    if simulator:
+        @cuda.jit(device=True)
+        def butterfly_sim(s, scratch, t):
+            mask = 1
+            while mask < lanes:
+                for x in range(n):
+                    scratch[t * n + x] = s[x]
+                cuda.syncthreads()
+                for x in range(n):
+                    s[x] += scratch[(t ^ mask) * n + x]
+                cuda.syncthreads()
+                mask *= 2
+        return butterfly_sim
+
+    @cuda.jit(device=True, inline=True)
+    def butterfly(s, scratch, t):
+        mask = 1
+        while mask < lanes:
+            for x in range(n):
+                s[x] += cuda.shfl_xor_sync(0xFFFFFFFF, s[x], mask)
+            mask *= 2
+    return butterfly
+
+
+# -- the shape of a program ---------------------------------------------------------------------------------------
+
+class DecodeTiling(NamedTuple):
+    """How a split program spreads its work over threads (all compile-time constants of the kernel).
+
+    warps: warps per block; lanes: consecutive threads that share one key (a power of two ≤ 32); keys: keys a group
+    of ``lanes`` takes per step; rows: query rows per program (R = G·N_new, or a tile of them); vec: 32-bit words
+    per load (4: 16 bytes)."""
+
+    warps: int
+    lanes: int
+    keys: int
+    rows: int
+    vec: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def groups(self) -> int:
+        """Groups of ``lanes`` threads in a block: the keys a block reads side by side."""
+        return self.threads // self.lanes
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int = 4, warps: int | None = None) -> DecodeTiling:
+    """The tiling rule (documented constants, no search):
+
+    * rows: all R = G·N_new rows if R·max(d, d_v) ≤ 32·:data:`LANE_FLOATS`, else the most rows that fit (the
+      programs of the other row tiles read the same keys again);
+    * lanes: the fewest (a power of two) that keep each lane's slice of the query tile and of Õ within
+      :data:`LANE_FLOATS` floats (R = 4, d = 128: 16 lanes of 8 columns);
+    * vec: 4 words (16 bytes) when the caller's layout allows it (``vec``), fewer while a row has fewer chunks than
+      lanes (so every lane has a chunk);
+    * keys: as many as keep :data:`WORDS_IN_FLIGHT` words of K and V per lane in flight (1 to 8);
+    * warps: 4 on a GPU (1 in the simulator: faster), fewer if the groups' merge would not fit 48 KiB of shared
+      memory.
+    """
+    epw = 1 if storage == "float32" else 2
+    d_w, dv_w = d // epw, d_v // epw
+    width = max(d, d_v)
+    rows = R if R * width <= 32 * LANE_FLOATS else max(1, (32 * LANE_FLOATS) // width)
+    lanes = min(32, _pow2_at_least(-(-rows * width // LANE_FLOATS)))
+    while vec > 1 and (d_w % vec or dv_w % vec or -(-max(d_w, dv_w) // vec) < lanes):
+        vec //= 2
+    lanes = min(lanes, _pow2_at_least(-(-max(d_w, dv_w) // vec)))
+    words_per_key = vec * (-(-(d_w // vec) // lanes) + -(-(dv_w // vec) // lanes))
+    keys = max(1, min(8, WORDS_IN_FLIGHT // words_per_key))
+    if warps is None:
+        warps = 1 if rt.simulator_in_use() else 4
+    while warps > 1 and (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS - 32 * warps:
+        warps //= 2
+    if (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS:
+        raise ValueError(f"d_v = {d_v} is too large for the decoding kernels' shared memory (48 KiB)")
+    return DecodeTiling(warps, lanes, keys, rows, vec)
+
+
+# -- the split program ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int, causal: bool, simulator: bool):
+    """Compile-time specialisation of the split program: storage dtype, head sizes (d, d_v even for 16-bit
+    storage), tiling, page size (0: a contiguous cache), causal masking.
+
+    Grid (num_splits · row_tiles, H_kv, B); block ``tiling.threads``. Every argument array is flat: Qw, Kw, Vw
+    (words: float32, or uint32 of two 16-bit values), table, seqlens (int32/int64), Ow (words), L, Opart, Lpart
+    (float32)."""
+    WARPS, LPK, KB, RT, VEC = tiling
+    THREADS = 32 * WARPS
+    NG = THREADS // LPK                      # groups of LPK lanes per block
+    TK = NG * KB                             # keys a block takes per step
+    EPW = 1 if storage == "float32" else 2   # values per 32-bit word
+    D_W, DV_W = d // EPW, d_v // EPW
+    CH_K, CH_V = D_W // VEC, DV_W // VEC     # chunks of VEC words per row of K and of V
+    NCH_K, NCH_V = -(-CH_K // LPK), -(-CH_V // LPK)
+    QF, OF = NCH_K * VEC * EPW, NCH_V * VEC * EPW     # floats of a query row / of an output row per lane
+    KW, VW = NCH_K * VEC, NCH_V * VEC                  # words of a K row / of a V row per lane
+    # (local and shared array sizes must be compile-time constants: computed here, not in the kernel)
+    Q_REGS, O_REGS, S_REGS, KW_REGS, VW_REGS = RT * QF, RT * OF, RT * KB, KB * KW, KB * VW
+    SM_STATS, SM_O = NG * RT, NG * RT * d_v
+    PAGE = page
+    CAUSAL = causal
+    SCRATCH = THREADS * RT * KB if simulator else 1
+    WORD = float32 if storage == "float32" else uint32
+    NEG_INF = float32(-math.inf)
+    unpack, pack = _converters(storage, simulator)
+    load = load_words(VEC, simulator)
+    butterfly = butterfly_sum(RT * KB, LPK, simulator)
+    from kernels_gpu.tensorcore import ptx
+    ex2 = ptx.ex2
+
+    @cuda.jit
+    def decode_split(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
+                     max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2):
+        t = cuda.threadIdx.x
+        grp = t // LPK                               # this thread's group: the keys it loads
+        li = t - grp * LPK                           # its lane in the group: the chunks of a row it holds
+        split = cuda.blockIdx.x // row_tiles
+        r0 = (cuda.blockIdx.x - split * row_tiles) * RT
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        G = H_q // H_kv
+        # Sequence b's keys 0 … n − 1, clamped to the cache (lengths on the device are not checked by the host:
+        # a bad one gives a wrong answer, never a read outside the cache).
+        n = min(max(int64(seqlens[b]), int64(0)), capacity)
+        # This split's key blocks: [split·T // S, (split + 1)·T // S) of the T = ceil(n / block) blocks
+        # (fa2edu.inference.split_ranges), as keys [lo, hi).
+        T = (n + block - 1) // block
+        lo = (split * T // S) * block
+        hi = min(n, ((split + 1) * T // S) * block)
+        # GQA: row r of the tile is query head h·G + r // N_new, new token r % N_new; its flat row in q and O:
+        row_base = (b * H_q + h * G) * N_new + r0
+        scratch = cuda.shared.array(SCRATCH, float32)
+
+        # FA2 Alg. 1 line 4: this lane's slice of the R query rows, in registers, scaled by τ·log2(e) so that the
+        # softmax can use 2^x.
+        qf = cuda.local.array(Q_REGS, float32)
+        last = cuda.local.array(RT, int64)           # causal: the last key row r may see
+        for rr in range(RT):
+            r = r0 + rr
+            last[rr] = n - N_new + r % N_new
+            for u in range(NCH_K):
+                c = li + LPK * u
+                for v in range(VEC):
+                    lo_v = float32(0.0)
+                    hi_v = float32(0.0)
+                    if r < R and c < CH_K:
+                        lo_v, hi_v = unpack(Qw[(row_base + rr) * D_W + c * VEC + v])
+                    qf[rr * QF + (u * VEC + v) * EPW] = lo_v * scale2
+                    if EPW == 2:
+                        qf[rr * QF + (u * VEC + v) * EPW + 1] = hi_v * scale2
+        # FA2 Alg. 1 line 5: Õ = 0, ℓ = 0, m = −inf (this group's, over the keys it takes).
+        o = cuda.local.array(O_REGS, float32)
+        m = cuda.local.array(RT, float32)
+        l = cuda.local.array(RT, float32)
+        for x in range(RT * OF):
+            o[x] = 0.0
+        for rr in range(RT):
+            m[rr] = NEG_INF
+            l[rr] = 0.0
+        kw = cuda.local.array(KW_REGS, WORD)
+        vw = cuda.local.array(VW_REGS, WORD)
+        s = cuda.local.array(S_REGS, float32)
+
+        # FA2 Alg. 1 line 6: the split's keys, TK per step; group grp takes keys t0 + kk·NG + grp, so at each kk
+        # the groups of a warp read consecutive rows.
+        for t0 in range(lo, hi, TK):
+            # Alg. 1 line 7: load K_j and V_j rows — every load of the step issued before any value is used.
+            for kk in range(KB):
+                j = min(t0 + kk * NG + grp, hi - 1)   # past the split: a key of the split again, masked below
+                if PAGE > 0:
+                    # PagedAttention: logical page j // PAGE of sequence b is physical page table[b, j // PAGE].
+                    p = j // PAGE
+                    phys = min(max(int64(table[b * max_pages + p]), int64(0)), num_pages - 1)
+                    k_row = phys * k_so + h * k_sh + (j - p * PAGE) * k_sn
+                    v_row = phys * v_so + h * v_sh + (j - p * PAGE) * v_sn
+                else:
+                    k_row = b * k_so + h * k_sh + j * k_sn
+                    v_row = b * v_so + h * v_sh + j * v_sn
+                for u in range(NCH_K):
+                    c = li + LPK * u
+                    if c < CH_K:
+                        load(Kw, k_row + c * VEC, kw, (kk * NCH_K + u) * VEC)
+                    else:
+                        for v in range(VEC):
+                            kw[(kk * NCH_K + u) * VEC + v] = 0
+                for u in range(NCH_V):
+                    c = li + LPK * u
+                    if c < CH_V:
+                        load(Vw, v_row + c * VEC, vw, (kk * NCH_V + u) * VEC)
+                    else:
+                        for v in range(VEC):
+                            vw[(kk * NCH_V + u) * VEC + v] = 0
+            # Alg. 1 line 8: S = (τ Q) K_jᵀ — each lane its slice of d, for the R rows and the KB keys ...
+            for x in range(RT * KB):
+                s[x] = 0.0
+            for kk in range(KB):
+                for w in range(KW):
+                    k_lo, k_hi = unpack(kw[kk * KW + w])
+                    for rr in range(RT):
+                        acc = s[rr * KB + kk] + qf[rr * QF + w * EPW] * k_lo
+                        if EPW == 2:
+                            acc += qf[rr * QF + w * EPW + 1] * k_hi
+                        s[rr * KB + kk] = acc
+            # ... then summed over the group's lanes: every lane ends with the R × KB scores.
+            butterfly(s, scratch, t)
+            # Keys past the split, and (causal) keys after a row's last visible key, get −inf.
+            for kk in range(KB):
+                j = t0 + kk * NG + grp
+                for rr in range(RT):
+                    if j >= hi or (CAUSAL and j > last[rr]):
+                        s[rr * KB + kk] = NEG_INF
+            # Alg. 1 line 9: m_new = max(m, rowmax S), P̃ = 2^(S − m_new), ℓ = 2^(m − m_new) ℓ + rowsum P̃.
+            for rr in range(RT):
+                mx = m[rr]
+                for kk in range(KB):
+                    mx = max(mx, s[rr * KB + kk])
+                # Guard m = −inf (no key seen yet): subtract 0 instead, so every exponential is exactly 0.
+                m_use = float32(0.0) if mx == NEG_INF else mx
+                alpha = ex2(m[rr] - m_use)
+                ls = float32(0.0)
+                for kk in range(KB):
+                    p = ex2(s[rr * KB + kk] - m_use)
+                    s[rr * KB + kk] = p
+                    ls += p
+                l[rr] = alpha * l[rr] + ls
+                m[rr] = mx
+                # Alg. 1 line 10, first half: Õ = diag(2^(m − m_new)) Õ (skipped when the maximum did not move).
+                if alpha != 1.0:
+                    for x in range(OF):
+                        o[rr * OF + x] *= alpha
+            # Alg. 1 line 10, second half: Õ += P̃ V_j, this lane's columns of V.
+            for kk in range(KB):
+                for w in range(VW):
+                    v_lo, v_hi = unpack(vw[kk * VW + w])
+                    for rr in range(RT):
+                        p = s[rr * KB + kk]
+                        o[rr * OF + w * EPW] += p * v_lo
+                        if EPW == 2:
+                            o[rr * OF + w * EPW + 1] += p * v_hi
+
+        # The NG groups merge by the (m, ℓ) rule (FA1 Section 3.1) through shared memory.
+        sm_m = cuda.shared.array(SM_STATS, float32)
+        sm_l = cuda.shared.array(SM_STATS, float32)
+        sm_o = cuda.shared.array(SM_O, float32)
+        if li == 0:
+            for rr in range(RT):
+                sm_m[grp * RT + rr] = m[rr]
+                sm_l[grp * RT + rr] = l[rr]
+        for rr in range(RT):
+            for u in range(NCH_V):
+                c = li + LPK * u
+                if c < CH_V:
+                    for x in range(VEC * EPW):
+                        sm_o[(grp * RT + rr) * d_v + c * VEC * EPW + x] = o[rr * OF + u * VEC * EPW + x]
+        cuda.syncthreads()
+        # One thread per (row, output word): M = max_g m_g, ℓ = Σ_g 2^(m_g − M) ℓ_g, O = Σ_g 2^(m_g − M) Õ_g / ℓ
+        # (Alg. 1 lines 12-13; ℓ = 0 means the split saw no key for this row: O = 0, L = +inf).
+        for e in range(t, RT * DV_W, THREADS):
+            rr = e // DV_W
+            w = e - rr * DV_W
+            r = r0 + rr
+            if r < R:
+                M = NEG_INF
+                for g in range(NG):
+                    M = max(M, sm_m[g * RT + rr])
+                M_use = float32(0.0) if M == NEG_INF else M
+                lt = float32(0.0)
+                a_lo = float32(0.0)
+                a_hi = float32(0.0)
+                for g in range(NG):
+                    wgt = ex2(sm_m[g * RT + rr] - M_use)
+                    lt += wgt * sm_l[g * RT + rr]
+                    a_lo += wgt * sm_o[(g * RT + rr) * d_v + w * EPW]
+                    if EPW == 2:
+                        a_hi += wgt * sm_o[(g * RT + rr) * d_v + w * EPW + 1]
+                inv = float32(0.0) if lt == 0.0 else float32(1.0) / lt
+                L_r = float32(math.inf) if lt == 0.0 else float32(LN2) * (M + math.log2(lt))
+                if S == 1:
+                    # Alg. 1 lines 14-15: the only split: O and L, once.
+                    Ow[(row_base + rr) * DV_W + w] = pack(a_lo * inv, a_hi * inv)
+                    if w == 0:
+                        L[row_base + rr] = L_r
+                else:
+                    # Flash-Decoding: this split's partial (O_s, L_s), float32, merged by merge_kernel.
+                    part = ((b * H_kv + h) * S + split) * R + r
+                    Opart[part * d_v + w * EPW] = a_lo * inv
+                    if EPW == 2:
+                        Opart[part * d_v + w * EPW + 1] = a_hi * inv
+                    if w == 0:
+                        Lpart[part] = L_r
+
+    return decode_split
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel(storage: str, d_v: int, simulator: bool):
+    """Flash-Decoding's reduction: the S partials (O_s, L_s) of each output row merged by the log-sum-exp rule of
+    :func:`fa2edu.merge_attention_states` — L = M + log Σ_s e^{L_s − M} with M = max_s L_s, O = Σ_s e^{L_s − L} O_s;
+    splits with L_s = +inf (no key) are skipped; rows with no key at all get O = 0, L = +inf.
+
+    One warp per output row (:data:`MERGE_WARPS` per block), lane k owning words k, k + 32, … of the row (coalesced).
+    Row x = (b·H_kv + h)·R + r is also O's flat row (b·H_q + h·G)·N_new + r. Reads S·(d_v + 1) floats per row."""
+    EPW = 1 if storage == "float32" else 2
+    DV_W = d_v // EPW
+    WPL = -(-DV_W // 32)
+    ACC = 2 * WPL
+    unpack, pack = _converters(storage, simulator)
+
+    @cuda.jit
+    def decode_merge(Opart, Lpart, Ow, L, rows, R, S):
+        x = cuda.blockIdx.x * MERGE_WARPS + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        if x >= rows:
+            return
+        base = (x // R) * R * S + x % R            # partial of split s: base + s·R
+        M = float32(-math.inf)
+        for sp in range(S):
+            L_s = Lpart[base + sp * R]
+            if L_s != math.inf:
+                M = max(M, L_s)
+        if M == -math.inf:
+            # No split saw a key: the merge of identities is the identity.
+            for q in range(WPL):
+                w = lane + 32 * q
+                if w < DV_W:
+                    Ow[x * DV_W + w] = pack(float32(0.0), float32(0.0))
+            if lane == 0:
+                L[x] = math.inf
+            return
+        acc = cuda.local.array(ACC, float32)
+        for q in range(2 * WPL):
+            acc[q] = 0.0
+        tot = float32(0.0)
+        for sp in range(S):
+            L_s = Lpart[base + sp * R]
+            if L_s != math.inf:
+                wgt = math.exp(L_s - M)              # every exponent ≤ 0: no overflow
+                tot += wgt
+                for q in range(WPL):
+                    w = lane + 32 * q
+                    if w < DV_W:
+                        acc[2 * q] += wgt * Opart[(base + sp * R) * d_v + w * EPW]
+                        if EPW == 2:
+                            acc[2 * q + 1] += wgt * Opart[(base + sp * R) * d_v + w * EPW + 1]
+        inv = float32(1.0) / tot
+        for q in range(WPL):
+            w = lane + 32 * q
+            if w < DV_W:
+                Ow[x * DV_W + w] = pack(acc[2 * q] * inv, acc[2 * q + 1] * inv)
+        if lane == 0:
+            L[x] = M + math.log(tot)
+
+    return decode_merge
+
+
+# -- the split rule --------------------------------------------------------------------------------------------------
+
+def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
+    """The split count when the caller gives none: enough programs to fill the GPU's resident slots.
+
+    ``programs`` = B · H_kv · row tiles (one program each without splitting); ``slots`` = the blocks the GPU holds
+    at once (SMs × resident blocks per SM, the occupancy calculator's answer; in the simulator 2 × 132, an H100's
+    SMs). The candidates are S = 1 … S_max, S_max = min(ceil(n_max / block), ceil(n_max / :data:`MIN_SPLIT_KEYS`))
+    (a split is at least one key block and, when there are enough keys, at least MIN_SPLIT_KEYS of them). If all
+    S_max · programs fit the slots at once, S = S_max: more, shorter programs finish sooner. Otherwise the rule of
+    :func:`fa2edu.inference.default_num_splits` with ``sms = slots``: the fewest splits whose slot utilisation is
+    within 90 % of the best. Examples on an H100 (8 KV heads, 128 threads a block, ~4 resident blocks per SM):
+    batch 1 at 16k keys in 256-key pages → 64 splits; batch 8 → 8; batch 32 → 2.
+    """
+    if n_max <= 0 or programs < 1:
+        return 1
+    s_max = max(1, min(-(-n_max // block), -(-n_max // MIN_SPLIT_KEYS)))
+    if s_max == 1:
+        return 1
+    if programs * s_max <= slots:
+        return s_max
+    return _utilisation_rule(programs, 1, s_max, sms=slots)
+
+
+# -- arguments ------------------------------------------------------------------------------------------------------
+
+def _positive(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name} must be at least 1, got {x}")
+    return int(x)
+
+
+def _check_shapes(q, k, v, seq, table, block_size):
+    """The shape rules of :func:`fa2edu.inference.check_decode_inputs`, on shapes alone (device arrays too)."""
+    for t, text in ((q, "(B, H_q, N_new, d)"), (k, "(B, H_kv, N_max, d) or (num_pages, H_kv, page_size, d)"),
+                    (v, "(B, H_kv, N_max, d_v) or (num_pages, H_kv, page_size, d_v)")):
+        if len(t.shape) != 4:
+            raise ValueError(f"{t.name} must have shape {text}, got shape {t.shape}")
+        if 0 in t.shape:
+            raise ValueError(f"{t.name} must not be empty, got shape {t.shape}")
+    B, H_q, _, d = q.shape
+    if k.shape[3] != d:
+        raise ValueError(f"k_cache's head dimension must equal q's: q has d = {d}, k_cache has {k.shape[3]}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache in every axis but the last: k_cache {k.shape}, "
+                         f"v_cache {v.shape}")
+    H_kv = k.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"the number of query heads H_q = {H_q} must be a multiple of the number of key/value "
+                         f"heads H_kv = {H_kv} (GQA/MQA)")
+    if seq.shape != (B,):
+        raise ValueError(f"cache_seqlens must have shape (B,) = ({B},), one length per sequence of q; got "
+                         f"{seq.shape}")
+    if table is None:
+        if k.shape[0] != B:
+            raise ValueError(f"a contiguous k_cache must have q's batch size B = {B} in axis 0, got {k.shape[0]} "
+                             f"(for a paged cache, pass block_table)")
+    else:
+        if block_size is not None:
+            raise ValueError("block_size applies to a contiguous cache; a paged cache's key block is its page")
+        if len(table.shape) != 2 or table.shape[0] != B:
+            raise ValueError(f"block_table must have shape (B, max_pages) with B = {B}, got {table.shape}")
+
+
+def _host_index_values(ix: io.Index, validate: bool) -> np.ndarray | None:
+    """The host values of an index operand to check (device ones only when ``validate``: a synchronising copy)."""
+    if ix.host is not None:
+        return ix.host
+    if not validate:
+        return None
+    if ix.flat.keep is not None and type(ix.flat.keep).__module__.startswith("torch"):
+        return ix.flat.keep.cpu().numpy()
+    return np.asarray(cuda.as_cuda_array(ix.flat.keep).copy_to_host())
+
+
+class _Call(NamedTuple):
+    """Everything one decoding call launches with (built by :func:`_prepare`)."""
+
+    kind: str
+    storage: str
+    out: io.Outputs
+    stream: int
+    Qw: io.Flat
+    Kw: io.Flat
+    Vw: io.Flat
+    table: io.Flat
+    seqlens: io.Flat
+    B: int
+    H_q: int
+    H_kv: int
+    N_new: int
+    d: int
+    d_v: int
+    d_v_user: int
+    R: int
+    tiling: DecodeTiling
+    row_tiles: int
+    page: int
+    block: int
+    max_pages: int
+    num_pages: int
+    capacity: int
+    n_max: int
+    k_strides: tuple
+    v_strides: tuple
+    scale2: float
+    causal: bool
+    num_splits: int | None
+
+
+def _words_view(t: io.Tensor, name: str) -> tuple[io.Flat, tuple, int]:
+    """A device operand as a flat word array (float32, or uint32 pairs of 16-bit values) with its strides in
+    words, and the widest load (words) its alignment allows."""
+    epw = 1 if t.storage == "float32" else 2
+    if epw == 2 and (t.strides[-1] != 1 or any(s % 2 for s in t.strides[:-1]) or t.shape[-1] % 2 or t.ptr % 4):
+        raise ValueError(f"{name} (16-bit) must have an even head dimension, a contiguous last axis, even strides "
+                         f"and 4-byte aligned data, got shape {t.shape}, strides {t.strides}")
+    if t.strides[-1] != 1:
+        raise ValueError(f"{name} must have a contiguous last axis (stride 1), got strides {t.strides}")
+    flat = io.device_flat(t, np.float32 if epw == 1 else np.uint32)
+    strides = tuple(s // epw for s in t.strides)
+    vec = 4
+    while vec > 1 and (t.ptr % (4 * vec) or any(s % vec for s in strides[:-1])):
+        vec //= 2
+    return flat, strides, vec
+
+
+def _host_values(t: io.Tensor) -> np.ndarray:
+    """A host operand's values (bfloat16 bits decoded), for checks."""
+    if t.storage == "bfloat16":
+        return (t.host.astype(np.uint32) << 16).view(np.float32)
+    return t.host
+
+
+def _host_words(x: np.ndarray, storage: str, pad_to: int) -> tuple[io.Flat, tuple]:
+    """A host operand (bits from :func:`io.host_bits`) padded with zeros to ``pad_to`` columns, on the device as
+    words; strides in words."""
+    if x.shape[-1] < pad_to:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad_to - x.shape[-1],), x.dtype)], axis=-1)
+    view = np.float32 if storage == "float32" else np.uint32
+    words = np.ascontiguousarray(x).view(view)
+    flat = io._numba_flat(cuda.to_device(words))
+    strides = tuple(s // 4 for s in words.strides)
+    return flat, strides
+
+
+def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size, validate):
+    rt.require_device()
+    tq, tk, tv = io.tensor(q, "q"), io.tensor(k_cache, "k_cache"), io.tensor(v_cache, "v_cache")
+    kind = io.check_kinds(tq, tk, tv)
+    storage = tq.storage
+    seq = io.index(cache_seqlens, "cache_seqlens", 1)
+    table = None if block_table is None else io.index(block_table, "block_table", 2)
+    _check_shapes(tq, tk, tv, seq, table, block_size)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if validate is not None and not isinstance(validate, (bool, np.bool_)):
+        raise TypeError(f"validate must be None, True or False, got {validate!r}")
+    B, H_q, N_new, d = tq.shape
+    H_kv, d_v = tk.shape[1], tv.shape[3]
+    tau = check_scale(scale, d)
+    if num_splits is not None:
+        num_splits = _positive(num_splits, "num_splits")
+    paged = table is not None
+    if paged:
+        page = tk.shape[2]
+        block = page
+        max_pages, num_pages = table.shape[1], tk.shape[0]
+        capacity = max_pages * page
+    else:
+        page = 0
+        block = decode_block_size(d) if block_size is None else _positive(block_size, "block_size")
+        max_pages, num_pages, capacity = 1, 1, tk.shape[2]
+    # Index values: host ones are checked by fa2edu's rules (the same errors as fa2edu.decode_attention), with
+    # stand-ins for q, k, v (their shapes are checked above; their values need not be read for this).
+    seq_vals = _host_index_values(seq, bool(validate))
+    table_vals = None if table is None else _host_index_values(table, bool(validate))
+    if seq_vals is not None:
+        stand = [np.broadcast_to(np.float32(0.0), t.shape) for t in (tq, tk, tv)]
+        # a device block table left unchecked: zeros stand in (page 0 exists), so only the lengths are checked
+        tv_ = None if table is None else (table_vals if table_vals is not None else np.zeros(table.shape, np.int64))
+        checked = check_decode_inputs(stand[0], stand[1], stand[2], seq_vals, tv_, bool(causal), tau,
+                                      1 if num_splits is None else num_splits, None if paged else block)
+        n_max = int(checked.cache_seqlens.max(initial=0))
+    else:
+        # Device lengths, unchecked: the split rule plans for the longest length the cache can hold.
+        n_max = capacity
+    seq_flat = seq.flat if seq.host is None else io.upload_index(seq.host, "cache_seqlens")
+    if table is None:
+        table_flat = seq_flat                       # (never read by a contiguous cache's kernel)
+    elif table.host is None:
+        table_flat = table.flat
+    else:
+        used = np.array(table.host, dtype=np.int64)
+        if seq_vals is not None:                    # entries past a length are never read: any value may be there
+            for b in range(B):
+                used[b, -(-int(seq_vals[b]) // page):] = 0
+        table_flat = io.upload_index(np.clip(used, -2**31, 2**31 - 1), "block_table")
+    out = io.Outputs(kind, getattr(q, "device", None))
+    if tq.on_device:
+        (Qw, _, _), (Kw, k_strides, vec_k), (Vw, v_strides, vec_v) = (
+            _words_view(t, name) for t, name in ((tq, "q"), (tk, "k_cache"), (tv, "v_cache")))
+        if tq.strides != (H_q * N_new * d, N_new * d, d, 1):
+            raise ValueError(f"q must be C-contiguous on the device (it is small: .contiguous() is cheap), got "
+                             f"strides {tq.strides}")
+        vec = min(vec_k, vec_v)
+        d_pad, dv_pad = d, d_v
+    else:
+        if not np.isfinite(_host_values(tq)).all():
+            raise ValueError("q contains NaN or infinite values; attention inputs must be finite")
+        epw = 1 if storage == "float32" else 2
+        d_pad, dv_pad = -(-d // epw) * epw, -(-d_v // epw) * epw     # 16-bit: even head sizes (zero columns)
+        hq = io.host_bits(tq.host, storage)
+        if storage == "float32" and tq.host.dtype == np.float64 and np.any(np.isfinite(tq.host) & ~np.isfinite(hq)):
+            raise ValueError("q has values beyond the range of float32: it cannot be stored as float32")
+        Qw, _ = _host_words(hq, storage, d_pad)
+        Kw, k_strides = _host_words(io.host_bits(tk.host, storage), storage, d_pad)
+        Vw, v_strides = _host_words(io.host_bits(tv.host, storage), storage, dv_pad)
+        vec = 4
+    R = (H_q // H_kv) * N_new
+    tiling = decode_tiling(storage, d_pad, dv_pad, R, vec)
+    row_tiles = -(-R // tiling.rows)
+    return _Call(kind, storage, out, io.stream_of(kind, getattr(q, "device", None)), Qw, Kw, Vw, table_flat,
+                 seq_flat, B, H_q, H_kv, N_new, d_pad, dv_pad, d_v, R, tiling, row_tiles, page, block, max_pages,
+                 num_pages, capacity, n_max, k_strides[:3], v_strides[:3], float(tau) * LOG2E, bool(causal),
+                 num_splits)
+
+
+def _slots(kernel, args, threads: int) -> int:
+    """Resident blocks of the split kernel: the occupancy calculator's answer on a GPU, 2 × 132 in the simulator."""
+    if rt.simulator_in_use():
+        return 2 * DECODE_SMS
+    return io.resident_blocks(kernel, args, threads)
+
+
+def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
+    i64 = np.int64
+    return (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
+            i64(c.R), i64(S), i64(c.row_tiles), i64(c.block), i64(c.max_pages), i64(c.num_pages), i64(c.capacity),
+            *(i64(s) for s in c.k_strides), *(i64(s) for s in c.v_strides), np.float32(c.scale2))
+
+
+def _run(c: _Call, partials_out: bool = False):
+    """Launch the split program (and the merge when S > 1); returns (O, L[, O_part, L_part, S])."""
+    simulator = rt.simulator_in_use()
+    kernel = split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator)
+    view = np.float32 if c.storage == "float32" else np.uint32
+    O_user, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, view)
+    L_user, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
+    S = c.num_splits
+    if S is None:
+        probe = _split_args(c, 1, Ow, Lf, Lf, Lf)
+        S = default_num_splits(c.B * c.H_kv * c.row_tiles, c.n_max, c.block,
+                               _slots(kernel, probe, c.tiling.threads))
+    if partials_out and S < 2:
+        raise ValueError("partials exist only with num_splits >= 2")
+    if S > 1:
+        # Flash-Decoding: S partials (O_s, L_s) per output row, float32
+        n_rows = c.B * c.H_kv * S * c.R
+        if partials_out:
+            P_user, Opart = c.out.empty((n_rows * c.d_v,), "float32")
+            PL_user, Lpart = c.out.empty((n_rows,), "float32")
+        else:
+            Opart, Lpart = c.out.scratch(n_rows * c.d_v), c.out.scratch(n_rows)
+    else:
+        Opart = Lpart = Lf                          # (not written: the single split writes O and L)
+    args = _split_args(c, S, Ow, Lf, Opart, Lpart)
+    grid = (S * c.row_tiles, c.H_kv, c.B)
+    io.launch(kernel, grid, c.tiling.threads, c.stream, args)
+    if S > 1:
+        merge = merge_kernel(c.storage, c.d_v, simulator)
+        rows = c.B * c.H_kv * c.R
+        io.launch(merge, (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS, c.stream,
+                  (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)))
+    O = c.out.finish(O_user, c.storage)
+    if c.d_v != c.d_v_user:
+        O = O[..., :c.d_v_user]
+    L = c.out.finish(L_user, "float32")
+    if partials_out:
+        return O, L, c.out.finish(P_user, "float32"), c.out.finish(PL_user, "float32"), S
+    return O, L
+
+
+# -- the public functions ----------------------------------------------------------------------------------------
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
+                     num_splits=None, *, block_size=None, validate=None) -> DecodeResult:
+    """Attention of N_new new tokens per sequence to a KV cache on the GPU: split-KV (Flash-Decoding), contiguous
+    or paged (PagedAttention), GQA — :func:`fa2edu.decode_attention`'s semantics (see the module header for the
+    kernels).
+
+    Parameters
+    ----------
+    q : array, shape (B, H_q, N_new, d)
+        Queries of the new tokens (their keys and values are already the last N_new entries of each sequence's
+        cache). float32, float16 or bfloat16 (PyTorch); NumPy float64 is stored as float32. On the device: C-contiguous.
+    k_cache : array, shape (B, H_kv, N_max, d) or (num_pages, H_kv, page_size, d)
+        Cached keys, contiguous per sequence or paged (with ``block_table``); q's kind and dtype. Device arrays are
+        read in place and may be strided (last axis contiguous; 16-byte loads when strides and alignment allow).
+    v_cache : array, shape (B, H_kv, N_max, d_v) or (num_pages, H_kv, page_size, d_v)
+        Cached values, laid out as ``k_cache``.
+    cache_seqlens : array of int, shape (B,)
+        Keys per sequence, new tokens included (0 … the capacity). Host data (NumPy, list, CPU tensor) is checked
+        with fa2edu's rules; device data (int32/int64) is used as is (see ``validate``).
+    block_table : array of int, shape (B, max_pages), optional
+        Paged cache: sequence b's logical page p is physical page ``block_table[b, p]``; entries past a
+        sequence's length are never read. None: a contiguous cache.
+    causal : bool, default True
+        Bottom-right causal within each sequence: new token t sees keys j ≤ cache_seqlens[b] − N_new + t.
+    scale : float, optional
+        The softmax scale τ; default 1/√d.
+    num_splits : int, optional
+        Splits per sequence (Flash-Decoding); each is a range of whole key blocks (pages, or ``block_size`` keys),
+        cut by :func:`fa2edu.inference.split_ranges`. Default: :func:`default_num_splits`.
+    block_size : int, optional
+        Keys per block of a contiguous cache (the unit of the split cut); default
+        :func:`fa2edu.inference.decode_block_size` (as fa2edu). Not allowed with a paged cache.
+    validate : bool, optional
+        Check device ``cache_seqlens``/``block_table`` values on the host (a synchronising copy). Default None:
+        host index data is always checked; device index data is not (the kernel clamps lengths to the cache and
+        page ids to [0, num_pages), so a bad value gives a wrong result, never a read outside the cache), and the
+        split rule then plans for the cache's capacity as the longest length.
+
+    Returns
+    -------
+    DecodeResult
+        ``(O, L)``: O (B, H_q, N_new, d_v) in the storage dtype, L (B, H_q, N_new) float32 (+inf where a token
+        sees no key), in the caller's kind: CUDA tensors, numba device arrays, NumPy arrays or CPU tensors.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, H_q not a multiple of H_kv, lengths out of range, a block table naming a page the cache does
+        not have or too short for a length, num_splits or block_size < 1, non-finite q (host data).
+    TypeError
+        Unsupported array kinds or dtypes, mixed kinds or dtypes, a non-bool ``causal``.
+
+    Notes
+    -----
+    Cost per (sequence, KV head): reads n_b·(d + d_v) cache elements once, whatever G and the split count;
+    2·G·N_new·n_b·(d + d_v) FLOPs; with S > 1 splits, S·G·N_new·(d_v + 1) partial floats written and read back.
+
+    References
+    ----------
+    T. Dao, D. Haziza, F. Massa, G. Sizov, "Flash-Decoding for long-context inference", 2023. W. Kwon et al.,
+    "Efficient Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023.
+    T. Dao, "FlashAttention-2", 2023, Algorithm 1.
+    """
+    call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size,
+                    validate)
+    O, L = _run(call)
+    return DecodeResult(O, L)
+
+
+def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
+                          num_splits=2, *, block_size=None, validate=None):
+    """The split program alone (for inspection and tests): ``(O_s, L_s, S)`` with O_s (S, B, H_q, N_new, d_v) and
+    L_s (S, B, H_q, N_new) float32 — split s's attention over its own key blocks (O_s = 0, L_s = +inf where it saw
+    no key), before the merge. Arguments as :func:`decode_attention`; ``num_splits`` ≥ 2."""
+    call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size,
+                    validate)
+    if call.num_splits is None or call.num_splits < 2:
+        raise ValueError("decode_split_partials needs num_splits >= 2 (a single split writes no partials)")
+    *_, P, PL, S = _run(call, partials_out=True)
+    B, H_kv, R, d_v = call.B, call.H_kv, call.R, call.d_v
+    G = call.H_q // H_kv
+
+    def arrange(x, tail):
+        # kernel order (b, h, s, r = g·N_new + t, …) → (s, b, h·G + g, t, …)
+        x = x.reshape((B, H_kv, S, G, call.N_new) + tail)
+        perm = (2, 0, 1, 3, 4) + tuple(range(5, 5 + len(tail)))
+        x = x.permute(perm) if hasattr(x, "permute") else np.transpose(x, perm)
+        return x.reshape((S, B, call.H_q, call.N_new) + tail)
+    O_s = arrange(P, (d_v,))
+    if d_v != call.d_v_user:
+        O_s = O_s[..., :call.d_v_user]
+    return O_s, arrange(PL, ()), S
+
+
+def merge_split_partials(O_s, L_s):
+    """Merge partials (O_s (S, …, d_v), L_s (S, …), float32 NumPy) with :func:`merge_kernel` (the decode merge
+    launch, float32 storage), for tests and the book: returns (O (…, d_v), L (…)), NumPy."""
+    rt.require_device()
+    O_s, L_s = np.asarray(O_s, dtype=np.float32), np.asarray(L_s, dtype=np.float32)
+    if O_s.ndim < 2 or L_s.shape != O_s.shape[:-1]:
+        raise ValueError(f"O_s must be (S, ..., d_v) and L_s (S, ...): got {O_s.shape} and {L_s.shape}")
+    S, d_v = O_s.shape[0], O_s.shape[-1]
+    lead = O_s.shape[1:-1]
+    rows = int(np.prod(lead))
+    # kernel order: partial of (row x, split s) at x·S + s with R = 1 (each row its own group)
+    Op = np.ascontiguousarray(np.moveaxis(O_s.reshape(S, rows, d_v), 0, 1)).reshape(-1)
+    Lp = np.ascontiguousarray(np.moveaxis(L_s.reshape(S, rows), 0, 1)).reshape(-1)
+    out = io.Outputs("numpy")
+    O_user, Ow = out.empty((rows, d_v), "float32")
+    L_user, Lf = out.empty((rows,), "float32")
+    args = (io._numba_flat(cuda.to_device(Op)), io._numba_flat(cuda.to_device(Lp)), Ow, Lf, np.int64(rows),
+            np.int64(1), np.int64(S))
+    io.launch(merge_kernel("float32", d_v, rt.simulator_in_use()), (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS,
+              0, args)
+    return O_user.copy_to_host().reshape(lead + (d_v,)), L_user.copy_to_host().reshape(lead)
