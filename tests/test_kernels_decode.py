@@ -1,0 +1,377 @@
+"""kernels_gpu.decode_attention and kernels_gpu.varlen_attention in numba's CUDA simulator, against the float64 oracle.
+
+What these tests prove (small shapes: the simulator runs every thread as a Python thread):
+
+* decode_attention equals the oracle run on each sequence alone, O and L, for paged caches (pages in a shuffled
+  physical order, unused entries NaN so that a stray read shows) and contiguous ones, ragged lengths including 0
+  (O = 0, L = +inf) and the full capacity, N_new > 1 with bottom-right causal masking (a token that sees no key),
+  GQA groups 1, 2, 4, 8, num_splits from 1 to more than the key blocks and the default rule, float32, float16 and
+  bfloat16 storage (bfloat16 as PyTorch CPU tensors), odd head sizes, several row tiles, numba device arrays in and
+  out; outputs are NaN-poisoned before every launch;
+* each split's partial (O_s, L_s) is the oracle on that split's key blocks (the cut of fa2edu.split_ranges), the
+  merge of the partials by fa2edu.merge_attention_states is the call's answer, and the merge launch equals that
+  rule on partials with empty splits (O = 0, L = +inf) — never NaN;
+* the split-count and tiling rules give their documented values;
+* varlen_attention equals the oracle per sequence (empty sequences, n_q ≠ n_k, causal, GQA, three storage dtypes),
+  and its block map covers every row block once, the most work first;
+* bad block tables, lengths out of range, non-monotone offsets, mismatched dtypes and shapes get clear errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tolerances import assert_close_to_oracle, baseline_error
+
+import fa2edu
+import kernels_gpu
+import kernels_gpu.runtime as rt
+from fa2edu.inference import split_ranges
+from kernels_gpu import decode, varlen
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+# -- problems ----------------------------------------------------------------------------------------------------
+
+def decode_case(seed, *, paged, B, H_kv, G, N_new, d, d_v, block, blocks, lengths, dtype=np.float32):
+    """q, a cache (paged: ``blocks`` pages per sequence of ``block`` keys, shuffled, unused entries NaN;
+    contiguous: capacity block·blocks), the lengths, and each sequence's keys and values for the oracle."""
+    rng = np.random.default_rng(seed)
+    capacity = block * blocks
+    seqlens = np.array([capacity if n == "full" else n for n in lengths], dtype=np.int64)
+    q = rng.standard_normal((B, H_kv * G, N_new, d)).astype(dtype)
+    keys = [rng.standard_normal((H_kv, n, d)).astype(dtype) for n in seqlens]
+    values = [rng.standard_normal((H_kv, n, d_v)).astype(dtype) for n in seqlens]
+    if paged:
+        num_pages = B * blocks + 2
+        k_cache = np.full((num_pages, H_kv, block, d), np.nan, dtype=dtype)
+        v_cache = np.full((num_pages, H_kv, block, d_v), np.nan, dtype=dtype)
+        table = rng.permutation(num_pages)[:B * blocks].reshape(B, blocks)
+        for b, n in enumerate(seqlens):
+            for p in range(-(-int(n) // block)):
+                rows = slice(p * block, min((p + 1) * block, int(n)))
+                k_cache[table[b, p], :, :rows.stop - rows.start] = keys[b][:, rows]
+                v_cache[table[b, p], :, :rows.stop - rows.start] = values[b][:, rows]
+            table[b, -(-int(n) // block):] = -1                   # unused entries: never read
+    else:
+        k_cache = np.full((B, H_kv, capacity, d), np.nan, dtype=dtype)
+        v_cache = np.full((B, H_kv, capacity, d_v), np.nan, dtype=dtype)
+        for b, n in enumerate(seqlens):
+            k_cache[b, :, :n], v_cache[b, :, :n] = keys[b], values[b]
+        table = None
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=table, keys=keys,
+                values=values, block=block)
+
+
+def check_against_oracle(case, O, L, *, causal=True, scale=None, storage="float32"):
+    """Per sequence: O and L against the float64 oracle, within 2× the same-storage standard attention's error
+    plus a floor (float32 storage: 2× float32's error)."""
+    q = case["q"]
+    O = np.asarray(O, dtype=np.float64)
+    L = np.asarray(L, dtype=np.float64)
+    assert not np.isnan(O).any() and not np.isnan(L).any()
+    for b, (K_b, V_b) in enumerate(zip(case["keys"], case["values"])):
+        if K_b.shape[-2] == 0:
+            np.testing.assert_array_equal(O[b], 0.0)          # an idle slot: no key to see
+            assert np.isposinf(L[b]).all()
+            continue
+        q_b, K64, V64 = (x.astype(np.float64) for x in (q[b], K_b, V_b))
+        O_ref, L_ref = fa2edu.attention_reference(q_b, K64, V64, causal=causal, scale=scale)
+        low = {"float32": np.float32, "float16": np.float16}.get(storage, np.float16)
+        base = fa2edu.standard_attention(q_b.astype(np.float32), K64.astype(np.float32), V64.astype(np.float32),
+                                         causal=causal, scale=scale).O
+        baseline = baseline_error(base.astype(low), O_ref)
+        if storage == "bfloat16":
+            baseline = max(baseline, 4e-3 * float(np.abs(O_ref).max(initial=1.0)))   # bfloat16's rounding of O
+        assert_close_to_oracle(O[b], O_ref, f"O[{b}]", dtype=np.float32 if storage == "float32" else np.float16,
+                               baseline=baseline)
+        L_size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
+        assert_close_to_oracle(L[b], L_ref, f"L[{b}]", dtype=np.float32, baseline=2e-6 * max(1.0, L_size))
+
+
+def run_decode(case, **kw):
+    table = case["block_table"]
+    kwargs = dict(block_table=table)
+    if table is None:
+        kwargs["block_size"] = case["block"]
+    kwargs.update(kw)
+    return kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                        **kwargs)
+
+
+# -- decode: exactness ------------------------------------------------------------------------------------------
+
+DECODE_CASES = {
+    # paged, GQA 2, an idle slot and a full one, more splits than some sequences' pages
+    "paged-f32-gqa2": (dict(paged=True, B=3, H_kv=2, G=2, N_new=1, d=8, d_v=8, block=4, blocks=4,
+                            lengths=[0, "full", 9]), dict(num_splits=3)),
+    # paged float16, GQA 4, two new tokens (one sequence shorter than N_new: its first token sees nothing)
+    "paged-f16-gqa4-new2": (dict(paged=True, B=2, H_kv=1, G=4, N_new=2, d=16, d_v=8, block=5, blocks=3,
+                                 lengths=[13, 1], dtype=np.float16), dict()),
+    # contiguous, MHA, three new tokens, more splits than blocks (empty splits), d ≠ d_v
+    "contiguous-f32-mha-new3": (dict(paged=False, B=2, H_kv=2, G=1, N_new=3, d=6, d_v=5, block=4, blocks=4,
+                                     lengths=["full", 2]), dict(num_splits=6)),
+    # paged float16 with an odd head size (padded on the way in), GQA 8, two splits
+    "paged-f16-gqa8-odd-d": (dict(paged=True, B=1, H_kv=1, G=8, N_new=1, d=7, d_v=7, block=8, blocks=3,
+                                  lengths=[20], dtype=np.float16), dict(num_splits=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_matches_oracle_per_sequence(name):
+    spec, kw = DECODE_CASES[name]
+    case = decode_case(sum(map(ord, name)), **spec)
+    O, L = run_decode(case, **kw)
+    assert O.shape == case["q"].shape[:3] + (spec["d_v"],) and O.dtype == case["q"].dtype
+    assert L.shape == case["q"].shape[:3] and L.dtype == np.float32
+    storage = "float16" if spec.get("dtype") is np.float16 else "float32"
+    check_against_oracle(case, O, L, storage=storage)
+
+
+def test_decode_not_causal_with_scale_and_row_tiles():
+    """causal=False (every cached key visible to every new token), a scale, and R = G·N_new = 20 rows of d = 64:
+    more than one program's rows (R·d > 1024), so two row tiles read the same keys."""
+    case = decode_case(7, paged=False, B=1, H_kv=1, G=4, N_new=5, d=64, d_v=64, block=16, blocks=1,
+                       lengths=[11])
+    assert decode.decode_tiling("float32", 64, 64, 20).rows == 16
+    O, L = run_decode(case, causal=False, scale=0.3, num_splits=1)
+    check_against_oracle(case, O, L, causal=False, scale=0.3)
+
+
+def test_decode_bfloat16_torch_tensors_in_and_out():
+    case = decode_case(11, paged=True, B=2, H_kv=2, G=2, N_new=1, d=16, d_v=16, block=4, blocks=3,
+                       lengths=[10, "full"])
+    bf = [torch.from_numpy(case[k]).to(torch.bfloat16) for k in ("q", "k_cache", "v_cache")]
+    O, L = kernels_gpu.decode_attention(*bf, torch.from_numpy(case["cache_seqlens"]),
+                                        torch.from_numpy(case["block_table"]), num_splits=2)
+    assert isinstance(O, torch.Tensor) and O.dtype == torch.bfloat16 and L.dtype == torch.float32
+    # the oracle sees the bfloat16-rounded inputs
+    rounded = dict(case, q=bf[0].double().numpy(),
+                   keys=[torch.from_numpy(k).to(torch.bfloat16).double().numpy() for k in case["keys"]],
+                   values=[torch.from_numpy(v).to(torch.bfloat16).double().numpy() for v in case["values"]])
+    check_against_oracle(rounded, O.double().numpy(), L.numpy(), storage="bfloat16")
+
+
+def test_decode_numba_device_arrays_in_and_out():
+    """Device arrays are read in place and the results stay on the device (float16 storage, the default rule)."""
+    from numba import cuda
+    case = decode_case(5, paged=True, B=2, H_kv=1, G=2, N_new=1, d=8, d_v=8, block=4, blocks=2,
+                       lengths=[7, 3], dtype=np.float16)
+    args = [cuda.to_device(case[k]) for k in ("q", "k_cache", "v_cache")]
+    O, L = kernels_gpu.decode_attention(*args, case["cache_seqlens"], case["block_table"])
+    assert rt.is_device_array(O) and rt.is_device_array(L)
+    check_against_oracle(case, O.copy_to_host(), L.copy_to_host(), storage="float16")
+
+
+# -- decode: splits and their merge ----------------------------------------------------------------------------------
+
+def test_split_partials_are_the_oracle_on_their_key_blocks_and_merge_to_the_answer():
+    case = decode_case(3, paged=True, B=2, H_kv=1, G=2, N_new=2, d=8, d_v=6, block=3, blocks=4,
+                       lengths=["full", 4])
+    S = 5                                                           # more splits than sequence 1's two pages
+    O_s, L_s, S_got = decode.decode_split_partials(case["q"], case["k_cache"], case["v_cache"],
+                                                   case["cache_seqlens"], case["block_table"], num_splits=S)
+    assert S_got == S and O_s.shape == (S, 2, 2, 2, 6) and L_s.shape == (S, 2, 2, 2)
+    assert not np.isnan(O_s).any() and not np.isnan(L_s).any()
+    q = case["q"].astype(np.float64)
+    for b, n in enumerate(case["cache_seqlens"]):
+        T = -(-int(n) // case["block"])
+        for s, blocks in enumerate(split_ranges(T, S)):
+            keys = slice(blocks.start * case["block"], min(int(n), blocks.stop * case["block"]))
+            if keys.stop <= keys.start:
+                np.testing.assert_array_equal(O_s[s, b], 0.0)      # an empty split: the merge's identity
+                assert np.isposinf(L_s[s, b]).all()
+                continue
+            # the split's keys, with the causal diagonal of the whole sequence (token t sees j ≤ n − N_new + t)
+            K = case["keys"][b][:, keys].astype(np.float64)
+            V = case["values"][b][:, keys].astype(np.float64)
+            mask = np.arange(keys.start, keys.stop)[None, :] <= (int(n) - 2 + np.arange(2))[:, None]
+            O_ref, L_ref = fa2edu.attention_reference(q[b], K, V, mask=mask)
+            np.testing.assert_allclose(O_s[s, b], O_ref, atol=2e-6)
+            finite = np.isfinite(L_ref)
+            assert (np.isposinf(L_s[s, b]) == ~finite).all()
+            np.testing.assert_allclose(L_s[s, b][finite], L_ref[finite], atol=2e-6)
+    # fa2edu's merge rule over the partials gives the decode call's own answer
+    O_m, L_m = np.zeros_like(O_s[0]), np.full(L_s.shape[1:], np.inf, np.float32)
+    for s in range(S):
+        O_m, L_m = fa2edu.merge_attention_states(O_m, L_m, O_s[s], L_s[s])
+    O, L = run_decode(case, num_splits=S)
+    np.testing.assert_allclose(O, O_m, atol=1e-6)
+    np.testing.assert_array_equal(np.isposinf(L), np.isposinf(L_m))
+    np.testing.assert_allclose(L[np.isfinite(L)], L_m[np.isfinite(L_m)], atol=1e-6)
+
+
+def test_merge_launch_is_fa2edus_merge_rule_with_empty_splits():
+    rng = np.random.default_rng(9)
+    S, rows, d_v = 6, 10, 7
+    O_s = rng.standard_normal((S, rows, d_v)).astype(np.float32)
+    L_s = (rng.standard_normal((S, rows)) * 30).astype(np.float32)
+    L_s[0, :] = 1e4                                        # extreme log-sum-exps: no overflow
+    empty = rng.random((S, rows)) < 0.4
+    empty[:, 3] = True                                     # a row no split saw
+    O_s[empty], L_s[empty] = 0.0, np.inf
+    O, L = decode.merge_split_partials(O_s, L_s)
+    O_ref, L_ref = np.zeros((rows, d_v), np.float32), np.full(rows, np.inf, np.float32)
+    for s in range(S):
+        O_ref, L_ref = fa2edu.merge_attention_states(O_ref, L_ref, O_s[s], L_s[s])
+    assert not np.isnan(O).any() and not np.isnan(L).any()
+    np.testing.assert_array_equal(O[3], 0.0)
+    assert np.isposinf(L[3]) and (np.isposinf(L) == np.isposinf(L_ref)).all()
+    np.testing.assert_allclose(O, O_ref, atol=2e-6)
+    np.testing.assert_allclose(L[np.isfinite(L)], L_ref[np.isfinite(L_ref)], rtol=1e-6)
+
+
+# -- the rules -------------------------------------------------------------------------------------------------------
+
+def test_default_num_splits_fills_the_resident_slots():
+    slots = 4 * 132                                       # an H100, ~4 resident blocks of 128 threads per SM
+    assert decode.default_num_splits(8, 16384, 256, slots) == 64      # batch 1 · 8 KV heads: every page a split
+    assert decode.default_num_splits(64, 16384, 256, slots) == 8      # batch 8: 512 programs of 528 slots
+    assert decode.default_num_splits(256, 131072, 256, slots) == 2    # batch 32
+    assert decode.default_num_splits(8, 4096, 96, slots) == 32        # at least MIN_SPLIT_KEYS keys a split
+    assert decode.default_num_splits(8, 100, 256, slots) == 1         # one key block: nothing to split
+    assert decode.default_num_splits(600, 65536, 256, slots) == 1     # more programs than slots already
+    assert decode.default_num_splits(8, 0, 256, slots) == 1
+
+
+def test_decode_tiling_rule():
+    t = decode.decode_tiling("float16", 128, 128, 4, warps=4)        # the benchmark's shape: G = 4, N_new = 1
+    assert t == decode.DecodeTiling(warps=4, lanes=16, keys=4, rows=4, vec=4) and t.groups == 8
+    assert decode.decode_tiling("float32", 128, 128, 4, warps=4).keys == 2    # float32: twice the words a key
+    assert decode.decode_tiling("float16", 128, 128, 1, warps=4).lanes == 4   # MHA: 4 lanes of 32 columns
+    t8 = decode.decode_tiling("float16", 128, 128, 8, warps=4)
+    assert (t8.lanes, t8.vec) == (32, 2)                                      # a chunk for every lane
+    assert decode.decode_tiling("float16", 128, 128, 4, vec=1, warps=4).vec == 1  # unaligned: word loads
+    assert decode.decode_tiling("float32", 128, 128, 32, warps=4).rows == 8   # row tiles beyond 1024 floats
+
+
+# -- decode: bad input -----------------------------------------------------------------------------------------------
+
+def test_decode_bad_input_gets_clear_errors():
+    case = decode_case(1, paged=True, B=2, H_kv=1, G=2, N_new=1, d=8, d_v=8, block=4, blocks=2,
+                       lengths=[5, 8])
+    q, kc, vc, seq, table = (case[k] for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table"))
+    f = kernels_gpu.decode_attention
+    bad_table = table.copy()
+    bad_table[0, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]"):
+        f(q, kc, vc, seq, bad_table)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        f(q, kc, vc, np.array([5, 9]), table)                    # 9 keys need 3 pages of 4
+    with pytest.raises(ValueError, match="non-negative"):
+        f(q, kc, vc, np.array([-1, 3]), table)
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        f(q, kc, vc, seq, table[:1])
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(q.astype(np.float16), kc, vc, seq, table)
+    with pytest.raises(ValueError, match="multiple"):
+        f(q[:, :1].repeat(3, axis=1), kc[:, :1].repeat(2, axis=1), vc[:, :1].repeat(2, axis=1), seq, table)
+    with pytest.raises(ValueError, match="num_splits"):
+        f(q, kc, vc, seq, table, num_splits=0)
+    with pytest.raises(TypeError, match="causal"):
+        f(q, kc, vc, seq, table, causal=1)
+    with pytest.raises(ValueError, match="block_size"):
+        f(q, kc, vc, seq, table, block_size=4)
+    with pytest.raises(ValueError, match="head dimension"):
+        f(q, kc[..., :6], vc, seq, table)
+    with pytest.raises(ValueError, match="finite"):
+        f(np.full_like(q, np.nan), kc, vc, seq, table)
+    with pytest.raises(TypeError, match="one kind"):
+        f(torch.from_numpy(q), kc, vc, seq, table)
+    with pytest.raises(ValueError, match="contiguous k_cache"):
+        f(q, np.zeros((3, 1, 8, 8), np.float32), np.zeros((3, 1, 8, 8), np.float32), seq)
+
+
+# -- varlen ----------------------------------------------------------------------------------------------------------
+
+def varlen_case(seed, *, H_kv, G, d, d_v, n_q, n_k, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = np.cumsum([0] + n_q), np.cumsum([0] + n_k)
+    q = rng.standard_normal((H_kv * G, int(cu_q[-1]), d)).astype(dtype)
+    k = rng.standard_normal((H_kv, int(cu_k[-1]), d)).astype(dtype)
+    v = rng.standard_normal((H_kv, int(cu_k[-1]), d_v)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def check_varlen(q, k, v, cu_q, cu_k, O, L, causal, storage="float32"):
+    O, L = np.asarray(O, np.float64), np.asarray(L, np.float64)
+    assert not np.isnan(O).any() and not np.isnan(L).any()
+    for b in range(cu_q.size - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            np.testing.assert_array_equal(O[:, rows], 0.0)
+            assert np.isposinf(L[:, rows]).all()
+            continue
+        q_b, k_b, v_b = (np.asarray(x, np.float64)[:, s] for x, s in ((q, rows), (k, keys), (v, keys)))
+        O_ref, L_ref = fa2edu.attention_reference(q_b, k_b, v_b, causal=causal)
+        base = fa2edu.standard_attention(q_b.astype(np.float32), k_b.astype(np.float32), v_b.astype(np.float32),
+                                         causal=causal).O
+        low = np.float32 if storage == "float32" else np.float16
+        baseline = baseline_error(base.astype(low), O_ref)
+        if storage == "bfloat16":
+            baseline = max(baseline, 4e-3 * float(np.abs(O_ref).max(initial=1.0)))
+        assert_close_to_oracle(O[:, rows], O_ref, f"O[seq {b}]", dtype=np.float32 if storage == "float32"
+                               else np.float16, baseline=baseline)
+        size = float(np.abs(L_ref[np.isfinite(L_ref)]).max(initial=1.0))
+        assert_close_to_oracle(L[:, rows], L_ref, f"L[seq {b}]", dtype=np.float32, baseline=2e-6 * size)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_oracle_per_sequence(causal):
+    # an empty query sequence, an empty key sequence, n_q > n_k (causal: rows that see no key), GQA 2, d ≠ d_v
+    q, k, v, cu_q, cu_k = varlen_case(4 + causal, H_kv=2, G=2, d=5, d_v=7, n_q=[6, 0, 11, 3], n_k=[9, 4, 5, 0])
+    O, L = kernels_gpu.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
+    assert O.shape == (4, int(cu_q[-1]), 7) and L.shape == (4, int(cu_q[-1]))
+    check_varlen(q, k, v, cu_q, cu_k, O, L, causal)
+
+
+def test_varlen_float16_and_bfloat16():
+    q, k, v, cu_q, cu_k = varlen_case(8, H_kv=1, G=3, d=16, d_v=16, n_q=[9, 4], n_k=[12, 4])
+    O16, L16 = kernels_gpu.varlen_attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                                            cu_q, cu_k, causal=True)
+    assert O16.dtype == np.float16
+    check_varlen(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), cu_q, cu_k, O16, L16, True,
+                 storage="float16")
+    bf = [torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)]
+    O, L = kernels_gpu.varlen_attention(*bf, torch.from_numpy(cu_q), torch.from_numpy(cu_k))
+    assert O.dtype == torch.bfloat16
+    check_varlen(*(x.double().numpy() for x in bf), cu_q, cu_k, O.double().numpy(), L.numpy(), False,
+                 storage="bfloat16")
+
+
+def test_varlen_block_map_covers_every_row_block_once_longest_first():
+    cu_q, cu_k = np.cumsum([0, 70, 0, 10, 130]), np.cumsum([0, 70, 5, 300, 20])
+    seqs, rows = varlen.block_map(cu_q, cu_k, 64, 32, causal=False)
+    pairs = sorted(zip(seqs.tolist(), rows.tolist()))
+    assert pairs == [(0, 0), (0, 1), (2, 0), (3, 0), (3, 1), (3, 2)]
+    tiles = [-(-int(np.diff(cu_k)[s]) // 32) for s in seqs]
+    assert tiles == sorted(tiles, reverse=True) and seqs[0] == 2      # sequence 2's 300 keys come first
+    seqs_c, rows_c = varlen.block_map(cu_q, cu_k, 64, 32, causal=True)
+    assert sorted(zip(seqs_c.tolist(), rows_c.tolist())) == pairs
+
+
+def test_varlen_bad_input_gets_clear_errors():
+    q, k, v, cu_q, cu_k = varlen_case(2, H_kv=1, G=1, d=4, d_v=4, n_q=[3, 2], n_k=[2, 2])
+    f = kernels_gpu.varlen_attention
+    with pytest.raises(ValueError, match="non-decreasing"):
+        f(q, k, v, np.array([0, 4, 3]), cu_k)
+    with pytest.raises(ValueError, match="start at 0"):
+        f(q, k, v, np.array([1, 3, 5]), cu_k)
+    with pytest.raises(ValueError, match="packed length"):
+        f(q, k, v, cu_q, np.array([0, 2, 3]))
+    with pytest.raises(ValueError, match="same B sequences"):
+        f(q, k, v, cu_q, np.array([0, 4]))
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(q, k.astype(np.float16), v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="head dimension"):
+        f(q, k[..., :3], v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="integers"):
+        f(q, k, v, cu_q.astype(np.float64), cu_k)
