@@ -30,6 +30,9 @@ element its memory delivers (chapter 13). So the kernel's only job is to stream 
    consecutive keys (a warp's loads cover whole, contiguous rows). Each group runs its own online softmax (FA2
    Alg. 1 lines 8-10) over its keys with its slice of Õ in registers; at the end the groups of a block merge
    through shared memory by the same (m, ℓ) rule (FA1 Section 3.1), and the block writes its (O_s, L_s).
+5. **Two steps in flight.** The K/V words of a step go to one of two register buffers: the loads of step i + 1
+   are issued before step i is computed, so a warp always has a step's bytes on their way from HBM (the loop runs
+   two steps per trip, the buffers alternating, so that every register index is a compile-time constant).
 
 Costs per (sequence b with n_b keys, KV head), R = G·N_new rows, S splits: global reads n_b·(d + d_v) cache
 elements (once), S·R·d query elements, S·R·(d_v + 1) partial floats (merge); writes S·R·(d_v + 1) partial floats
@@ -58,29 +61,30 @@ from numbers import Integral
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, decode_block_size
-from fa2edu.inference import default_num_splits as _utilisation_rule
 from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
 from kernels_gpu import runtime as rt
 
-__all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "DecodeResult", "DecodeTiling",
-           "decode_tiling", "default_num_splits", "MIN_SPLIT_KEYS", "load_words", "butterfly_sum", "split_kernel",
+__all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult", "DecodeTiling",
+           "decode_tiling", "default_num_splits", "SPLIT_OVERHEAD", "load_words", "butterfly_sum", "split_kernel",
            "merge_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: the fewest keys a split covers when the rule picks the split count (a shorter split pays its prologue and
-#: epilogue for too few loads)
-MIN_SPLIT_KEYS = 128
+#: a split program's fixed cost (its query load, the merge of its groups, its partial), in key blocks, for the
+#: split rule (:func:`default_num_splits`)
+SPLIT_OVERHEAD = 0.5
 #: warps of a merge block (one warp per output row)
 MERGE_WARPS = 4
-#: 32-bit words of K and V one lane keeps in flight per step (K and V of its ``keys`` keys together)
-WORDS_IN_FLIGHT = 32
+#: 32-bit words of K and V one lane loads per step (K and V of its ``keys`` keys); two steps are in flight
+WORDS_IN_FLIGHT = 16
 #: float32 values of the query tile (and of Õ) one lane holds per KV row
 LANE_FLOATS = 32
+#: warps per block in numba's simulator (which runs every thread as a Python thread); 4 on a GPU
+SIMULATOR_WARPS = 1
 
 
 # -- the 16-byte load --------------------------------------------------------------------------------------------
@@ -258,9 +262,10 @@ def decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int = 4, warps: i
       :data:`LANE_FLOATS` floats (R = 4, d = 128: 16 lanes of 8 columns);
     * vec: 4 words (16 bytes) when the caller's layout allows it (``vec``), fewer while a row has fewer chunks than
       lanes (so every lane has a chunk);
-    * keys: as many as keep :data:`WORDS_IN_FLIGHT` words of K and V per lane in flight (1 to 8);
-    * warps: 4 on a GPU (1 in the simulator: faster), fewer if the groups' merge would not fit 48 KiB of shared
-      memory.
+    * keys: as many as fit :data:`WORDS_IN_FLIGHT` words of K and V per lane and step (1 to 8; two steps are in
+      flight: R = 4, d = 128, float16: 2 keys, 16 words, 166 registers, 3 blocks of 128 threads per SM);
+    * warps: 4 on a GPU (:data:`SIMULATOR_WARPS` in the simulator: faster), fewer if the groups' merge would not
+      fit 48 KiB of shared memory.
     """
     epw = 1 if storage == "float32" else 2
     d_w, dv_w = d // epw, d_v // epw
@@ -273,7 +278,7 @@ def decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int = 4, warps: i
     words_per_key = vec * (-(-(d_w // vec) // lanes) + -(-(dv_w // vec) // lanes))
     keys = max(1, min(8, WORDS_IN_FLIGHT // words_per_key))
     if warps is None:
-        warps = 1 if rt.simulator_in_use() else 4
+        warps = SIMULATOR_WARPS if rt.simulator_in_use() else 4
     while warps > 1 and (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS - 32 * warps:
         warps //= 2
     if (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS:
@@ -314,6 +319,92 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
     butterfly = butterfly_sum(RT * KB, LPK, simulator)
     from kernels_gpu.tensorcore import ptx
     ex2 = ptx.ex2
+
+    dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
+
+    @dev
+    def load_step(Kw, Vw, table, kw, vw, t0, hi, b, h, grp, li, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh,
+                  v_sn):
+        """Alg. 1 line 7: this lane's chunks of the K and V rows of its group's KB keys t0 + kk·NG + grp (at each kk
+        the groups of a warp read consecutive rows), every load issued before any value is used. A key past the
+        split is replaced by the split's last key (a valid address; masked in compute_step)."""
+        for kk in range(KB):
+            j = min(t0 + kk * NG + grp, hi - 1)
+            if PAGE > 0:
+                # PagedAttention: logical page j // PAGE of sequence b is physical page table[b, j // PAGE]
+                # (clamped into the cache: device tables are not checked by the host).
+                p = j // PAGE
+                phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
+                k_row = phys * k_so + h * k_sh + (j - p * PAGE) * k_sn
+                v_row = phys * v_so + h * v_sh + (j - p * PAGE) * v_sn
+            else:
+                k_row = b * k_so + h * k_sh + j * k_sn
+                v_row = b * v_so + h * v_sh + j * v_sn
+            for u in range(NCH_K):
+                c = li + LPK * u
+                if c < CH_K:
+                    load(Kw, k_row + c * VEC, kw, (kk * NCH_K + u) * VEC)
+                else:
+                    for v in range(VEC):
+                        kw[(kk * NCH_K + u) * VEC + v] = 0
+            for u in range(NCH_V):
+                c = li + LPK * u
+                if c < CH_V:
+                    load(Vw, v_row + c * VEC, vw, (kk * NCH_V + u) * VEC)
+                else:
+                    for v in range(VEC):
+                        vw[(kk * NCH_V + u) * VEC + v] = 0
+
+    @dev
+    def compute_step(kw, vw, t0, hi, grp, qf, last, s, o, m, l, scratch, t):
+        """Alg. 1 lines 8-10 for the group's KB keys of the step starting at key t0 (their words in kw, vw)."""
+        # Alg. 1 line 8: S = (τ Q) K_jᵀ — each lane its slice of d, for the R rows and the KB keys ...
+        for x in range(S_REGS):
+            s[x] = 0.0
+        for kk in range(KB):
+            for w in range(KW):
+                k_lo, k_hi = unpack(kw[kk * KW + w])
+                for rr in range(RT):
+                    acc = s[rr * KB + kk] + qf[rr * QF + w * EPW] * k_lo
+                    if EPW == 2:
+                        acc += qf[rr * QF + w * EPW + 1] * k_hi
+                    s[rr * KB + kk] = acc
+        # ... then summed over the group's lanes: every lane ends with the R × KB scores.
+        butterfly(s, scratch, t)
+        # Keys past the split, and (causal) keys after a row's last visible key, get −inf.
+        for kk in range(KB):
+            j = t0 + kk * NG + grp
+            for rr in range(RT):
+                if j >= hi or (CAUSAL and j > last[rr]):
+                    s[rr * KB + kk] = NEG_INF
+        # Alg. 1 line 9: m_new = max(m, rowmax S), P̃ = 2^(S − m_new), ℓ = 2^(m − m_new) ℓ + rowsum P̃.
+        for rr in range(RT):
+            mx = m[rr]
+            for kk in range(KB):
+                mx = max(mx, s[rr * KB + kk])
+            # Guard m = −inf (no key seen yet): subtract 0 instead, so every exponential is exactly 0.
+            m_use = float32(0.0) if mx == NEG_INF else mx
+            alpha = ex2(m[rr] - m_use)
+            ls = float32(0.0)
+            for kk in range(KB):
+                p = ex2(s[rr * KB + kk] - m_use)
+                s[rr * KB + kk] = p
+                ls += p
+            l[rr] = alpha * l[rr] + ls
+            m[rr] = mx
+            # Alg. 1 line 10, first half: Õ = diag(2^(m − m_new)) Õ (skipped when the maximum did not move).
+            if alpha != 1.0:
+                for x in range(OF):
+                    o[rr * OF + x] *= alpha
+        # Alg. 1 line 10, second half: Õ += P̃ V_j, this lane's columns of V.
+        for kk in range(KB):
+            for w in range(VW):
+                v_lo, v_hi = unpack(vw[kk * VW + w])
+                for rr in range(RT):
+                    p = s[rr * KB + kk]
+                    o[rr * OF + w * EPW] += p * v_lo
+                    if EPW == 2:
+                        o[rr * OF + w * EPW + 1] += p * v_hi
 
     @cuda.jit
     def decode_split(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
@@ -364,86 +455,26 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
         for rr in range(RT):
             m[rr] = NEG_INF
             l[rr] = 0.0
-        kw = cuda.local.array(KW_REGS, WORD)
-        vw = cuda.local.array(VW_REGS, WORD)
+        # Two register buffers of K/V words: the next step's loads are in flight while this step computes.
+        kw0 = cuda.local.array(KW_REGS, WORD)
+        vw0 = cuda.local.array(VW_REGS, WORD)
+        kw1 = cuda.local.array(KW_REGS, WORD)
+        vw1 = cuda.local.array(VW_REGS, WORD)
         s = cuda.local.array(S_REGS, float32)
 
-        # FA2 Alg. 1 line 6: the split's keys, TK per step; group grp takes keys t0 + kk·NG + grp, so at each kk
-        # the groups of a warp read consecutive rows.
-        for t0 in range(lo, hi, TK):
-            # Alg. 1 line 7: load K_j and V_j rows — every load of the step issued before any value is used.
-            for kk in range(KB):
-                j = min(t0 + kk * NG + grp, hi - 1)   # past the split: a key of the split again, masked below
-                if PAGE > 0:
-                    # PagedAttention: logical page j // PAGE of sequence b is physical page table[b, j // PAGE].
-                    p = j // PAGE
-                    phys = min(max(int64(table[b * max_pages + p]), int64(0)), num_pages - 1)
-                    k_row = phys * k_so + h * k_sh + (j - p * PAGE) * k_sn
-                    v_row = phys * v_so + h * v_sh + (j - p * PAGE) * v_sn
-                else:
-                    k_row = b * k_so + h * k_sh + j * k_sn
-                    v_row = b * v_so + h * v_sh + j * v_sn
-                for u in range(NCH_K):
-                    c = li + LPK * u
-                    if c < CH_K:
-                        load(Kw, k_row + c * VEC, kw, (kk * NCH_K + u) * VEC)
-                    else:
-                        for v in range(VEC):
-                            kw[(kk * NCH_K + u) * VEC + v] = 0
-                for u in range(NCH_V):
-                    c = li + LPK * u
-                    if c < CH_V:
-                        load(Vw, v_row + c * VEC, vw, (kk * NCH_V + u) * VEC)
-                    else:
-                        for v in range(VEC):
-                            vw[(kk * NCH_V + u) * VEC + v] = 0
-            # Alg. 1 line 8: S = (τ Q) K_jᵀ — each lane its slice of d, for the R rows and the KB keys ...
-            for x in range(RT * KB):
-                s[x] = 0.0
-            for kk in range(KB):
-                for w in range(KW):
-                    k_lo, k_hi = unpack(kw[kk * KW + w])
-                    for rr in range(RT):
-                        acc = s[rr * KB + kk] + qf[rr * QF + w * EPW] * k_lo
-                        if EPW == 2:
-                            acc += qf[rr * QF + w * EPW + 1] * k_hi
-                        s[rr * KB + kk] = acc
-            # ... then summed over the group's lanes: every lane ends with the R × KB scores.
-            butterfly(s, scratch, t)
-            # Keys past the split, and (causal) keys after a row's last visible key, get −inf.
-            for kk in range(KB):
-                j = t0 + kk * NG + grp
-                for rr in range(RT):
-                    if j >= hi or (CAUSAL and j > last[rr]):
-                        s[rr * KB + kk] = NEG_INF
-            # Alg. 1 line 9: m_new = max(m, rowmax S), P̃ = 2^(S − m_new), ℓ = 2^(m − m_new) ℓ + rowsum P̃.
-            for rr in range(RT):
-                mx = m[rr]
-                for kk in range(KB):
-                    mx = max(mx, s[rr * KB + kk])
-                # Guard m = −inf (no key seen yet): subtract 0 instead, so every exponential is exactly 0.
-                m_use = float32(0.0) if mx == NEG_INF else mx
-                alpha = ex2(m[rr] - m_use)
-                ls = float32(0.0)
-                for kk in range(KB):
-                    p = ex2(s[rr * KB + kk] - m_use)
-                    s[rr * KB + kk] = p
-                    ls += p
-                l[rr] = alpha * l[rr] + ls
-                m[rr] = mx
-                # Alg. 1 line 10, first half: Õ = diag(2^(m − m_new)) Õ (skipped when the maximum did not move).
-                if alpha != 1.0:
-                    for x in range(OF):
-                        o[rr * OF + x] *= alpha
-            # Alg. 1 line 10, second half: Õ += P̃ V_j, this lane's columns of V.
-            for kk in range(KB):
-                for w in range(VW):
-                    v_lo, v_hi = unpack(vw[kk * VW + w])
-                    for rr in range(RT):
-                        p = s[rr * KB + kk]
-                        o[rr * OF + w * EPW] += p * v_lo
-                        if EPW == 2:
-                            o[rr * OF + w * EPW + 1] += p * v_hi
+        # FA2 Alg. 1 line 6: the split's keys, TK per step, two steps per trip (buffers 0 and 1 alternate).
+        if lo < hi:
+            load_step(Kw, Vw, table, kw0, vw0, lo, hi, b, h, grp, li, max_pages, num_pages, k_so, k_sh, k_sn,
+                      v_so, v_sh, v_sn)
+        for t0 in range(lo, hi, 2 * TK):
+            load_step(Kw, Vw, table, kw1, vw1, t0 + TK, hi, b, h, grp, li, max_pages, num_pages, k_so, k_sh, k_sn,
+                      v_so, v_sh, v_sn)
+            compute_step(kw0, vw0, t0, hi, grp, qf, last, s, o, m, l, scratch, t)
+            if t0 + TK < hi:
+                if t0 + 2 * TK < hi:
+                    load_step(Kw, Vw, table, kw0, vw0, t0 + 2 * TK, hi, b, h, grp, li, max_pages, num_pages, k_so,
+                              k_sh, k_sn, v_so, v_sh, v_sn)
+                compute_step(kw1, vw1, t0 + TK, hi, grp, qf, last, s, o, m, l, scratch, t)
 
         # The NG groups merge by the (m, ℓ) rule (FA1 Section 3.1) through shared memory.
         sm_m = cuda.shared.array(SM_STATS, float32)
@@ -562,26 +593,34 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
 
 # -- the split rule --------------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=4096)
 def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
-    """The split count when the caller gives none: enough programs to fill the GPU's resident slots.
+    """The split count when the caller gives none: the one whose programs finish soonest on the resident slots.
 
-    ``programs`` = B · H_kv · row tiles (one program each without splitting); ``slots`` = the blocks the GPU holds
-    at once (SMs × resident blocks per SM, the occupancy calculator's answer; in the simulator 2 × 132, an H100's
-    SMs). The candidates are S = 1 … S_max, S_max = min(ceil(n_max / block), ceil(n_max / :data:`MIN_SPLIT_KEYS`))
-    (a split is at least one key block and, when there are enough keys, at least MIN_SPLIT_KEYS of them). If all
-    S_max · programs fit the slots at once, S = S_max: more, shorter programs finish sooner. Otherwise the rule of
-    :func:`fa2edu.inference.default_num_splits` with ``sms = slots``: the fewest splits whose slot utilisation is
-    within 90 % of the best. Examples on an H100 (8 KV heads, 128 threads a block, ~4 resident blocks per SM):
-    batch 1 at 16k keys in 256-key pages → 64 splits; batch 8 → 8; batch 32 → 2.
-    """
+    ``programs`` = B · H_kv · row tiles (one program each without splitting); a sequence of n_max keys has
+    T = ceil(n_max / block) key blocks (pages); ``slots`` = the blocks the GPU holds at once (SMs × resident blocks
+    per SM: the occupancy calculator's answer; in the simulator 2 × 132, an H100's SMs). With S splits a program
+    streams at most ceil(T / S) blocks (splits are whole blocks: :func:`fa2edu.inference.split_ranges`), and the
+    programs run in ceil(programs · S / slots) rounds, so the modelled time is
+
+        rounds(S) · (ceil(T / S) + :data:`SPLIT_OVERHEAD`),
+
+    the overhead being a program's fixed cost (its query load, the merge of its groups, its partial) in key blocks.
+    The rule takes the S = 1 … T of least modelled time, the smallest on ties (fewest partials to write and merge).
+    It sees whole blocks: 64 pages in 49 splits make splits of 1 and 2 pages, as slow as 32 splits of 2. Examples
+    for 8 KV heads and 256-key pages on 132 SMs × 3 resident blocks (396 slots): batch 1 at 16k keys → 32 splits of
+    2 pages (256 programs), at 32k → 43, at 128k → 47; batch 8 at 16k → 6; batch 32 → 3 (768 programs in two
+    rounds: the model counts programs, not the bandwidth they share, so it leans towards more of them; the partials
+    cost 0.02 % of the cache's bytes there)."""
     if n_max <= 0 or programs < 1:
         return 1
-    s_max = max(1, min(-(-n_max // block), -(-n_max // MIN_SPLIT_KEYS)))
-    if s_max == 1:
-        return 1
-    if programs * s_max <= slots:
-        return s_max
-    return _utilisation_rule(programs, 1, s_max, sms=slots)
+    T = -(-n_max // block)
+    best, best_cost = 1, math.inf
+    for S in range(1, T + 1):
+        cost = -(-programs * S // slots) * (-(-T // S) + SPLIT_OVERHEAD)
+        if cost < best_cost - 1e-9:
+            best, best_cost = S, cost
+    return best
 
 
 # -- arguments ------------------------------------------------------------------------------------------------------
@@ -914,6 +953,25 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
                     validate)
     O, L = _run(call)
     return DecodeResult(O, L)
+
+
+def planned_splits(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, num_splits=None, *,
+                   block_size=None) -> int:
+    """The split count :func:`decode_attention` would launch with for these arguments (the rule of
+    :func:`default_num_splits` when ``num_splits`` is None), without launching anything."""
+    call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, None, num_splits, block_size, None)
+    if call.num_splits is not None:
+        return call.num_splits
+    kernel = split_kernel(call.storage, call.d, call.d_v, call.tiling, call.page, call.causal,
+                          rt.simulator_in_use())
+    _, Ow = call.out.empty((1,), "float32")
+    probe = _split_args(call, 1, Ow, Ow, Ow, Ow)
+    view = np.float32 if call.storage == "float32" else np.uint32
+    if view is not np.float32:
+        _, Ow = call.out.empty((2,), call.storage, view)
+        probe = _split_args(call, 1, Ow, probe[6], probe[6], probe[6])
+    return default_num_splits(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
+                              _slots(kernel, probe, call.tiling.threads))
 
 
 def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,

@@ -169,6 +169,17 @@ def test_decode_numba_device_arrays_in_and_out():
     check_against_oracle(case, O.copy_to_host(), L.copy_to_host(), storage="float16")
 
 
+def test_decode_with_the_gpus_four_warps(monkeypatch):
+    """The GPU's block of 4 warps (the simulator's default is 1): 32 groups, the merge across warps through shared
+    memory, a split shorter than one step of the block."""
+    monkeypatch.setattr(decode, "SIMULATOR_WARPS", 4)
+    case = decode_case(13, paged=True, B=1, H_kv=1, G=4, N_new=1, d=32, d_v=32, block=16, blocks=4,
+                       lengths=[50], dtype=np.float16)
+    assert decode.decode_tiling("float16", 32, 32, 4).warps == 4
+    O, L = run_decode(case, num_splits=2)
+    check_against_oracle(case, O, L, storage="float16")
+
+
 # -- decode: splits and their merge ----------------------------------------------------------------------------------
 
 def test_split_partials_are_the_oracle_on_their_key_blocks_and_merge_to_the_answer():
@@ -229,21 +240,25 @@ def test_merge_launch_is_fa2edus_merge_rule_with_empty_splits():
 
 # -- the rules -------------------------------------------------------------------------------------------------------
 
-def test_default_num_splits_fills_the_resident_slots():
-    slots = 4 * 132                                       # an H100, ~4 resident blocks of 128 threads per SM
-    assert decode.default_num_splits(8, 16384, 256, slots) == 64      # batch 1 · 8 KV heads: every page a split
-    assert decode.default_num_splits(64, 16384, 256, slots) == 8      # batch 8: 512 programs of 528 slots
-    assert decode.default_num_splits(256, 131072, 256, slots) == 2    # batch 32
-    assert decode.default_num_splits(8, 4096, 96, slots) == 32        # at least MIN_SPLIT_KEYS keys a split
+def test_default_num_splits_balances_whole_blocks_over_the_slots():
+    slots = 3 * 132                                       # an H100, 3 resident blocks of 128 threads per SM
+    assert decode.default_num_splits(8, 16384, 256, slots) == 32      # batch 1 · 8 KV heads: 2 pages a split
+    assert decode.default_num_splits(8, 32768, 256, slots) == 43      # 128 pages: 42 splits of 3, one of 2
+    assert decode.default_num_splits(64, 16384, 256, slots) == 6      # batch 8: 384 programs
+    assert decode.default_num_splits(8, 4096, 256, slots) == 16       # every page a split
     assert decode.default_num_splits(8, 100, 256, slots) == 1         # one key block: nothing to split
-    assert decode.default_num_splits(600, 65536, 256, slots) == 1     # more programs than slots already
     assert decode.default_num_splits(8, 0, 256, slots) == 1
+    # the rule's model: least rounds · (longest split + overhead), the fewest splits on ties
+    for programs, n, block in [(8, 16384, 256), (24, 5000, 16), (256, 131072, 256)]:
+        T = -(-n // block)
+        cost = [-(-programs * S // slots) * (-(-T // S) + decode.SPLIT_OVERHEAD) for S in range(1, T + 1)]
+        assert decode.default_num_splits(programs, n, block, slots) == 1 + int(np.argmin(cost))
 
 
 def test_decode_tiling_rule():
     t = decode.decode_tiling("float16", 128, 128, 4, warps=4)        # the benchmark's shape: G = 4, N_new = 1
-    assert t == decode.DecodeTiling(warps=4, lanes=16, keys=4, rows=4, vec=4) and t.groups == 8
-    assert decode.decode_tiling("float32", 128, 128, 4, warps=4).keys == 2    # float32: twice the words a key
+    assert t == decode.DecodeTiling(warps=4, lanes=16, keys=2, rows=4, vec=4) and t.groups == 8
+    assert decode.decode_tiling("float32", 128, 128, 4, warps=4).keys == 1    # float32: twice the words a key
     assert decode.decode_tiling("float16", 128, 128, 1, warps=4).lanes == 4   # MHA: 4 lanes of 32 columns
     t8 = decode.decode_tiling("float16", 128, 128, 8, warps=4)
     assert (t8.lanes, t8.vec) == (32, 2)                                      # a chunk for every lane
@@ -345,6 +360,13 @@ def test_varlen_float16_and_bfloat16():
     assert O.dtype == torch.bfloat16
     check_varlen(*(x.double().numpy() for x in bf), cu_q, cu_k, O.double().numpy(), L.numpy(), False,
                  storage="bfloat16")
+
+
+def test_varlen_with_the_gpus_tiling():
+    """The GPU's tiling for d ≤ 128 (16 × 8 threads, B_r = 64, B_c = 32), whose loads take the whole-tile path."""
+    q, k, v, cu_q, cu_k = varlen_case(6, H_kv=1, G=1, d=16, d_v=16, n_q=[70], n_k=[40])
+    O, L = kernels_gpu.varlen_attention(q, k, v, cu_q, cu_k, causal=True, tiling=varlen.VarlenTiling(16, 8, 4, 4))
+    check_varlen(q, k, v, cu_q, cu_k, O, L, True)
 
 
 def test_varlen_block_map_covers_every_row_block_once_longest_first():

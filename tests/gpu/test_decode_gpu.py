@@ -1,0 +1,261 @@
+"""kernels_gpu.decode_attention and kernels_gpu.varlen_attention on a real GPU, at serving-like sizes, against the
+float64 oracle with flash-attn's rule: the error is at most twice PyTorch's own attention computed in the same
+dtype (against the same oracle), plus a small absolute slack.
+
+Run on the device from the repository root::
+
+    FA2EDU_GPU=1 python -m pytest -m gpu tests/gpu/test_decode_gpu.py -q -p no:cacheprovider
+
+What it proves:
+
+* decoding from paged caches (shuffled pages, unused entries NaN) and contiguous ones, ragged lengths with 0 and the
+  full capacity, N_new = 1 and 3 (causal), GQA 1, 4 and 8, d = 64 and 128, the default split rule, one split and
+  more splits than pages, float32, float16 and bfloat16 storage, a strided cache read in place: O and L per
+  sequence within the rule;
+* the driver-level launch (the default) and numba's ordinary launch give bit-identical results; a call is
+  bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result;
+* device index arrays: ``validate=True`` refuses a bad block table; without it a bad one is clamped into the cache
+  (never a fault);
+* packed varlen batches with long-tailed lengths (empty sequences included), causal or not, GQA, three dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+if os.environ.get("FA2EDU_GPU") != "1":  # the conftest skips these too; never compile for the simulator here
+    pytest.skip("GPU tests run with FA2EDU_GPU=1", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU available", allow_module_level=True)
+
+import kernels_gpu  # noqa: E402
+from kernels_gpu import decode_io  # noqa: E402
+from kernels_gpu import runtime as rt  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+# -- problems and the oracle --------------------------------------------------------------------------------------
+
+def make_cache(seed, *, B, H_kv, G, N_new, d, page, max_pages, lengths, dtype, paged=True):
+    """q and a KV cache on the GPU: paged (pages shuffled, 3 spare pages, unused entries NaN) or contiguous
+    (capacity page·max_pages). Returns a dict with the tensors and each sequence's keys/values."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = DTYPES[dtype]
+    capacity = page * max_pages
+    seqlens = torch.tensor([capacity if n == "full" else n for n in lengths], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H_kv * G, N_new, d, device="cuda", generator=g).to(tdt)
+    keys = [torch.randn(H_kv, int(n), d, device="cuda", generator=g).to(tdt) for n in seqlens]
+    values = [torch.randn(H_kv, int(n), d, device="cuda", generator=g).to(tdt) for n in seqlens]
+    if paged:
+        num_pages = B * max_pages + 3
+        k_cache = torch.full((num_pages, H_kv, page, d), float("nan"), device="cuda").to(tdt)
+        v_cache = torch.full((num_pages, H_kv, page, d), float("nan"), device="cuda").to(tdt)
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[:B * max_pages]
+        table = perm.reshape(B, max_pages).to(torch.int32)
+        for b, n in enumerate(seqlens.tolist()):
+            for p in range(-(-n // page)):
+                rows = slice(p * page, min((p + 1) * page, n))
+                k_cache[table[b, p], :, :rows.stop - rows.start] = keys[b][:, rows]
+                v_cache[table[b, p], :, :rows.stop - rows.start] = values[b][:, rows]
+            table[b, -(-n // page):] = -1
+        table = table.cuda()
+    else:
+        k_cache = torch.full((B, H_kv, capacity, d), float("nan"), device="cuda").to(tdt)
+        v_cache = torch.full((B, H_kv, capacity, d), float("nan"), device="cuda").to(tdt)
+        for b, n in enumerate(seqlens.tolist()):
+            k_cache[b, :, :n], v_cache[b, :, :n] = keys[b], values[b]
+        table = None
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=table, keys=keys,
+                values=values, N_new=N_new)
+
+
+def attention(q, k, v, causal, compute_dtype):
+    """softmax(τ q kᵀ + causal mask) v for one sequence (q (H_q, N_q, d), k, v (H_kv, N_k, d)), GQA by repeat, in
+    ``compute_dtype`` (float64: the oracle; the storage dtype: PyTorch's own attention in that dtype). Rows that
+    see no key: O = 0, L = +inf."""
+    G = q.shape[0] // k.shape[0]
+    q, k, v = q.to(compute_dtype), k.repeat_interleave(G, 0).to(compute_dtype), v.repeat_interleave(G, 0).to(
+        compute_dtype)
+    S = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if causal:
+        N_q, N_k = S.shape[-2:]
+        keep = torch.ones(N_q, N_k, dtype=torch.bool, device=S.device).tril(N_k - N_q)
+        S = S.masked_fill(~keep, -torch.inf)
+    L = torch.logsumexp(S.float() if compute_dtype != torch.float64 else S, -1)
+    P = torch.softmax(S, -1).nan_to_num(0.0)
+    return P @ v, L
+
+
+def assert_rule(O, L, O_ref, L_ref, O_pt, what, slack):
+    err = (O.double() - O_ref).abs().max().item() if O.numel() else 0.0
+    err_pt = (O_pt.double() - O_ref).abs().max().item() if O.numel() else 0.0
+    assert not O.isnan().any() and not L.isnan().any(), f"{what}: NaN"
+    assert err <= 2 * err_pt + slack, f"{what}: error {err:.3e} > 2 × PyTorch's {err_pt:.3e} + {slack}"
+    finite = torch.isfinite(L_ref)
+    assert torch.equal(torch.isinf(L), ~finite), f"{what}: +inf pattern of L"
+    assert (O[~finite] == 0).all(), f"{what}: rows that see no key must be 0"
+    if finite.any():
+        torch.testing.assert_close(L[finite].double(), L_ref[finite], rtol=2e-5, atol=2e-4)
+
+
+SLACK = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 4e-3}
+
+
+def check_decode(case, O, L, dtype, causal=True):
+    for b, n in enumerate(case["cache_seqlens"].tolist()):
+        if n == 0:
+            assert (O[b] == 0).all() and torch.isinf(L[b]).all(), "an idle slot: O = 0, L = +inf"
+            continue
+        q, k, v = case["q"][b], case["keys"][b], case["values"][b]
+        O_ref, L_ref = attention(q, k, v, causal, torch.float64)
+        O_pt, _ = attention(q, k, v, causal, DTYPES[dtype])
+        assert_rule(O[b], L[b], O_ref, L_ref, O_pt, f"sequence {b} (n = {n})", SLACK[dtype])
+
+
+# -- decoding ----------------------------------------------------------------------------------------------------
+
+DECODE = [  # (B, H_kv, G, N_new, d, page, max_pages, lengths, paged, num_splits)
+    (4, 8, 4, 1, 128, 256, 16, [4096, 0, "full", 1], True, None),          # the benchmark's heads, ragged
+    (3, 2, 8, 1, 128, 16, 64, [1000, 7, "full"], True, None),               # small pages, GQA 8
+    (2, 4, 1, 3, 64, 256, 8, [2048, 2], True, 5),                            # MHA, 3 new tokens (one sees nothing)
+    (2, 8, 4, 1, 128, 256, 12, ["full", 777], False, 1),                     # contiguous, one split
+    (1, 8, 4, 1, 128, 256, 8, [2000], True, 40),                             # more splits than pages
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("spec", DECODE, ids=lambda s: f"B{s[0]}-G{s[2]}-new{s[3]}-d{s[4]}-p{s[5]}-"
+                                                        f"{'paged' if s[8] else 'contig'}-S{s[9]}")
+def test_decode_matches_oracle(dtype, spec):
+    B, H_kv, G, N_new, d, page, max_pages, lengths, paged, S = spec
+    case = make_cache(hash((dtype, spec[:5])) % 2**31, B=B, H_kv=H_kv, G=G, N_new=N_new, d=d, page=page,
+                      max_pages=max_pages, lengths=lengths, dtype=dtype, paged=paged)
+    extra = {} if paged else {"block_size": page}
+    O, L = kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                        case["block_table"], num_splits=S, **extra)
+    torch.cuda.synchronize()
+    assert O.dtype == DTYPES[dtype] and O.shape == case["q"].shape and L.dtype == torch.float32
+    check_decode(case, O, L, dtype)
+
+
+def test_decode_strided_cache_read_in_place():
+    """A (B, N_max, H_kv, d) cache seen as (B, H_kv, N_max, d) through a transpose: read where it is."""
+    case = make_cache(3, B=2, H_kv=4, G=2, N_new=1, d=128, page=256, max_pages=4, lengths=[900, 1024],
+                      dtype="float16", paged=False)
+    k_bnhd = case["k_cache"].transpose(1, 2).contiguous()
+    v_bnhd = case["v_cache"].transpose(1, 2).contiguous()
+    O, L = kernels_gpu.decode_attention(case["q"], k_bnhd.transpose(1, 2), v_bnhd.transpose(1, 2),
+                                        case["cache_seqlens"])
+    torch.cuda.synchronize()
+    check_decode(case, O, L, "float16")
+
+
+def test_lean_launch_equals_numba_launch_and_reruns(monkeypatch):
+    case = make_cache(5, B=3, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=[2000, "full", 300],
+                      dtype="bfloat16")
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
+    O1, L1 = kernels_gpu.decode_attention(*args)
+    O2, L2 = kernels_gpu.decode_attention(*args)
+    monkeypatch.setenv("FA2EDU_LEAN_LAUNCH", "0")
+    assert not decode_io.lean_launch_enabled()
+    O3, L3 = kernels_gpu.decode_attention(*args)
+    torch.cuda.synchronize()
+    for O, L in ((O2, L2), (O3, L3)):
+        assert torch.equal(O.view(torch.int16), O1.view(torch.int16)) and torch.equal(L, L1)
+
+
+def test_numpy_inputs_and_numba_device_arrays():
+    from numba import cuda
+    case = make_cache(6, B=2, H_kv=2, G=4, N_new=1, d=64, page=64, max_pages=6, lengths=[300, 17],
+                      dtype="float16")
+    host = [case[k].cpu().numpy() for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table")]
+    O, L = kernels_gpu.decode_attention(*host)
+    assert isinstance(O, np.ndarray) and O.dtype == np.float16
+    check_decode(case, torch.from_numpy(O).cuda(), torch.from_numpy(L).cuda(), "float16")
+    dev = [cuda.to_device(x) for x in host[:3]]
+    O_d, L_d = kernels_gpu.decode_attention(*dev, host[3], host[4])
+    np.testing.assert_array_equal(O_d.copy_to_host(), O)
+
+
+def test_cuda_graph_replay():
+    case = make_cache(7, B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=[1500, "full"],
+                      dtype="float16")
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
+    O_eager, L_eager = kernels_gpu.decode_attention(*args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels_gpu.decode_attention(*args)                  # compile and warm up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        O_g, L_g = kernels_gpu.decode_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(O_g, O_eager) and torch.equal(L_g, L_eager)
+
+
+def test_device_index_arrays_validate_or_clamp():
+    case = make_cache(8, B=2, H_kv=2, G=2, N_new=1, d=64, page=16, max_pages=4, lengths=[40, 20],
+                      dtype="float32")
+    bad = case["block_table"].clone()
+    bad[0, 1] = 10**6
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], bad)
+    with pytest.raises(ValueError, match="block_table"):
+        kernels_gpu.decode_attention(*args, validate=True)
+    O, L = kernels_gpu.decode_attention(*args)                 # unchecked: clamped, a wrong answer, no fault
+    too_long = torch.tensor([10**6, 5], dtype=torch.int32, device="cuda")
+    O2, L2 = kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], too_long,
+                                          case["block_table"])
+    torch.cuda.synchronize()
+
+
+# -- varlen --------------------------------------------------------------------------------------------------------
+
+def long_tailed(seed, B, median, cap):
+    rng = np.random.default_rng(seed)
+    return np.minimum(cap, rng.lognormal(np.log(median), 1.0, size=B).astype(np.int64))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_oracle(dtype, causal):
+    lengths = long_tailed(11, 12, 300, 3000)
+    lengths[3] = 0
+    n_q = lengths.copy()
+    n_k = lengths + (np.arange(12) % 3) * 17                     # n_k ≥ n_q (a prefix of cached keys)
+    n_k[5] = 0                                                   # queries with no key at all
+    cu_q = np.concatenate([[0], np.cumsum(n_q)])
+    cu_k = np.concatenate([[0], np.cumsum(n_k)])
+    g = torch.Generator(device="cuda").manual_seed(12)
+    tdt = DTYPES[dtype]
+    H_kv, G, d = 2, 4, 128
+    q = torch.randn(H_kv * G, int(cu_q[-1]), d, device="cuda", generator=g).to(tdt)
+    k = torch.randn(H_kv, int(cu_k[-1]), d, device="cuda", generator=g).to(tdt)
+    v = torch.randn(H_kv, int(cu_k[-1]), d, device="cuda", generator=g).to(tdt)
+    O, L = kernels_gpu.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
+    torch.cuda.synchronize()
+    assert O.dtype == tdt and O.shape == q.shape
+    for b in range(12):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            assert (O[:, rows] == 0).all() and torch.isinf(L[:, rows]).all()
+            continue
+        O_ref, L_ref = attention(q[:, rows], k[:, keys], v[:, keys], causal, torch.float64)
+        O_pt, _ = attention(q[:, rows], k[:, keys], v[:, keys], causal, tdt)
+        assert_rule(O[:, rows], L[:, rows], O_ref, L_ref, O_pt, f"sequence {b}", SLACK[dtype])
