@@ -267,6 +267,14 @@ def decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int = 4, warps: i
     * warps: 4 on a GPU (:data:`SIMULATOR_WARPS` in the simulator: faster), fewer if the groups' merge would not
       fit 48 KiB of shared memory.
     """
+    if warps is None:
+        warps = SIMULATOR_WARPS if rt.simulator_in_use() else 4
+    return _decode_tiling(storage, d, d_v, R, vec, warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int, warps: int) -> DecodeTiling:
+    """:func:`decode_tiling`, memoised (it runs on every call)."""
     epw = 1 if storage == "float32" else 2
     d_w, dv_w = d // epw, d_v // epw
     width = max(d, d_v)
@@ -277,8 +285,6 @@ def decode_tiling(storage: str, d: int, d_v: int, R: int, vec: int = 4, warps: i
     lanes = min(lanes, _pow2_at_least(-(-max(d_w, dv_w) // vec)))
     words_per_key = vec * (-(-(d_w // vec) // lanes) + -(-(dv_w // vec) // lanes))
     keys = max(1, min(8, WORDS_IN_FLIGHT // words_per_key))
-    if warps is None:
-        warps = SIMULATOR_WARPS if rt.simulator_in_use() else 4
     while warps > 1 and (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS - 32 * warps:
         warps //= 2
     if (32 * warps // lanes) * rows * (d_v + 2) > rt.SHARED_FLOATS:

@@ -345,9 +345,23 @@ _SCALAR_CTYPES = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes
 _COMPILED: dict = {}
 #: kernels whose dynamic shared-memory limit was raised: (cuda.core kernel) → bytes
 _SHARED_LIMIT: dict = {}
+#: resident blocks per (kernel, argument types, threads, dynamic shared bytes)
+_RESIDENT: dict = {}
+
+
+_TYPES: dict = {}
 
 
 def _numba_types(args):
+    """numba's types of the arguments (memoised on their dtypes: typing every call costs host time)."""
+    key = tuple(a.dtype.char if isinstance(a, Flat) else type(a) for a in args)
+    hit = _TYPES.get(key)
+    if hit is None:
+        hit = _TYPES[key] = _type_args(args)
+    return hit
+
+
+def _type_args(args):
     from numba.cuda import types
     from numba.cuda.np import numpy_support
     out = []
@@ -380,8 +394,12 @@ def compiled_resources(kernel, args) -> dict:
 def resident_blocks(kernel, args, threads: int, shared_bytes: int = 0) -> int:
     """Blocks of ``kernel`` (compiled for ``args``) the GPU holds at once: SMs × blocks per SM (the occupancy
     calculator's answer)."""
-    _, compiled = _compiled(kernel, _numba_types(args))
-    return max(1, compiled.max_cooperative_grid_blocks(threads, shared_bytes))
+    argtypes = _numba_types(args)
+    key = (kernel, argtypes, threads, shared_bytes)
+    if key not in _RESIDENT:
+        _, compiled = _compiled(kernel, argtypes)
+        _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(threads, shared_bytes))
+    return _RESIDENT[key]
 
 
 def launch(kernel, grid: tuple, block: int, stream: int, args: tuple, shared_bytes: int = 0) -> None:

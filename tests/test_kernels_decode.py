@@ -397,3 +397,49 @@ def test_varlen_bad_input_gets_clear_errors():
         f(q, k[..., :3], v, cu_q, cu_k)
     with pytest.raises(TypeError, match="integers"):
         f(q, k, v, cu_q.astype(np.float64), cu_k)
+
+
+# -- the decode benchmark's arithmetic (no GPU) ------------------------------------------------------------------------
+
+def test_benchmark_byte_count_and_padding_stats():
+    from benchmarks import decode as bench
+    # K and V of every sequence once per KV head, q and O: float16 → 2 bytes each
+    assert bench.decode_bytes(2, 32, 8, 1, 128, 128, [100, 50]) == 2 * (8 * 256 * 150 + 2 * 32 * 256)
+    # the benchmark's largest shape: batch 32 at 128k keys is 17.2 GB of cache
+    assert bench.decode_bytes(32, 32, 8, 1, 128, 128, [131072] * 32) == 32 * 131072 * 8 * 256 * 2 + 32 * 32 * 512
+    with pytest.raises(ValueError, match="one length per sequence"):
+        bench.decode_bytes(2, 32, 8, 1, 128, 128, [1])
+    stats = bench.padding_stats([1, 3, 4])
+    assert stats["padding_fraction"] == pytest.approx(1 - 8 / 12)
+    assert stats["padded_work_fraction"] == pytest.approx(1 - 26 / 48)
+    lengths = bench.long_tailed_lengths(16)
+    assert lengths == bench.long_tailed_lengths(16) and all(16 <= n <= 8192 for n in lengths)
+
+
+def test_benchmark_summary_and_figure(tmp_path):
+    from benchmarks import decode as bench
+    copy = 3000.0
+    recs = []
+    for batch, context, ours, s1, paged, sdpa in [(1, 16384, 0.030, 0.200, 0.031, 0.050),
+                                                  (1, 32768, 0.050, 0.400, 0.052, 0.080),
+                                                  (32, 16384, 0.800, 0.820, 0.850, 0.790)]:
+        nbytes = bench.decode_bytes(batch, 32, 8, 1, 128, 128, [context] * batch)
+        for impl, ms in (("kernels_gpu", ours), ("kernels_gpu_splits1", s1), ("kernels_gpu_paged", paged),
+                         ("sdpa_flash", sdpa), ("sdpa_math", 3 * sdpa)):
+            GBps = nbytes / (ms * 1e-3) / 1e9
+            recs.append(dict(batch=batch, context=context, impl=impl, status="ok", ms_graph=ms, ms_call=2 * ms,
+                             GBps_graph=GBps, GBps_call=GBps / 2, copy_fraction_graph=GBps / copy,
+                             copy_fraction_call=GBps / 2 / copy))
+    rows, targets = bench.summarize(recs, copy)
+    row = rows[0]
+    assert row["sdpa_best_graph"] == "sdpa_flash" and row["vs_sdpa_graph"] == pytest.approx(0.050 / 0.030)
+    assert row["speedup_vs_splits1_graph"] == pytest.approx(0.2 / 0.03)
+    assert row["paged_over_contiguous_graph"] == pytest.approx(0.031 / 0.030)
+    assert targets["splits_speedup_ge_3_batch1_32k_plus"]["passed"]
+    assert not targets["faster_than_sdpa_best_graph"]["passed"]          # batch 32: 0.79 ms against our 0.80
+    assert targets["paged_within_10pct"]["passed"]
+    assert targets["copy_fraction_ge_0.8_at_16k_plus"]["passed"] == all(
+        r["copy_fraction_graph"] >= 0.8 for r in recs if r["impl"] == "kernels_gpu")
+    results = dict(decode=recs, copy_GBps=dict(used=copy), device="test device", date="2026-01-01T00:00:00")
+    png = bench.plot(results, str(tmp_path / "decode.png"))
+    assert (tmp_path / "decode.png").stat().st_size > 10_000 and png.endswith(".png")

@@ -201,7 +201,7 @@ def test_cuda_graph_replay():
         kernels_gpu.decode_attention(*args)                  # compile and warm up on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         O_g, L_g = kernels_gpu.decode_attention(*args)
     graph.replay()
     torch.cuda.synchronize()
