@@ -38,7 +38,7 @@ and the fraction of attention work that padding adds (causal: Σ n² against B·
 
 **Prediction** (written before any measurement; the reasoning is in :mod:`kernels_gpu.decode`'s header): graph
 times at contexts ≥ 16k reach 80-95 % of the copy rate at batch 8 and 32, 65-85 % at batch 1 (4k: 30-60 %); call
-times at batch 1 and contexts ≤ 16k are set by host time (about 40-80 µs for two launches), as SDPA's are;
+times at batch 1 and contexts ≤ 16k are set by host time (about 60-120 µs for two launches), as SDPA's are;
 num_splits = 1 is 5-10× slower at batch 1, contexts ≥ 32k; paged within 3 % of contiguous; ahead of SDPA's best
 backend at batch 1, within ±10 % at batch 32 and long contexts. Varlen: packed faster than padded by more than the
 padding fraction (the work saved grows with n², not n).
@@ -91,7 +91,8 @@ def padding_stats(lengths) -> dict:
     if not n or max(n) == 0:
         return dict(padding_fraction=0.0, padded_work_fraction=0.0, tokens=sum(n), padded_tokens=0)
     B, top = len(n), max(n)
-    return dict(padding_fraction=1 - sum(n) / (B * top), padded_work_fraction=1 - sum(x * x for x in n) / (B * top * top),
+    return dict(padding_fraction=1 - sum(n) / (B * top),
+                padded_work_fraction=1 - sum(x * x for x in n) / (B * top * top),
                 tokens=sum(n), padded_tokens=B * top)
 
 
@@ -320,7 +321,8 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
                 outputs[name] = out
                 if name.startswith("kernels_gpu"):
                     s = sets[0]
-                    k_, v_, t_ = (s["kp"], s["vp"], s["table"]) if name == "kernels_gpu_paged" else (s["k"], s["v"], None)
+                    paged = name == "kernels_gpu_paged"
+                    k_, v_, t_ = (s["kp"], s["vp"], s["table"]) if paged else (s["k"], s["v"], None)
                     rec["num_splits"] = decode.planned_splits(
                         s["q"], k_, v_, s["seqlens"], t_, num_splits=1 if name.endswith("splits1") else None,
                         block_size=None if t_ is not None else page)
@@ -520,7 +522,8 @@ def main(argv=None) -> int:
     png = plot(results, args.png or os.path.splitext(out)[0] + ".png")
     print(f"copy {copy_start:.0f} / {copy_end:.0f} GB/s")
     for row in rows:
-        print(f"B={row['batch']:2d} ctx={row['context'] // 1024:4d}k  copy fraction {row['copy_fraction_graph'] or 0:.2f} "
+        print(f"B={row['batch']:2d} ctx={row['context'] // 1024:4d}k  "
+              f"copy fraction {row['copy_fraction_graph'] or 0:.2f} "
               f"(call {row['copy_fraction_call'] or 0:.2f})  vs splits=1 {row['speedup_vs_splits1_graph'] or 0:.2f}x  "
               f"paged/contig {row['paged_over_contiguous_graph'] or 0:.3f}  vs {row['sdpa_best_graph']} "
               f"{row['vs_sdpa_graph'] or 0:.2f}x (call {row['vs_sdpa_call'] or 0:.2f}x)")

@@ -42,15 +42,15 @@ elements (once), S·R·d query elements, S·R·(d_v + 1) partial floats (merge);
 ``benchmarks.decode`` grid): at contexts ≥ 16k, the bytes that must move (K, V once, q, O) over the kernel time
 (CUDA-graph replay) reach 80-95 % of the device-to-device copy rate measured in the same run at batch 8 and 32,
 and 65-85 % at batch 1 (fewer, shorter programs: the tail of the split programs and the merge launch weigh more);
-at 4k, 30-60 %. A call made from Python (no graph) adds its host time, about 40-80 µs for two launches: at batch
+at 4k, 30-60 %. A call made from Python (no graph) adds its host time, about 60-120 µs for two launches: at batch
 1 and contexts ≤ 16k that host time, not the GPU, sets the pace, as it does for PyTorch's SDPA there. num_splits=1
 at batch 1 and contexts ≥ 32k is 5-10× slower than the default (8 programs on 132 SMs). Paged (256-key pages)
-within 3 % of contiguous with the same key blocks. Against SDPA's best backend: ahead at batch 1 (SDPA does not
-split the keys for this shape), within ±10 % at batch 32 and long contexts, where both stream at the copy rate.
-The instruction budget per 16-byte load (about 75 instructions per lane at R = 4: conversions, 32 FFMAs for the
-scores, 16 shuffles and adds for their sums, 32 FFMAs for P̃V) is about half of what an SM can issue at the
-memory's rate, so enough warps must be resident to hide the load latency: 4 warps per program and the split rule
-below aim at 2-4 programs per SM.
+within 3 % of contiguous with the same key blocks. Against SDPA's best backend: ahead at batch 1, within ±10 % at
+batch 32 and long contexts, where both stream at the copy rate. The instruction budget: a lane spends about 130
+instructions on a key (16 bytes of K, 16 of V: 16 conversions, 64 FFMAs, 16 shuffles and 16 adds for the score
+sums, the online softmax, addresses), so at the memory's rate an SM issues about 1.8 of its 4 warp-instructions per
+cycle: enough warps must be resident to hide the load latency, hence two steps in flight, 166 registers (3 blocks
+of 4 warps per SM) and a split rule that fills the resident slots.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
 from kernels_gpu import runtime as rt
 
-__all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult", "DecodeTiling",
-           "decode_tiling", "default_num_splits", "SPLIT_OVERHEAD", "load_words", "butterfly_sum", "split_kernel",
-           "merge_kernel"]
+__all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
+           "DecodeTiling", "decode_tiling", "default_num_splits", "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
+           "split_kernel", "merge_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -913,9 +913,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
         with fa2edu's rules; device data (int32/int64) is used as is (see ``validate``).
     block_table : array of int, shape (B, max_pages), optional
         Paged cache: sequence b's logical page p is physical page ``block_table[b, p]``; entries past a
-        sequence's length are never read. None: a contiguous cache.
+        sequence's length are never read. Default None: a contiguous cache.
     causal : bool, default True
-        Bottom-right causal within each sequence: new token t sees keys j ≤ cache_seqlens[b] − N_new + t.
+        Bottom-right causal within each sequence: new token t sees keys j ≤ cache_seqlens[b] − N_new + t (with
+        N_new = 1 every key is visible either way).
     scale : float, optional
         The softmax scale τ; default 1/√d.
     num_splits : int, optional
@@ -990,7 +991,7 @@ def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, 
     if call.num_splits is None or call.num_splits < 2:
         raise ValueError("decode_split_partials needs num_splits >= 2 (a single split writes no partials)")
     *_, P, PL, S = _run(call, partials_out=True)
-    B, H_kv, R, d_v = call.B, call.H_kv, call.R, call.d_v
+    B, H_kv, d_v = call.B, call.H_kv, call.d_v
     G = call.H_q // H_kv
 
     def arrange(x, tail):
