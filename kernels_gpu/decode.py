@@ -971,12 +971,10 @@ def planned_splits(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=
         return call.num_splits
     kernel = split_kernel(call.storage, call.d, call.d_v, call.tiling, call.page, call.causal,
                           rt.simulator_in_use())
-    _, Ow = call.out.empty((1,), "float32")
-    probe = _split_args(call, 1, Ow, Ow, Ow, Ow)
-    view = np.float32 if call.storage == "float32" else np.uint32
-    if view is not np.float32:
-        _, Ow = call.out.empty((2,), call.storage, view)
-        probe = _split_args(call, 1, Ow, probe[6], probe[6], probe[6])
+    # arguments of the launch's types (the occupancy is asked of the kernel compiled for them)
+    _, Ow = call.out.empty((2,), call.storage, np.float32 if call.storage == "float32" else np.uint32)
+    _, Lf = call.out.empty((1,), "float32")
+    probe = _split_args(call, 1, Ow, Lf, Lf, Lf)
     return default_num_splits(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
                               _slots(kernel, probe, call.tiling.threads))
 

@@ -434,7 +434,7 @@ def block_map(cu_q: np.ndarray, cu_k: np.ndarray, B_r: int, B_c: int, causal: bo
     return (np.asarray(seqs, dtype=np.int32)[order], np.asarray(rows, dtype=np.int32)[order])
 
 
-def _offsets(x, name: str, total: int, validate_device: bool = True) -> np.ndarray:
+def _offsets(x, name: str, total: int) -> np.ndarray:
     """Host values of a cu_seqlens argument, checked by fa2edu's rule (device data is copied back: the grid's map
     is built on the host)."""
     ix = io.index(x, name, 1)
