@@ -170,7 +170,8 @@ def op_call(impl, q, k, v, dO, causal, sdpa_backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fa2edu.torch import flash_attention
-    only = sdpa_kernel(getattr(SDPBackend, sdpa_backend)) if sdpa_backend else contextlib.nullcontext()
+    def only():                           # a fresh context manager per call (one cannot be entered twice)
+        return sdpa_kernel(getattr(SDPBackend, sdpa_backend)) if sdpa_backend else contextlib.nullcontext()
 
     def call():
         for x in (q, k, v):
@@ -178,7 +179,7 @@ def op_call(impl, q, k, v, dO, causal, sdpa_backend):
         if impl == "fa2edu":
             O = flash_attention(q, k, v, causal=causal)
         else:
-            with only:
+            with only():
                 O = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         O.backward(dO)
         return O

@@ -74,8 +74,9 @@ from kernels_gpu.tensorcore import flash2_backward_v1, flash2_backward_v2, flash
 BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
                      "v3": flash2_backward_v3.flash2_backward}
 
-#: the backward pass: v2 (not yet measured; v3, the atomics-free alternative, is predicted within ±15 % of it)
-flash2_backward = flash2_backward_v2.flash2_backward
+#: the fastest measured backward rung (v3, dQ in a pass of its own: ``benchmarks/results/nvidia-h100/
+#: tensorcore_backward.json``, 141-155 TFLOP/s at N ≥ 4096 against v2's 101-123)
+flash2_backward = flash2_backward_v3.flash2_backward
 
 from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402
 
