@@ -26,7 +26,15 @@ row block. Below the issue's target (≥ 90 TFLOP/s, ≥ 0.4× SDPA flash). Regi
 run): 246-248 at d = 64 (capped at 248), 255 at d = 128 and 256, no spills, fp16 and bf16, causal or not; shared
 memory 64 / 73.5 / 137.5 KiB per block at d = 64 / 128 / 256: two blocks (8 warps) per SM up to d = 128.
 
-**Measured:** (to be filled after the GPU run).
+**Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks/results/nvidia-h100/tensorcore_backward.json``; fp16, non-causal,
+batch × N = 16k tokens, hidden 2048, TFLOP/s by the model backward = 2.5 × forward, at N = 1024 / 4096 / 8192;
+SDPA flash's backward in the same run: 200.8 / 248.0 / 276.0 at d = 64, 198.9 / 271.3 / 290.6 at d = 128).
+d = 64: 92.3 / 111.4 / 123.1 (0.46 / 0.45 / 0.45× SDPA flash); d = 128: 76.3 / 105.6 / 101.0 (0.38 / 0.39 / 0.35×)
+— within −10 … +3 % of v1 (−10 % at d = 128, N = 8192), where +40-100 % was predicted. The prediction failed:
+the exposed copy latency was not what bound v1 (v1 itself ran 2-3× faster than its prediction), so hiding it
+bought nothing, and the larger shared-memory footprint (64 / 73.5 KiB) is not free. What does bind v1 and v2 is
+not established by this run alone; v3, which removes the atomics and the dSᵀ round trip, gains 24-54 %, which
+points there. Largest relative error 3.0e-4, as v1 and SDPA flash. bf16 and causal were not timed in this run.
 """
 
 from __future__ import annotations

@@ -18,7 +18,15 @@ d = 128) and v9 (two row tiles per warp: 195-242, 201-294): the float32 softmax 
 1.4-1.8× and +10-45 % on top of v7, and most of that carries over to one row tile: **140-200 TFLOP/s at
 d = 64 and d = 128, N ≥ 4096**, below v9 (each K/V fragment serves two MMAs here, four there).
 
-**Measured:** (to be filled after the GPU run)
+**Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks/results/nvidia-h100/tensorcore_variants.json``; fp16,
+non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at N = 4096 / 16384): d = 64: 179.9 / 239.5; d = 128:
+157.8 / 189.4 — 0.58 / 0.77× and 0.46 / 0.55× SDPA flash in the same run (309.2 / 310.0, 343.0 / 341.7). Within
+the predicted 140-200 except d = 64 at N = 16384, which is above it and level with v9 (241.6 there); why one row
+tile per warp matches two at that size is not established (no profile). Shared-memory traffic by
+:func:`~kernels_gpu.tensorcore.traffic.shared_memory_traffic`: 88 / 176 KiB per K/V tile and block at d = 64 / 128,
+0.086 bytes per FLOP, moved at 15.5 / 20.6 TB/s (d = 64) and 13.6 / 16.3 TB/s (d = 128). ptxas: 123 / 161
+registers, no spills. Split-K in the same run: 0.27-0.50× of this rung (its module has the numbers). GPU tests
+of both partitionings and TF32 (``gpu_tests_tensorcore_tf32_partitioning.log``): 31 passed.
 """
 
 from __future__ import annotations
