@@ -8,9 +8,12 @@ numba kernel that does nothing but ``mma.sync``) and one record per (impl, dtype
 TFLOP/s, SDPA flash (``sdpa_flash``) included: every rung is compared with SDPA *of its own run*. Beside them lie
 the tile-width sweep (``tensorcore_tiles_v9.json``), the host-cost measurement
 (``tensorcore_launch_overhead.json``), two Nsight Compute reports (``ncu_tensorcore_*_d128.txt``) and the logs of
-the GPU tests and of ``compute-sanitizer``. This module does the reading and the arithmetic, so that the chapter
-asks each question in one line and ``tests/test_tensorcore_book.py`` checks the answers. Nothing here times
-anything or needs a GPU.
+the GPU tests and of ``compute-sanitizer``; and two runs beside the forward ladder, read by
+:func:`backward_table` (``tensorcore_backward.json``: the backward rungs v1-v3 beside SDPA flash's backward),
+:func:`partitioning_table` and :func:`precision_table` (``tensorcore_variants.json``: split-Q against split-K
+with their shared-memory bytes; TF32 against the float32 forwards, with errors against float64). This module
+does the reading and the arithmetic, so that the chapter asks each question in one line and
+``tests/test_tensorcore_book.py`` checks the answers. Nothing here times anything or needs a GPU.
 
 The rungs' module headers (``kernels_gpu/tensorcore/flash2_forward_v*.py``) state what each rung changed and what
 it predicted before it was first measured; :func:`rung_header` returns those paragraphs as written, and
@@ -48,7 +51,10 @@ __all__ = [
     "as_text", "rung_header", "Prediction", "PREDICTIONS", "PredictionCheck", "check_predictions",
     "format_predictions", "NcuKernel", "parse_ncu_text", "ncu_report", "mma_count", "instructions_per_mma",
     "blocks_by_registers", "TileRow", "tile_sweep", "LaunchRow", "launch_overhead",
-    "SanitizerReport", "sanitizer_report", "gpu_test_counts",
+    "SanitizerReport", "sanitizer_report", "gpu_test_counts", "gpu_test_progress",
+    "BACKWARD_RUN", "VARIANTS_RUN", "BACKWARD_RUNGS", "BACKWARD_LATEST", "TARGET_BWD_TFLOPS", "TARGET_BWD_RATIO",
+    "TARGET_BWD_MIN_N", "load_results", "BackwardRow", "backward_table", "PartitionRow", "partitioning_table",
+    "precision_label", "PrecisionRow", "precision_table",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -735,7 +741,7 @@ def sanitizer_report(path=None) -> SanitizerReport:
     if not path.is_absolute() and not path.exists():
         path = FOLDER / path
     text = path.read_text(errors="replace")
-    cases = len(re.findall(r"^v\d+ .*: max error \S+ ok$", text, re.M))
+    cases = len(re.findall(r"^(?:bwd_)?v\d+ .*: max (?:relative )?error \S+ ok$", text, re.M))
     summary = re.findall(r"ERROR SUMMARY: (\d+) errors?", text)
     api = Counter(re.findall(r"Program hit \S+ .*? on CUDA API call to (\w+)\.", text))
     kernel = len(re.findall(r"^=+ Invalid __(?:global|shared|local)__ ", text, re.M))
@@ -751,3 +757,167 @@ def gpu_test_counts(path=None) -> dict:
 
     path = Path(path) if path is not None else FOLDER / "gpu_tests_tensorcore.log"
     return pytest_counts(path.read_text(errors="replace"))
+
+
+def gpu_test_progress(path) -> dict:
+    """``{'passed': n, 'failed': n, 'errors': n, 'skipped': n, 'complete': bool}`` from the progress characters of
+    a pytest log (``.`` ``F`` ``E`` ``s`` at the start of its lines), for logs cut off before pytest's summary line
+    (a time limit): ``complete`` says whether the summary line is there. A bare file name is looked up in
+    :data:`FOLDER`."""
+    from benchmarks.book import pytest_counts
+
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        path = FOLDER / path
+    text = path.read_text(errors="replace")
+    marks = Counter("".join(re.findall(r"^([.FEsx]+)(?:\s|$)", text, re.M)))
+    try:
+        pytest_counts(text)
+        complete = True
+    except ValueError:
+        complete = False
+    return {"passed": marks["."], "failed": marks["F"], "errors": marks["E"], "skipped": marks["s"],
+            "complete": complete}
+
+
+# -- the backward rungs, split-K against split-Q, TF32 ----------------------------------------------------------------
+
+#: ``python -m benchmarks.tensorcore_backward``: the backward rungs v1-v3 beside SDPA flash's backward
+BACKWARD_RUN = "tensorcore_backward.json"
+#: ``python -m benchmarks.tensorcore_variants``: split-Q against split-K (with shared-memory bytes), and TF32
+#: against the float32 forwards (with errors against float64)
+VARIANTS_RUN = "tensorcore_variants.json"
+#: the backward rungs, in ladder order, and the fastest (``kernels_gpu.tensorcore.flash2_backward``)
+BACKWARD_RUNGS = ("v1", "v2", "v3")
+BACKWARD_LATEST = "v3"
+#: the project's backward targets: TFLOP/s (backward = 2.5 × forward FLOPs) and a fraction of SDPA flash's
+#: backward of the same run, both at N ≥ TARGET_BWD_MIN_N
+TARGET_BWD_TFLOPS = 90.0
+TARGET_BWD_RATIO = 0.4
+TARGET_BWD_MIN_N = 4096
+
+
+def load_results(name: str, folder=None) -> dict:
+    """A results file with a header and records (``benchmarks.tensorcore_backward`` or ``_variants``), read from
+    ``folder`` (default :data:`FOLDER`); every record is checked for impl, d, N and status."""
+    path = (Path(folder) if folder is not None else FOLDER) / name
+    payload = json.loads(path.read_text())
+    if not isinstance(payload, dict) or "header" not in payload or "records" not in payload:
+        raise ValueError(f"{path}: not a results file (needs 'header' and 'records')")
+    for i, rec in enumerate(payload["records"]):
+        missing = [key for key in ("impl", "d", "N", "status") if key not in rec]
+        if missing:
+            raise ValueError(f"{path}: record {i} lacks {missing}")
+    return payload
+
+
+def _one(records: list, what: str, **match) -> dict:
+    found = [r for r in records if all(r.get(k) == v for k, v in match.items())]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} records of {what} match {match} (expected one)")
+    return found[0]
+
+
+class BackwardRow(NamedTuple):
+    """One backward measurement: TFLOP/s, its fraction of SDPA flash's backward at the same (d, N) in the same
+    run, the largest relative error of dQ, dK, dV against float64, and whether it meets both backward targets
+    (None below :data:`TARGET_BWD_MIN_N` and for SDPA itself)."""
+
+    impl: str
+    d: int
+    N: int
+    tflops: float
+    of_sdpa: float
+    max_rel_error: float
+    meets: bool | None
+
+
+def backward_table(name: str = BACKWARD_RUN, folder=None, dtype: str = "float16",
+                   causal: bool = False) -> list[BackwardRow]:
+    """The backward run as rows, by d, then N, then rung (SDPA flash last)."""
+    records = [r for r in load_results(name, folder)["records"]
+               if r.get("dtype") == dtype and bool(r.get("causal")) == causal and r["status"] == "ok"]
+    if not records:
+        raise ValueError(f"{name}: no {dtype} {'causal' if causal else 'non-causal'} record")
+    order = {impl: i for i, impl in enumerate(BACKWARD_RUNGS + (BASELINE,))}
+    rows = []
+    for rec in sorted(records, key=lambda r: (r["d"], r["N"], order.get(r["impl"], len(order)), r["impl"])):
+        sdpa = _one(records, "SDPA flash", impl=BASELINE, d=rec["d"], N=rec["N"])["tflops"]
+        meets = None
+        if rec["impl"] != BASELINE and rec["N"] >= TARGET_BWD_MIN_N:
+            meets = rec["tflops"] >= TARGET_BWD_TFLOPS and rec["tflops"] / sdpa >= TARGET_BWD_RATIO
+        rows.append(BackwardRow(rec["impl"], rec["d"], rec["N"], rec["tflops"], rec["tflops"] / sdpa,
+                                max(rec["rel_error"].values()), meets))
+    return rows
+
+
+class PartitionRow(NamedTuple):
+    """Split-Q or split-K (or SDPA flash) at one (d, N): TFLOP/s, its fraction of split-Q's and of SDPA flash's,
+    and the shared-memory traffic counted by ``kernels_gpu.tensorcore.traffic`` (None for SDPA): KiB per K/V tile
+    and block, of which the warps' exchange of partial results, bytes per FLOP, and the TB/s it implies."""
+
+    impl: str
+    d: int
+    N: int
+    tflops: float
+    of_split_q: float
+    of_sdpa: float
+    kib_per_tile: float | None
+    exchange_kib: float | None
+    bytes_per_flop: float | None
+    shared_tb_s: float | None
+
+
+def partitioning_table(name: str = VARIANTS_RUN, folder=None) -> list[PartitionRow]:
+    """The partitioning group of the variants run as rows, by d, then N, then split-Q, split-K, SDPA flash."""
+    records = [r for r in load_results(name, folder)["records"]
+               if r.get("group") == "partitioning" and r["status"] == "ok"]
+    order = {"split-q": 0, "split-k": 1, BASELINE: 2}
+    rows = []
+    for rec in sorted(records, key=lambda r: (r["d"], r["N"], order.get(r["impl"], 3))):
+        at = dict(d=rec["d"], N=rec["N"])
+        split_q = _one(records, "split-Q", impl="split-q", **at)["tflops"]
+        sdpa = _one(records, "SDPA flash", impl=BASELINE, **at)["tflops"]
+        tile = rec.get("shared_per_tile")
+        kib = sum(tile.values()) / 1024 if tile else None
+        exchange = (tile["exchange_write"] + tile["exchange_read"]) / 1024 if tile else None
+        rows.append(PartitionRow(rec["impl"], rec["d"], rec["N"], rec["tflops"], rec["tflops"] / split_q,
+                                 rec["tflops"] / sdpa, kib, exchange, rec.get("shared_bytes_per_flop"),
+                                 rec.get("shared_tb_per_s")))
+    return rows
+
+
+def precision_label(impl: str) -> str:
+    """``'TF32'`` for an implementation whose products round their operands to tf32, else ``'fp32'``."""
+    return "TF32" if "tf32" in impl else "fp32"
+
+
+class PrecisionRow(NamedTuple):
+    """A float32-input forward at one (d, N): its precision label, TFLOP/s (None where the run skipped it, with
+    the reason in ``note``), and its largest absolute error in O against float64 at (d, error_N) — measured once
+    per d on its own inputs, so the same for every N."""
+
+    impl: str
+    precision: str
+    d: int
+    N: int
+    tflops: float | None
+    error_f64: float
+    error_N: int
+    note: str
+
+
+def precision_table(name: str = VARIANTS_RUN, folder=None) -> list[PrecisionRow]:
+    """The precision group of the variants run as rows (file order), each with its float64 error."""
+    payload = load_results(name, folder)
+    errors = payload.get("float64_errors") or []
+    rows = []
+    for rec in payload["records"]:
+        if rec.get("group") != "precision":
+            continue
+        err = _one(errors, "float64 error", impl=rec["impl"], d=rec["d"])
+        ok = rec["status"] == "ok"
+        rows.append(PrecisionRow(rec["impl"], precision_label(rec["impl"]), rec["d"], rec["N"],
+                                 rec["tflops"] if ok else None, err["max_abs_error"], err["N"],
+                                 "" if ok else str(rec.get("error", rec["status"]))))
+    return rows
