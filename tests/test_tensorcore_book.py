@@ -387,3 +387,72 @@ def test_sanitizer_report_tells_api_errors_from_kernel_errors(tmp_path):
 def test_gpu_test_counts_reads_the_committed_log():
     counts = tcb.gpu_test_counts()
     assert counts["passed"] > 0 and counts.get("failed", 0) == 0 and counts["seconds"] > 0
+
+
+# -- the backward, split-K against split-Q, TF32 --------------------------------------------------------------------
+
+def test_backward_table_ratios_and_targets():
+    rows = tcb.backward_table()
+    assert {r.impl for r in rows} == set(tcb.BACKWARD_RUNGS) | {tcb.BASELINE}
+    for r in rows:
+        sdpa = next(b for b in rows if b.impl == tcb.BASELINE and (b.d, b.N) == (r.d, r.N))
+        assert math.isclose(r.of_sdpa, r.tflops / sdpa.tflops) and 0 < r.max_rel_error < 1e-2
+        if r.impl == tcb.BASELINE or r.N < tcb.TARGET_BWD_MIN_N:
+            assert r.meets is None
+        else:
+            assert r.meets == (r.tflops >= tcb.TARGET_BWD_TFLOPS and r.of_sdpa >= tcb.TARGET_BWD_RATIO)
+    assert all(r.meets for r in rows if r.impl == tcb.BACKWARD_LATEST and r.meets is not None)
+
+
+def test_backward_table_on_a_synthetic_file(tmp_path):
+    def rec(impl, N, tflops):
+        return dict(impl=impl, dtype="float16", causal=False, d=64, N=N, status="ok", tflops=tflops,
+                    rel_error={"dQ": 1e-4, "dK": 3e-4, "dV": 2e-4})
+    records = [rec("v1", 4096, 95.0), rec(tcb.BASELINE, 4096, 250.0), rec("v1", 1024, 10.0),
+               rec(tcb.BASELINE, 1024, 100.0)]
+    (tmp_path / "b.json").write_text(json.dumps({"header": {}, "records": records}))
+    rows = tcb.backward_table("b.json", folder=tmp_path)
+    assert [(r.impl, r.N) for r in rows] == [("v1", 1024), (tcb.BASELINE, 1024), ("v1", 4096), (tcb.BASELINE, 4096)]
+    assert rows[0].meets is None and rows[2].meets is False and rows[2].max_rel_error == 3e-4   # 0.38× SDPA
+    (tmp_path / "b.json").write_text(json.dumps({"header": {}, "records": records[:1]}))
+    with pytest.raises(KeyError, match="SDPA flash"):
+        tcb.backward_table("b.json", folder=tmp_path)
+    (tmp_path / "b.json").write_text(json.dumps({"records": records}))
+    with pytest.raises(ValueError, match="header"):
+        tcb.backward_table("b.json", folder=tmp_path)
+
+
+def test_partitioning_table_counts_the_exchange():
+    rows = tcb.partitioning_table()
+    for r in rows:
+        if r.impl == tcb.BASELINE:
+            assert r.kib_per_tile is None
+            continue
+        assert (r.exchange_kib == 0) == (r.impl == "split-q")
+        # bytes per FLOP × TFLOP/s is the shared-memory rate
+        assert math.isclose(r.bytes_per_flop * r.tflops, r.shared_tb_s, rel_tol=1e-6)
+    by = {(r.impl, r.d, r.N): r for r in rows}
+    for d in (64, 128):
+        ratio = by["split-k", d, 4096].kib_per_tile / by["split-q", d, 4096].kib_per_tile
+        assert 2.2 < ratio < 2.5 and by["split-k", d, 4096].of_split_q < 0.55
+
+
+def test_precision_table_labels_and_errors():
+    rows = tcb.precision_table()
+    assert {r.precision for r in rows} == {"TF32", "fp32"}
+    assert all(r.precision == "TF32" for r in rows if "tf32" in r.impl)
+    assert all((r.tflops is None) == bool(r.note) for r in rows)
+    fp32 = {r.d: r.error_f64 for r in rows if r.impl == "fast_fp32"}
+    assert all(r.error_f64 > 50 * fp32[r.d] for r in rows if r.precision == "TF32")
+    assert tcb.precision_label("sdpa_math_tf32") == "TF32" and tcb.precision_label("fast_fp32") == "fp32"
+
+
+def test_gpu_test_progress_tells_a_cut_off_log(tmp_path):
+    log = tmp_path / "cut.log"
+    log.write_text("....F.s..\n....\n  warn(...)\n")
+    assert tcb.gpu_test_progress(log) == {"passed": 11, "failed": 1, "errors": 0, "skipped": 1, "complete": False}
+    log.write_text("....\n4 passed, 2 warnings in 3.50s\n")
+    assert tcb.gpu_test_progress(log)["complete"] is True
+    partial = tcb.gpu_test_progress("gpu_tests_tensorcore_backward_partial.log")
+    assert partial["passed"] > 0 and partial["failed"] == 0 and not partial["complete"]
+    assert tcb.sanitizer_report("sanitizer_tensorcore_bwd_v3_memcheck.log").cases_ok > 0
