@@ -1,6 +1,6 @@
 """The simulator's predictions for the multi-GPU ring, written down before any multi-GPU run.
 
-    python -m benchmarks.context_parallel_predictions --out benchmarks/results/predictions/context_parallel.json
+    python -m benchmarks.context_parallel_predictions --out benchmarks/results/predictions/ring_predictions.json
 
 For the configurations ``benchmarks.context_parallel`` measures (W = 1, 2, 4, 8 GPUs; strong scaling at a fixed
 total length and weak scaling at a fixed length per GPU; contiguous and zigzag; causal; d = 128, H200-class

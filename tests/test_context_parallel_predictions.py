@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.context_parallel_predictions import predictions
 
-COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks/results/predictions/context_parallel.json"
+COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks/results/predictions/ring_predictions.json"
 
 
 def test_zigzag_balances_and_strong_scaling_halves_the_time():
