@@ -153,9 +153,11 @@ def flash_attn_rule(O, L, Q, K, V, causal):
 
 CASES = [  # (Q shape, K/V shape, causal, dtype): ragged N, N_q ≠ N_k, GQA, d not a multiple of 16
     ((1, 2, 37, 24), (1, 1, 50, 24), True, "float16"),
-    ((2, 1, 20, 64), (2, 1, 70, 64), False, "bfloat16"),
+    ((1, 1, 20, 64), (1, 1, 70, 64), False, "bfloat16"),
     ((1, 1, 21, 136), (1, 1, 33, 136), True, "float16"),   # d > 128: one row tile per warp from v10 on
+    ((1, 2, 19, 16), (1, 1, 29, 16), True, "float16"),     # small: causal, GQA, N_q ≠ N_k, one tile
 ]
+CASE_IDS = ["causal-gqa-f16", "ragged-bf16", "d136-causal", "small-causal-gqa"]
 
 
 @pytest.fixture
@@ -165,13 +167,13 @@ def poisoned(monkeypatch):
 
 NEWEST = list(VERSIONS)[-1]
 
-# every case for the two newest rungs; one case each (alternating) for the older ones, to keep CI short
-RUNG_CASES = [(v, c) for n, v in enumerate(VERSIONS) for c in range(len(CASES))
-              if n >= len(VERSIONS) - 2 or c == n % len(CASES)]
+# the simulator is slow: every case for the fastest rung, the small case for every other rung (each rung still
+# runs in CI against the oracle; the GPU tests run every rung at benchmark-like sizes)
+RUNG_CASES = [(v, c) for v in VERSIONS for c in range(len(CASES))
+              if (v == NEWEST and c < 3) or (v != NEWEST and c == 3)]
 
 
-@pytest.mark.parametrize("version, case", RUNG_CASES,
-                         ids=[f"{v}-{['causal-gqa-f16', 'ragged-bf16', 'd136-causal'][c]}" for v, c in RUNG_CASES])
+@pytest.mark.parametrize("version, case", RUNG_CASES, ids=[f"{v}-{CASE_IDS[c]}" for v, c in RUNG_CASES])
 def test_rung_matches_oracle(version, case, poisoned):
     shape_q, shape_kv, causal, dtype = CASES[case]
     Q, K, V = _inputs(shape_q, shape_kv, dtype, seed=hash(version) % 1000)
