@@ -53,7 +53,7 @@ in graph time, 0.14-0.78× per Python call (target faster: missed; host time 0.1
 padded causal work): packed 3.12× faster than padded, same output (target: met).
 
 The JSON holds the device, versions, date, settings, the copy rates, every record, per-configuration summaries and
-the targets of the inference issue with the measured numbers. ``--quick`` runs contexts 4k, 16k, 64k at batch 1 and
+the decoding targets with the measured numbers. ``--quick`` runs contexts 4k, 16k, 64k at batch 1 and
 32 and a smaller varlen batch (under a minute); the full grid takes about 3 minutes on an H100.
 """
 
@@ -74,7 +74,7 @@ QUICK_CONTEXTS = (4096, 16384, 65536)
 QUICK_BATCHES = (1, 32)
 PAGE = 256
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-#: the inference issue's targets
+#: the decoding targets (DESIGN.md's inference section)
 TARGET_COPY_FRACTION = 0.80          # bytes / graph time ≥ 80 % of the copy rate, contexts ≥ 16k
 TARGET_SPLIT_SPEEDUP = 3.0           # ≥ 3× num_splits = 1 at batch 1, contexts ≥ 32k
 TARGET_PAGED_RATIO = 1.10            # paged time within 10 % of contiguous
@@ -115,7 +115,7 @@ def long_tailed_lengths(count: int, median: int = 1024, sigma: float = 1.0, low:
 
 def summarize(records: list, copy_GBps: float) -> tuple[list, dict]:
     """Per (batch, context): the best SDPA backend, and our kernel against it, against num_splits = 1 and paged
-    against contiguous (graph times; call times beside); then the inference issue's decoding targets."""
+    against contiguous (graph times; call times beside); then the decoding targets."""
     by = {}
     for r in records:
         if r.get("status") == "ok":

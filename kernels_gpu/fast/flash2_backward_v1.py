@@ -68,7 +68,7 @@ configuration checked against the float64 oracle first; TFLOP/s by the FA2 paper
   non-causal, 22.0-28.8 causal; eager 46.6-49.2 / 19.8-20.7; SDPA 36.0-37.2 / 30.1-37.9;
 * final run with the default (``fast_backward_v1_final.json``, d = 64, N = 4096 … 16384): non-causal 30.9 / 31.1
   / 31.3 TFLOP/s (88.3 ms at N = 8192), causal 29.1 / 29.9 / 30.4, both within 0.2 of the first run: the
-  issue's target (≥ 12 at d = 64) is met 2.6×. Eager 33.9-37.0 and SDPA 34.2-35.6 stay ahead non-causal (v1 is at
+  project's target (≥ 12 at d = 64) is met 2.6×. Eager 33.9-37.0 and SDPA 34.2-35.6 stay ahead non-causal (v1 is at
   83-92 % of eager); causal v1 is 2.0-2.2× eager, 85-89 % of SDPA;
 * ``compute-sanitizer --tool racecheck`` on small ragged GQA problems (``sanitizer_fast_backward_v1.log``): 0 hazards,
   and the results match fa2edu's oracle.

@@ -37,7 +37,7 @@ copied row block the backward does 5 matrix products against the forward's 2 per
 work per byte: the copy latency is a smaller share), but it adds two block-wide barriers per row block (dSᵀ
 through shared memory) and B_r·d atomic adds, and at d = 128 its row blocks are half as tall (B_r = 32: a copy
 per 5·2·32·64·128 FLOPs). Expected at N = 4096, fp16, non-causal: 35-50 TFLOP/s at d = 64 and 35-50 at d = 128,
-0.13-0.2× SDPA flash's backward (254 / 276 TFLOP/s on this H100 in GPU.md), far from the issue's ≥ 90 and ≥ 0.4×.
+0.13-0.2× SDPA flash's backward (254 / 276 TFLOP/s on this H100 in GPU.md), far from the project's ≥ 90 and ≥ 0.4×.
 Registers (ptxas, sm_90, read before any run: ``python -m kernels_gpu.tensorcore.inspect_ptx bwd_v1 --d 64 128
 256``): 248 at d = 64 (capped; uncapped 255 with a 4-byte spill), 255 at d = 128 and 256 — two blocks (8 warps)
 per SM at d ≤ 128; no spills except 8 bytes at d = 128 causal (4 at d = 256 causal). Shared memory 45.5 / 56.3 /
@@ -49,7 +49,7 @@ SDPA flash's backward in the same run: 200.8 / 248.0 / 276.0 at d = 64, 198.9 / 
 d = 64: 93.3 / 112.6 / 120.3 (0.46 / 0.45 / 0.44× SDPA flash); d = 128: 75.7 / 104.1 / 112.1 (0.38 / 0.38 / 0.39×).
 Largest relative error of dQ, dK, dV against the float64 oracle 3.0e-4, SDPA flash's in the same run. The prediction
 failed by 2-3×, in the good direction: at N = 4096, 113 / 104 TFLOP/s where 35-50 were expected, and at d = 64
-already past the issue's ≥ 90 TFLOP/s and ≥ 0.4× (d = 128 reaches 0.38-0.39×). The extrapolation from the forward
+already past the project's ≥ 90 TFLOP/s and ≥ 0.4× (d = 128 reaches 0.38-0.39×). The extrapolation from the forward
 v3 → v4 step overstated what the unhidden copy costs the backward — v2, which hides it, gains nothing (below). Why
 it costs so little here is not established (no profile); a plausible reason is that the 5 products and two
 barriers per copied row block, with a second resident block per SM, leave the copy's latency covered. Registers and

@@ -22,7 +22,7 @@ smaller share of v1's time: +40-100 % over v1, i.e. 60-80 TFLOP/s at d = 64 and 
 N = 4096, non-causal), 0.25-0.3× SDPA flash's backward (254 / 276 TFLOP/s on the H100 in GPU.md). What would then
 bound it is what bounds the forward v6: a warp owns 16 keys, so every Q_i and dO_i fragment it loads from shared
 memory serves one 16-row MMA tile (about one ldmatrix per two MMAs), plus two barriers and B_r·d atomic adds per
-row block. Below the issue's target (≥ 90 TFLOP/s, ≥ 0.4× SDPA flash). Registers (ptxas, sm_90, before any
+row block. Below the project's target (≥ 90 TFLOP/s, ≥ 0.4× SDPA flash). Registers (ptxas, sm_90, before any
 run): 246-248 at d = 64 (capped at 248), 255 at d = 128 and 256, no spills, fp16 and bf16, causal or not; shared
 memory 64 / 73.5 / 137.5 KiB per block at d = 64 / 128 / 256: two blocks (8 warps) per SM up to d = 128.
 
