@@ -16,9 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from fa2edu import simulate_context_parallel
-
 from benchmarks.results_io import utc_now
+from fa2edu import simulate_context_parallel
 
 
 def predictions(d: int = 128, heads: int = 16, strong_N: int = 65536, weak_N_local: int = 16384) -> list[dict]:

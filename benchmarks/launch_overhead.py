@@ -34,8 +34,8 @@ def main(argv=None) -> int:
         for N in args.N:
             batch, heads = TOKENS // N, HIDDEN // d
             q, k, v = (torch.randn(batch, heads, N, d, device="cuda", dtype=torch.float16) for _ in range(3))
-            for name, fn in (("tensorcore", lambda: tensorcore.flash2_forward(q, k, v)),
-                             ("sdpa_flash", lambda: sdpa_flash(q, k, v, False))):
+            for name, fn in (("tensorcore", lambda q=q, k=k, v=v: tensorcore.flash2_forward(q, k, v)),
+                             ("sdpa_flash", lambda q=q, k=k, v=v: sdpa_flash(q, k, v, False))):
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()

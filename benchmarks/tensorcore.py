@@ -161,8 +161,8 @@ def main(argv=None) -> int:
                   for _ in range(3)]
         ref = reference(*inputs[0], causal)
         for impl in impls:
-            fn = (lambda q, k, v: sdpa_flash(q, k, v, causal)) if impl == "sdpa_flash" else \
-                (lambda q, k, v, f=VERSIONS[impl]: f(q, k, v, causal=causal))
+            fn = (lambda q, k, v, c=causal: sdpa_flash(q, k, v, c)) if impl == "sdpa_flash" else \
+                (lambda q, k, v, f=VERSIONS[impl], c=causal: f(q, k, v, causal=c))
             rec = dict(impl=impl, dtype=dtype, causal=causal, d=d, N=N, batch=batch, heads=heads)
             try:
                 out = fn(*inputs[0])

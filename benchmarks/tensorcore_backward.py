@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                     states = [(q, k, v) + tuple(flash2_forward(q, k, v, causal=causal)) + (dO,)
                               for q, k, v, dO in inputs]
 
-                    def call(q, k, v, O, L, dO, backward=backward):
+                    def call(q, k, v, O, L, dO, backward=backward, causal=causal):
                         return backward(q, k, v, O, L, dO, causal=causal)
                 rt.poison_outputs = True          # the checked call writes every gradient element or is caught
                 grads = call(*states[0])

@@ -17,6 +17,7 @@ a ring of W ranks computes, moves and waits for, predicted without running it; `
 on ``torch.distributed`` and is imported only on demand).
 """
 
+from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
 from fa2edu.context_parallel import ContextParallelReport, simulate_context_parallel
 from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward, flash1_forward
@@ -29,7 +30,6 @@ from fa2edu.merge import merge_attention_states
 from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.standard import standard_attention, standard_attention_backward
 from fa2edu.validation import AttentionOverflowError
-from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
 
 __version__ = "0.1.0"
 

@@ -848,8 +848,9 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
         torch.distributed is not initialised. (With NCCL, also set each rank's CUDA device first,
         ``torch.cuda.set_device``: the agreement check gathers Python objects through it.)
     ValueError
-        On every rank: bad arguments on any rank (each rank's problem is reported), ranks that disagree on shapes, dtype, device
-        kind, causal, scale, layout or whether gradients are needed, or an odd N_local under ``"zigzag"``.
+        On every rank: bad arguments on any rank (each rank's problem is reported), ranks that disagree on
+        shapes, dtype, device kind, causal, scale, layout or whether gradients are needed, or an odd N_local
+        under ``"zigzag"``.
 
     Notes
     -----

@@ -19,8 +19,7 @@ import pytest
 
 import fa2edu
 from fa2edu import exercises, hardware
-from fa2edu.context_parallel import (BlockStep, chunk_ranges, ring_step_plan, simulate_context_parallel,
-                                     visible_pairs)
+from fa2edu.context_parallel import BlockStep, chunk_ranges, ring_step_plan, simulate_context_parallel, visible_pairs
 from fa2edu.flops import model_flops
 from fa2edu.memory import HBM
 
@@ -336,7 +335,7 @@ def test_simulator_equals_the_traced_ring(tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_distributed import _run_group        # the spawn harness of the ring's own tests (deadline, kill)
+    from test_distributed import _run_group  # the spawn harness of the ring's own tests (deadline, kill)
 
     cases = []
     for W, group in ((3, dict(group="world")), (2, dict(group="sub", ranks=[1, 2]))):

@@ -11,8 +11,7 @@ import pytest
 
 import fa2edu
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import VERSIONS, fragments, selftest
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu.tensorcore import VERSIONS, fragments, ptx, selftest
 
 torch = pytest.importorskip("torch")
 

@@ -166,7 +166,7 @@ def finish_backward(bp: BackwardProblem):
 def _launch(kernel, grid, threads, nbytes, stream, args) -> None:
     """Launch ``kernel`` with ``nbytes`` of dynamic shared memory (checked against the limit; raised above 48 KiB
     once per compiled kernel, the forward's rule)."""
-    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
+    from kernels_gpu.fast.tiled import _allow_dynamic_shared  # the fast kernels' helper: one copy
 
     if nbytes > launch.MAX_DYNAMIC_BYTES:
         raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory; a block may have "

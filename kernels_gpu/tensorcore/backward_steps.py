@@ -181,7 +181,7 @@ def make_backward_steps(cfg: BackwardConfig):
     ex2 = ptx.ex2
     T, RS, RSS, NT, NC = cfg.threads, cfg.RS, cfg.RSS, cfg.NT, cfg.NC
     W, B_r, B_c = cfg.warps, cfg.B_r, cfg.B_c
-    DW, DWP = cfg.d // 2, cfg.D // 2                        # words of a row: real, and padded
+    DW = cfg.d // 2                                         # words of a row
     CH = cfg.D // 8                                         # 16-byte chunks per (padded) row
     KS = cfg.D // 16                                        # 16-wide k-steps over d
     KR = B_r // 16                                          # 16-wide k-steps over a row block's queries

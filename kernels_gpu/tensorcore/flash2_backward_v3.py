@@ -149,7 +149,6 @@ def make_kernel(cfg: BackwardConfig):
         for step in range(n_steps):
             gq = step // n_i
             i = i_first + step - gq * n_i
-            h = hk * G + gq
             stage = step % 2
             ptx.cp_async_wait_all()           # this step's tiles have landed (the only group in flight) ...
             cuda.syncthreads()                # ... for everyone, and nobody still reads the other stage

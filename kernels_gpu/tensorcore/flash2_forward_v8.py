@@ -177,8 +177,8 @@ def _head_dim(Q) -> int:
 
 
 def flash2_forward(Q, K, V, causal=False, scale=None):
-    """FA2 forward on tensor cores, rung v8 (v7 with the softmax in float32). Q (…, N_q, d), K, V (…, N_k, d), float16 or
-    bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns
+    """FA2 forward on tensor cores, rung v8 (v7 with the softmax in float32). Q (…, N_q, d), K, V (…, N_k, d),
+    float16 or bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns
     ``Flash2Forward(O, L)``: O in the input dtype, L float32 (+inf on rows that see no key). ``causal``:
     bottom-right aligned; ``scale``: τ, default 1/√d. Head dimensions above 128 run v6's kernel."""
     if _head_dim(Q) > MAX_D:

@@ -231,7 +231,7 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
     """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch) — arranged
     by ``grid_for(cfg, problem)`` —, and return ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to
     ``config_for`` (e.g. a tile shape)."""
-    from kernels_gpu.fast.tiled import _allow_dynamic_shared   # the fast kernels' helper: one copy
+    from kernels_gpu.fast.tiled import _allow_dynamic_shared  # the fast kernels' helper: one copy
     from kernels_gpu.flash2 import Flash2Forward
 
     p = prepare(Q, K, V, causal=causal, scale=scale)

@@ -340,7 +340,7 @@ def _build_gpu() -> dict:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
     def asm(builder, ret, args, text, constraints, side_effect=True):
         fnty = ir.FunctionType(ret, [a.type for a in args])
