@@ -18,23 +18,22 @@ Accepted kinds (q, k, v of one call all of one kind and one dtype):
 
 **Launches.** A numba kernel call (``kernel[grid, block](*args)``) types every argument and converts every array
 on every call: hundreds of microseconds of host time for a kernel with a dozen arguments, against the tens of
-microseconds a decoding step takes on the GPU. :func:`launch` therefore compiles each kernel once per argument
-types and then hands the driver the kernel's parameters itself — for a 1-D array numba's own layout, (meminfo,
-parent, size, itemsize, data, shape, stride) — from pointers and lengths, through ``cuda.core.launch`` as numba
-does. ``FA2EDU_LEAN_LAUNCH=0`` makes it use numba's ordinary call instead (the GPU tests compare the two); the
-simulator always does.
+microseconds a decoding step takes on the GPU. :func:`launch` (:func:`kernels_gpu.driver_launch.launch`)
+therefore compiles each kernel once per argument types and then hands the driver the kernel's parameters itself —
+for a 1-D array numba's own layout, (meminfo, parent, size, itemsize, data, shape, stride) — from pointers and
+lengths, through ``cuda.core.launch`` as numba does. ``FA2EDU_LEAN_LAUNCH=0`` makes it use numba's ordinary call
+instead (the GPU tests compare the two); the simulator always does.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda
 
+from kernels_gpu import driver_launch
 from kernels_gpu import runtime as rt
 
 __all__ = ["Flat", "Tensor", "Index", "STORAGES", "tensor", "index", "check_kinds", "Outputs", "launch",
@@ -50,7 +49,7 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4
 
 def lean_launch_enabled() -> bool:
     """The driver-level launch of :func:`launch` (on a GPU, unless ``FA2EDU_LEAN_LAUNCH=0``)."""
-    return not rt.simulator_in_use() and os.environ.get("FA2EDU_LEAN_LAUNCH", "1") != "0"
+    return driver_launch.enabled()
 
 
 # -- flat arrays: what a kernel parameter is ----------------------------------------------------------------------
@@ -74,10 +73,23 @@ class Flat:
     array: object = None
     keep: object = None
 
+    @property
+    def shape(self) -> tuple:
+        return (self.n,)
+
     def numba_array(self):
         if self.array is None:
             self.array = cuda.as_cuda_array(_Interface(self.ptr, max(self.n, 1), self.dtype), sync=False)
         return self.array
+
+    def numba_type(self):
+        from numba.cuda import types
+        from numba.cuda.np import numpy_support
+        return types.Array(numpy_support.from_dtype(self.dtype), 1, "C")
+
+    def params(self) -> list:
+        """numba's layout of a 1-D array parameter: meminfo, parent, size, itemsize, data, shape[0], strides[0]."""
+        return [0, 0, self.n, self.dtype.itemsize, self.ptr, self.n, self.dtype.itemsize]
 
 
 def _numba_flat(array, dtype=None) -> Flat:
@@ -326,9 +338,6 @@ class Outputs:
 
 # -- streams and launches ----------------------------------------------------------------------------------------
 
-_CORE_STREAMS: dict = {}
-
-
 def stream_of(kind: str, device=None):
     """The stream to launch on: PyTorch's current stream for CUDA tensors (ordered after the work that made the
     inputs, no host synchronisation), else numba's default stream (0)."""
@@ -338,112 +347,7 @@ def stream_of(kind: str, device=None):
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-_SCALAR_CTYPES = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
-                  np.dtype(np.float32): ctypes.c_float}
-
-#: compiled kernels: (dispatcher, argument types) → (cuda.core kernel, numba's compiled kernel)
-_COMPILED: dict = {}
-#: kernels whose dynamic shared-memory limit was raised: (cuda.core kernel) → bytes
-_SHARED_LIMIT: dict = {}
-#: resident blocks per (kernel, argument types, threads, dynamic shared bytes)
-_RESIDENT: dict = {}
-
-
-_TYPES: dict = {}
-
-
-def _numba_types(args):
-    """numba's types of the arguments (memoised on their dtypes: typing every call costs host time)."""
-    key = tuple(a.dtype.char if isinstance(a, Flat) else type(a) for a in args)
-    hit = _TYPES.get(key)
-    if hit is None:
-        hit = _TYPES[key] = _type_args(args)
-    return hit
-
-
-def _type_args(args):
-    from numba.cuda import types
-    from numba.cuda.np import numpy_support
-    out = []
-    for a in args:
-        if isinstance(a, Flat):
-            out.append(types.Array(numpy_support.from_dtype(a.dtype), 1, "C"))
-        elif isinstance(a, (bool, np.bool_)):
-            out.append(types.boolean)
-        else:
-            out.append(numpy_support.from_dtype(np.dtype(type(a))))
-    return tuple(out)
-
-
-def _compiled(kernel, argtypes):
-    key = (kernel, argtypes)
-    hit = _COMPILED.get(key)
-    if hit is None:
-        compiled = kernel.compile(argtypes)
-        hit = _COMPILED[key] = (compiled._codelibrary.get_cufunc(), compiled)
-    return hit
-
-
-def compiled_resources(kernel, args) -> dict:
-    """Registers, local memory (spill) bytes and static shared memory of ``kernel`` compiled for ``args`` (GPU)."""
-    _, compiled = _compiled(kernel, _numba_types(args))
-    return dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
-                static_shared_bytes=compiled.shared_mem_per_block)
-
-
-def resident_blocks(kernel, args, threads: int, shared_bytes: int = 0) -> int:
-    """Blocks of ``kernel`` (compiled for ``args``) the GPU holds at once: SMs × blocks per SM (the occupancy
-    calculator's answer)."""
-    argtypes = _numba_types(args)
-    key = (kernel, argtypes, threads, shared_bytes)
-    if key not in _RESIDENT:
-        _, compiled = _compiled(kernel, argtypes)
-        _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(threads, shared_bytes))
-    return _RESIDENT[key]
-
-
-def launch(kernel, grid: tuple, block: int, stream: int, args: tuple, shared_bytes: int = 0) -> None:
-    """Launch ``kernel`` (a ``cuda.jit`` dispatcher) with ``args``: :class:`Flat` arrays, NumPy int64/int32/float32
-    scalars and bools. ``shared_bytes``: dynamic shared memory (the limit is raised above 48 KiB)."""
-    grid = tuple(int(g) for g in grid)
-    if not lean_launch_enabled():
-        values = [a.numba_array() if isinstance(a, Flat) else a for a in args]
-        if rt.simulator_in_use():
-            kernel[grid, block, 0, shared_bytes](*values)
-            return
-        if shared_bytes > 48 * 1024:
-            _raise_shared_limit(kernel, _numba_types(args), shared_bytes)
-        kernel[grid, block, cuda.external_stream(stream) if stream else 0, shared_bytes](*values)
-        return
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
-    from numba.cuda.cudadrv.driver import ExperimentalStream
-    argtypes = _numba_types(args)
-    cufunc, _ = _compiled(kernel, argtypes)
-    if shared_bytes > 48 * 1024:
-        _raise_shared_limit(kernel, argtypes, shared_bytes)
-    params = []
-    for a in args:
-        if isinstance(a, Flat):
-            # numba's layout of a 1-D array parameter: meminfo, parent, size, itemsize, data, shape[0], strides[0]
-            params += [0, 0, a.n, a.dtype.itemsize, a.ptr, a.n, a.dtype.itemsize]
-        elif isinstance(a, (bool, np.bool_)):
-            params.append(bool(a))
-        else:
-            params.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
-    core_stream = _CORE_STREAMS.get(stream)
-    if core_stream is None:
-        core_stream = _CORE_STREAMS[stream] = ExperimentalStream.from_handle(stream)
-    config = LaunchConfig(grid=grid, block=(int(block), 1, 1), shmem_size=int(shared_bytes))
-    core_launch(core_stream, config, cufunc.kernel, *params)
-
-
-def _raise_shared_limit(kernel, argtypes, nbytes: int) -> None:
-    """Allow ``nbytes`` of dynamic shared memory (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``), once."""
-    cufunc, _ = _compiled(kernel, argtypes)
-    if _SHARED_LIMIT.get(id(cufunc), 0) >= nbytes:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
-    _SHARED_LIMIT[id(cufunc)] = nbytes
+#: the launch itself: :mod:`kernels_gpu.driver_launch` (parameters packed by hand, compiled once per types)
+launch = driver_launch.launch
+compiled_resources = driver_launch.compiled_resources
+resident_blocks = driver_launch.resident_blocks

@@ -27,6 +27,8 @@ import numpy as np
 from numba import cuda
 
 import kernels_gpu.runtime as rt
+from kernels_gpu import driver_launch
+from kernels_gpu.driver_launch import Buffer
 from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.backward_steps import CONVERT_THREADS, PRE_WARPS, convert_dq_kernel, preprocess_kernel
 
@@ -82,7 +84,7 @@ def _words(x, p: launch.Problem, name: str):
     shape = (p.Z, p.H_q, p.N_q, p.d)
     if p.kind == "torch-cuda":
         import torch
-        return cuda.as_cuda_array(x.reshape(shape).contiguous().view(torch.int32), sync=False).view(np.uint32)
+        return Buffer.of_torch(x.reshape(shape).contiguous(), np.uint32)
     if p.kind == "numba":
         return x.reshape(shape).view(np.uint32)
     if p.kind == "torch-cpu":
@@ -98,7 +100,7 @@ def _words(x, p: launch.Problem, name: str):
 def _stats_l(L, p: launch.Problem):
     shape = (p.Z, p.H_q, p.N_q)
     if p.kind == "torch-cuda":
-        return cuda.as_cuda_array(L.reshape(shape).contiguous(), sync=False)
+        return Buffer.of_torch(L.reshape(shape).contiguous(), np.float32)
     if p.kind == "numba":
         return L.reshape(shape)
     host = L.contiguous().numpy() if p.kind == "torch-cpu" else np.asarray(L)
@@ -115,7 +117,7 @@ def _empty_words(p: launch.Problem, shape: tuple):
         user = torch.empty(shape, dtype=getattr(torch, p.dtype), device=p.O_user.device)
         if rt.poison_outputs:
             user.view(torch.int16).fill_(-1)
-        return cuda.as_cuda_array(user.view(torch.int32), sync=False).view(np.uint32), user
+        return Buffer.of_torch(user, np.uint32), user
     wshape = shape[:-1] + (shape[-1] // 2,)
     if rt.poison_outputs:
         return cuda.to_device(np.full(wshape, 0xFFFFFFFF, dtype=np.uint32)), None
@@ -125,7 +127,7 @@ def _empty_words(p: launch.Problem, shape: tuple):
 def _empty_f32(p: launch.Problem, shape: tuple):
     if p.kind == "torch-cuda":
         import torch
-        return cuda.as_cuda_array(torch.empty(shape, dtype=torch.float32, device=p.O_user.device), sync=False)
+        return Buffer.of_torch(torch.empty(shape, dtype=torch.float32, device=p.O_user.device), np.float32)
     return cuda.device_array(shape, dtype=np.float32)
 
 
@@ -164,19 +166,12 @@ def finish_backward(bp: BackwardProblem):
 
 
 def _launch(kernel, grid, threads, nbytes, stream, args) -> None:
-    """Launch ``kernel`` with ``nbytes`` of dynamic shared memory (checked against the limit; raised above 48 KiB
-    once per compiled kernel, the forward's rule)."""
-    from kernels_gpu.fast.tiled import _allow_dynamic_shared  # the fast kernels' helper: one copy
-
+    """Launch ``kernel`` with ``nbytes`` of dynamic shared memory (checked against the limit, raised above 48 KiB
+    once per compiled kernel) through :func:`kernels_gpu.driver_launch.launch`."""
     if nbytes > launch.MAX_DYNAMIC_BYTES:
         raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory; a block may have "
                          f"{launch.MAX_DYNAMIC_BYTES}")
-    if not rt.simulator_in_use() and nbytes > 48 * 1024:
-        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
-        if key not in launch._SHARED_RAISED:
-            _allow_dynamic_shared(kernel, args, nbytes)
-            launch._SHARED_RAISED.add(key)
-    kernel[grid, threads, stream, nbytes](*args)
+    driver_launch.launch(kernel, grid, threads, stream, args, nbytes)
 
 
 def _preprocess(bp: BackwardProblem, cfg, dQacc) -> object:
@@ -186,8 +181,8 @@ def _preprocess(bp: BackwardProblem, cfg, dQacc) -> object:
     stats = _empty_f32(p, (p.Z, p.H_q, 2, N_pad))
     zero_dq = dQacc is not None
     placeholder = dQacc if zero_dq else _empty_f32(p, (1, 1, 1, 1))
-    preprocess_kernel(p.d, p.dtype, zero_dq)[(rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z), 32 * PRE_WARPS,
-                                             p.stream](bp.O, bp.dO, bp.L, stats, placeholder, np.int32(p.N_q))
+    _launch(preprocess_kernel(p.d, p.dtype, zero_dq), (rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z),
+            32 * PRE_WARPS, 0, p.stream, (bp.O, bp.dO, bp.L, stats, placeholder, np.int32(p.N_q)))
     return stats
 
 
@@ -210,8 +205,8 @@ def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, ca
             p.stream, args)
     # Alg. 2 line 15's result, rounded once: dQ = τ · dQ_acc in the input dtype.
     n_words = p.Z * p.H_q * p.N_q * p.d // 2
-    convert_dq_kernel(p.dtype)[rt.grid_size(n_words, CONVERT_THREADS), CONVERT_THREADS, p.stream](
-        dQacc.reshape(-1), p.O.reshape(-1), np.float32(p.scale))
+    _launch(convert_dq_kernel(p.dtype), rt.grid_size(n_words, CONVERT_THREADS), CONVERT_THREADS, 0, p.stream,
+            (dQacc.reshape(-1), p.O.reshape(-1), np.float32(p.scale)))
     return finish_backward(bp)
 
 

@@ -70,7 +70,8 @@ import numpy as np
 from numba import cuda, float32
 
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import launch, ptx
+from kernels_gpu import driver_launch
+from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",
@@ -405,13 +406,8 @@ def flash2_forward_tf32(Q, K, V, causal=False, scale=None) -> Flash2ForwardTF32:
     L = rt.device_empty((layout.Z, layout.H_q, layout.N_q))
     args = (Q4, K4, V4, O, L, np.int32(layout.N_q), np.int32(layout.N_k), np.int32(layout.G), np.float32(tau))
     nbytes = 4 * shared_words(cfg)
-    if not simulated and nbytes > 48 * 1024:
-        key = (kernel, nbytes, tuple(kernel.typeof_pyval(a) for a in args))
-        if key not in launch._SHARED_RAISED:          # once per compiled kernel (a driver call)
-            from kernels_gpu.fast.tiled import _allow_dynamic_shared
-            _allow_dynamic_shared(kernel, args, nbytes)
-            launch._SHARED_RAISED.add(key)
-    kernel[(rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0, nbytes](*args)
+    driver_launch.launch(kernel, (rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0, args,
+                         nbytes)
     return Flash2ForwardTF32(rt.finish(O, layout, (layout.N_q, d)), rt.finish(L, layout, (layout.N_q,)))
 
 

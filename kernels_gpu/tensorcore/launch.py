@@ -8,10 +8,13 @@ view makes that irrelevant).
 
 Accepted inputs (all three of Q, K, V of one kind, one dtype):
 
-* PyTorch tensors of dtype float16 or bfloat16. CUDA tensors are used in place (zero-copy through
-  ``__cuda_array_interface__`` of an int32 view; a tensor whose last axis is not contiguous is copied first) and
-  O comes back as a CUDA tensor of the input dtype, L as a float32 tensor. CPU tensors are copied (how the tests
-  run the kernels in numba's CUDA simulator) and the results come back as CPU tensors.
+* PyTorch tensors of dtype float16 or bfloat16. CUDA tensors are used in place (zero-copy: the kernels get their
+  addresses as :class:`~kernels_gpu.driver_launch.Buffer` s of uint32 words; a tensor that is not contiguous is
+  copied first) and O comes back as a CUDA tensor of the input dtype, L as a float32 tensor. The launch goes to
+  PyTorch's current stream with no host synchronisation, through :func:`kernels_gpu.driver_launch.launch` — the
+  parameters packed by hand, not numba's per-call typing (tens of microseconds of host time, not hundreds).
+  CPU tensors are copied (how the tests run the kernels in numba's CUDA simulator) and the results come back as
+  CPU tensors.
 * numba device arrays of float16 (results: numba device arrays);
 * NumPy arrays of float16 (copied in and out).
 
@@ -30,8 +33,10 @@ from numba import cuda
 
 import kernels_gpu.runtime as rt
 from fa2edu.validation import check_scale
+from kernels_gpu import driver_launch
+from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES, Buffer
 
-__all__ = ["Problem", "prepare", "finish", "DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["Problem", "prepare", "finish", "run", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES"]
 
 DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -60,7 +65,7 @@ def _dtype_name(x) -> str:
 class Problem:
     """One attention problem as the kernels see it (4-D uint32 views) and how to hand results back."""
 
-    Q: object            # (Z, H_q, N_q, d/2) uint32 on the device
+    Q: object            # (Z, H_q, N_q, d/2) uint32 on the device (a Buffer for CUDA tensors, else a numba array)
     K: object            # (Z, H_kv, N_k, d/2)
     V: object            # (Z, H_kv, N_k, d/2)
     O: object            # (Z, H_q, N_q, d/2) uint32 output
@@ -78,7 +83,7 @@ class Problem:
     lead: tuple          # the caller's leading axes of Q
     O_user: object = None   # the caller-kind array that O is a view of (torch-cuda), if any
     L_user: object = None
-    stream: object = 0      # the stream to launch on: PyTorch's current stream for CUDA tensors, else numba's default
+    stream: int = 0         # the raw handle of the stream to launch on: PyTorch's current one for CUDA tensors, else 0
 
 
 def _shape4(shape: tuple, name: str) -> tuple:
@@ -168,11 +173,10 @@ def prepare(Q, K, V, *, causal, scale) -> Problem:
             O_user.view(torch.int16).fill_(-1)           # 0xFFFF: a NaN in both float16 and bfloat16
             L_user.fill_(math.nan)
         # Zero-copy views, launched on PyTorch's current stream: the kernel is ordered after the work that produced
-        # Q, K, V and before whatever PyTorch does next, with no host synchronisation (numba's default for a
-        # foreign array, ``sync=True``, would wait for the GPU to go idle on every call).
-        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-        words = [cuda.as_cuda_array(x.view(torch.int32), sync=False).view(np.uint32) for x in (q, k, v, O_user)]
-        return Problem(*words[:3], words[3], cuda.as_cuda_array(L_user, sync=False), O_user=O_user,
+        # Q, K, V and before whatever PyTorch does next, with no host synchronisation.
+        stream = int(torch.cuda.current_stream(q.device).cuda_stream)
+        words = [Buffer.of_torch(x, np.uint32) for x in (q, k, v, O_user)]
+        return Problem(*words[:3], words[3], Buffer.of_torch(L_user, np.float32), O_user=O_user,
                        L_user=L_user, stream=stream, **common)
     if kind == "torch-cpu":
         torch = _torch()
@@ -215,13 +219,6 @@ def finish(p: Problem):
     return O_t, torch.from_numpy(L.copy())
 
 
-#: kernels whose dynamic shared-memory limit has been raised (the attribute stays set on the loaded function)
-_SHARED_RAISED: set = set()
-
-#: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
-MAX_DYNAMIC_BYTES = 227 * 1024
-
-
 def row_block_major(cfg, p) -> tuple:
     """The launch grid of every rung up to v10: (row blocks, heads, batch) — blockIdx.x is the row block i."""
     return (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
@@ -231,7 +228,6 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
     """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch) — arranged
     by ``grid_for(cfg, problem)`` —, and return ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to
     ``config_for`` (e.g. a tile shape)."""
-    from kernels_gpu.fast.tiled import _allow_dynamic_shared  # the fast kernels' helper: one copy
     from kernels_gpu.flash2 import Flash2Forward
 
     p = prepare(Q, K, V, causal=causal, scale=scale)
@@ -243,12 +239,5 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
                          f"{MAX_DYNAMIC_BYTES}")
     args = (p.Q, p.K, p.V, p.O, p.L, np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv),
             np.float32(p.scale))
-    if not rt.simulator_in_use() and nbytes > 48 * 1024:
-        # the compiled overload depends on the argument types; ours are fixed by the kind of input (C-contiguous
-        # views we make), except for caller-made numba arrays, typed each call (typing costs host time)
-        key = (kernel, nbytes, p.kind if p.kind != "numba" else tuple(kernel.typeof_pyval(a) for a in args))
-        if key not in _SHARED_RAISED:                     # once per compiled kernel: a driver call, not free
-            _allow_dynamic_shared(kernel, args, nbytes)
-            _SHARED_RAISED.add(key)
-    kernel[grid_for(cfg, p), cfg.threads, p.stream, nbytes](*args)
+    driver_launch.launch(kernel, grid_for(cfg, p), cfg.threads, p.stream, args, nbytes)
     return Flash2Forward(*finish(p))

@@ -142,3 +142,50 @@ def test_forward_is_deterministic(version):
     for _ in range(99):
         O, L = VERSIONS[version](Q, K, V, causal=True)
         assert torch.equal(O, O0) and torch.equal(L, L0)
+
+
+# -- the driver-level launch against numba's ordinary one ------------------------------------------------------------
+
+def test_lean_launch_equals_numba_launch(monkeypatch):
+    """The hand-packed parameters (kernels_gpu.driver_launch) launch the same kernel on the same memory as numba's
+    own call: bit-identical results, forward and backward, for CUDA tensors and numba device arrays."""
+    from numba import cuda
+
+    from kernels_gpu import driver_launch, tensorcore
+    Q = torch.randn(2, 4, 333, 128, device="cuda").half()
+    K, V = (torch.randn(2, 2, 517, 128, device="cuda").half() for _ in range(2))
+    dO = torch.randn_like(Q)
+    assert driver_launch.enabled()
+    O1, L1 = tensorcore.flash2_forward(Q, K, V, causal=True)
+    g1 = tensorcore.flash2_backward(Q, K, V, O1, L1, dO, causal=True)
+    Od1, Ld1 = tensorcore.flash2_forward(*(cuda.to_device(x.cpu().numpy()) for x in (Q, K, V)), causal=True)
+    monkeypatch.setenv("FA2EDU_LEAN_LAUNCH", "0")
+    assert not driver_launch.enabled()
+    O2, L2 = tensorcore.flash2_forward(Q, K, V, causal=True)
+    g2 = tensorcore.flash2_backward(Q, K, V, O1, L1, dO, causal=True)
+    Od2, Ld2 = tensorcore.flash2_forward(*(cuda.to_device(x.cpu().numpy()) for x in (Q, K, V)), causal=True)
+    torch.cuda.synchronize()
+    assert torch.equal(O1, O2) and torch.equal(L1, L2)
+    for a, b in zip(g1, g2):                      # v3 computes dQ in a pass of its own: no atomics
+        assert torch.equal(a, b)
+    np.testing.assert_array_equal(Od1.copy_to_host(), Od2.copy_to_host())
+    np.testing.assert_array_equal(Ld1.copy_to_host(), Ld2.copy_to_host())
+    check(O1, L1, Q, K, V, True)
+
+
+def test_launch_follows_pytorch_current_stream():
+    """Launched on a side stream, the kernel is ordered after the work queued there before it: Q is written on
+    the side stream just before the call, and the result is that of the new Q."""
+    from kernels_gpu import tensorcore
+    Q, K, V = (torch.randn(4, 8, 1024, 64, device="cuda").half() for _ in range(3))
+    expected, _ = tensorcore.flash2_forward(Q * 2, K, V)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        Q2 = torch.empty_like(Q)
+        for _ in range(20):                       # keep the side stream busy before Q2 holds its final value
+            Q2.copy_(Q)
+        Q2.mul_(2)
+        O, _ = tensorcore.flash2_forward(Q2, K, V)
+    side.synchronize()
+    assert torch.equal(O, expected)

@@ -1,0 +1,279 @@
+"""Launching a numba kernel through the CUDA driver, its parameters packed by hand: the host side of a short call.
+
+An ordinary numba call, ``kernel[grid, block, stream, shared](*args)``, types every argument, looks up the compiled
+overload and turns every array into its parameter layout, on every call. For a kernel with a handful of arrays
+that is hundreds of microseconds of host time — measured on an H100 for the tensor-core forward: 400-830 µs per
+call against SDPA's 110-170 (``benchmarks/results/nvidia-h100/tensorcore_launch_overhead.json``) — as long as
+the GPU spends on a whole attention call at N = 1024, and a decoding step takes tens of microseconds.
+
+:func:`launch` does the same work once per kernel and argument types (compile, load, raise the shared-memory
+limit) and then, per call, only packs the parameters and hands them to the driver (``cuda.core.launch``, which
+is how numba launches too). The layout it packs is numba's data model for ``types.Array`` of ``ndim`` axes —
+every field pointer-sized::
+
+    meminfo, parent            null (a kernel never reads them)
+    nitems, itemsize           the element count and the bytes per element
+    data                       the device address of element 0
+    shape[0 .. ndim-1]         elements per axis
+    strides[0 .. ndim-1]       bytes per step along each axis
+
+and scalars as their C types (int32, int64, float32; bool as is).
+
+Arguments are :class:`Buffer` s (a device address with shape and dtype: a PyTorch tensor's memory, seen in any
+element type), objects with the same two methods (``params``, ``numba_type``), numba device arrays, NumPy
+int32/int64/float32 scalars and bools. On numba's CUDA simulator, or with ``FA2EDU_LEAN_LAUNCH=0``, the call goes
+through numba's ordinary launch instead (the GPU tests compare the two paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+import numpy as np
+from numba import cuda
+
+from kernels_gpu import runtime as rt
+
+__all__ = ["Buffer", "enabled", "launch", "compiled_resources", "resident_blocks", "raise_shared_limit",
+           "MAX_DYNAMIC_BYTES"]
+
+#: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
+MAX_DYNAMIC_BYTES = 227 * 1024
+
+
+def enabled() -> bool:
+    """Whether :func:`launch` packs parameters itself (on a GPU, unless ``FA2EDU_LEAN_LAUNCH=0``)."""
+    return not rt.simulator_in_use() and os.environ.get("FA2EDU_LEAN_LAUNCH", "1") != "0"
+
+
+class _Interface:
+    """A bare ``__cuda_array_interface__`` (numba's ordinary launch path builds its array from it)."""
+
+    def __init__(self, ptr: int, shape: tuple, dtype: np.dtype, strides):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                         "data": (ptr, False), "version": 3, "strides": strides}
+
+
+def _c_strides(shape: tuple, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+class Buffer:
+    """A kernel's array parameter: ``shape`` elements of ``dtype`` at device address ``ptr``, C-contiguous unless
+    ``strides`` (bytes) says otherwise. ``keep`` holds whatever owns the memory (a tensor) for as long as the
+    buffer lives."""
+
+    __slots__ = ("ptr", "shape", "dtype", "strides", "keep", "_array")
+
+    def __init__(self, ptr: int, shape: tuple, dtype, strides: tuple | None = None, keep=None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        c = _c_strides(self.shape, self.dtype.itemsize)
+        self.strides = c if strides is None else tuple(int(s) for s in strides)
+        self.keep = keep
+        self._array = None
+
+    @classmethod
+    def of_torch(cls, t, dtype) -> Buffer:
+        """A contiguous CUDA tensor's memory seen as elements of ``dtype`` (a NumPy dtype: bfloat16 has none, so
+        16-bit tensors are seen as uint16 or as uint32 words of two); the last axis scales by the ratio of the
+        item sizes, as ``Tensor.view(dtype)`` does."""
+        if not t.is_contiguous():
+            raise ValueError("Buffer.of_torch needs a contiguous tensor (make it with .contiguous())")
+        dtype, size = np.dtype(dtype), t.element_size()
+        shape = tuple(t.shape) or (1,)
+        if dtype.itemsize != size:
+            if (shape[-1] * size) % dtype.itemsize:
+                raise ValueError(f"a last axis of {shape[-1]} elements of {size} bytes is not a whole number of "
+                                 f"{dtype.name} elements")
+            shape = shape[:-1] + (shape[-1] * size // dtype.itemsize,)
+        return cls(t.data_ptr(), shape, dtype, keep=t)
+
+    @classmethod
+    def of_numba(cls, a) -> Buffer:
+        """A numba device array's memory (read in place)."""
+        return cls(a.device_ctypes_pointer.value or 0, a.shape, a.dtype, a.strides, keep=a)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.strides == _c_strides(self.shape, self.dtype.itemsize)
+
+    def reshape(self, *shape) -> Buffer:
+        """The same contiguous memory with another shape (one axis may be -1)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        if not self.contiguous:
+            raise ValueError("only a contiguous Buffer can be reshaped")
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} into {shape}")
+        return Buffer(self.ptr, shape, self.dtype, keep=self.keep)
+
+    def numba_type(self):
+        from numba.cuda import types
+        from numba.cuda.np import numpy_support
+        return types.Array(numpy_support.from_dtype(self.dtype), len(self.shape),
+                           "C" if self.contiguous else "A")
+
+    def params(self) -> list:
+        """The parameter words of numba's array layout (see the module's docstring)."""
+        return [0, 0, self.size, self.dtype.itemsize, self.ptr, *self.shape, *self.strides]
+
+    def numba_array(self):
+        """The same memory as a numba device array (for numba's ordinary launch)."""
+        if self._array is None:
+            strides = None if self.contiguous else self.strides
+            self._array = cuda.as_cuda_array(_Interface(self.ptr, self.shape, self.dtype, strides), sync=False)
+        return self._array
+
+
+_SCALAR_CTYPES = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
+                  np.dtype(np.float32): ctypes.c_float}
+
+#: compiled kernels: (dispatcher, argument types) → (loaded function, numba's compiled kernel)
+_COMPILED: dict = {}
+#: loaded functions whose dynamic shared-memory limit was raised: id → bytes
+_SHARED_LIMIT: dict = {}
+#: resident blocks per (kernel, argument types, threads, dynamic shared bytes)
+_RESIDENT: dict = {}
+#: numba's types per argument signature (types are memoised: typing every call costs host time)
+_TYPES: dict = {}
+#: cuda.core stream objects per raw stream handle
+_STREAMS: dict = {}
+
+
+def _is_numba_array(a) -> bool:
+    return bool(getattr(a, "__cuda_ndarray__", False))
+
+
+def _signature_key(a):
+    if hasattr(a, "params"):
+        return (type(a), a.dtype.char, len(a.shape), getattr(a, "contiguous", True))
+    if _is_numba_array(a):
+        return ("numba", a._numba_type_)
+    return type(a)
+
+
+def _argument_types(args) -> tuple:
+    key = tuple(_signature_key(a) for a in args)
+    hit = _TYPES.get(key)
+    if hit is None:
+        hit = _TYPES[key] = tuple(_numba_type(a) for a in args)
+    return hit
+
+
+def _numba_type(a):
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+    if hasattr(a, "numba_type"):
+        return a.numba_type()
+    if _is_numba_array(a):
+        return a._numba_type_
+    if isinstance(a, (bool, np.bool_)):
+        return types.boolean
+    if type(a) in (int, float):
+        raise TypeError(f"a kernel scalar must be a NumPy int32, int64 or float32 (its C type), got a Python "
+                        f"{type(a).__name__}")
+    return numpy_support.from_dtype(np.dtype(type(a)))
+
+
+def _compiled(kernel, argtypes):
+    key = (kernel, argtypes)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel.compile(argtypes)
+        hit = _COMPILED[key] = (compiled._codelibrary.get_cufunc(), compiled)
+    return hit
+
+
+def compiled_resources(kernel, args) -> dict:
+    """Registers, local memory (spill) bytes and static shared memory of ``kernel`` compiled for ``args`` (GPU)."""
+    _, compiled = _compiled(kernel, _argument_types(args))
+    return dict(registers=compiled.regs_per_thread, local_bytes=compiled.local_mem_per_thread,
+                static_shared_bytes=compiled.shared_mem_per_block)
+
+
+def resident_blocks(kernel, args, threads: int, shared_bytes: int = 0) -> int:
+    """Blocks of ``kernel`` (compiled for ``args``) the GPU holds at once: SMs × blocks per SM (the occupancy
+    calculator's answer), asked once per kernel and launch shape."""
+    argtypes = _argument_types(args)
+    key = (kernel, argtypes, threads, shared_bytes)
+    if key not in _RESIDENT:
+        _, compiled = _compiled(kernel, argtypes)
+        _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(threads, shared_bytes))
+    return _RESIDENT[key]
+
+
+def raise_shared_limit(kernel, args, nbytes: int) -> None:
+    """Allow ``nbytes`` of dynamic shared memory (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``) to
+    ``kernel`` compiled for ``args``; a driver call once per compiled kernel, nothing afterwards. Above
+    :data:`MAX_DYNAMIC_BYTES` a clear error."""
+    if nbytes > MAX_DYNAMIC_BYTES:
+        raise ValueError(f"this launch needs {nbytes} bytes of shared memory; a block may have {MAX_DYNAMIC_BYTES}")
+    if nbytes <= 48 * 1024 or rt.simulator_in_use():
+        return
+    cufunc, _ = _compiled(kernel, _argument_types(args))
+    if _SHARED_LIMIT.get(id(cufunc), 0) >= nbytes:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+    _SHARED_LIMIT[id(cufunc)] = nbytes
+
+
+def _dim3(x) -> tuple:
+    x = tuple(int(n) for n in x) if isinstance(x, (tuple, list)) else (int(x),)
+    return x + (1,) * (3 - len(x))
+
+
+def _ordinary(a):
+    return a.numba_array() if hasattr(a, "numba_array") else a
+
+
+def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0) -> None:
+    """Launch ``kernel`` (a ``cuda.jit`` dispatcher) on ``grid`` × ``block`` threads with ``shared_bytes`` of
+    dynamic shared memory on the stream whose raw handle is ``stream`` (0: numba's default stream).
+
+    ``args``: :class:`Buffer` s and like objects, numba device arrays, NumPy int32/int64/float32 scalars, bools —
+    the kernel's parameters in order. The shared-memory limit is raised (once) above 48 KiB."""
+    grid, block = _dim3(grid), _dim3(block)
+    shared_bytes = int(shared_bytes)
+    raise_shared_limit(kernel, args, shared_bytes)
+    if not enabled():
+        values = [_ordinary(a) for a in args]
+        on = 0 if rt.simulator_in_use() or not stream else cuda.external_stream(stream)
+        kernel[grid, block, on, shared_bytes](*values)
+        return
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from numba.cuda.cudadrv.driver import ExperimentalStream
+    argtypes = _argument_types(args)
+    cufunc, _ = _compiled(kernel, argtypes)
+    params = []
+    for a in args:
+        if hasattr(a, "params"):
+            params += a.params()
+        elif _is_numba_array(a):
+            params += Buffer.of_numba(a).params()
+        elif isinstance(a, (bool, np.bool_)):
+            params.append(bool(a))
+        else:
+            params.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
+    core_stream = _STREAMS.get(stream)
+    if core_stream is None:
+        core_stream = _STREAMS[stream] = ExperimentalStream.from_handle(stream)
+    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+    core_launch(core_stream, config, cufunc.kernel, *params)
