@@ -174,16 +174,18 @@ def _launch(kernel, grid, threads, nbytes, stream, args) -> None:
     driver_launch.launch(kernel, grid, threads, stream, args, nbytes)
 
 
-def _preprocess(bp: BackwardProblem, cfg, dQacc) -> object:
-    """Alg. 2 lines 3-4: D = rowsum(dO ∘ O) and L·log₂e, padded to whole row blocks (and dQ_acc = 0 when given)."""
+def _preprocess(bp: BackwardProblem, cfg, dQacc) -> tuple:
+    """Alg. 2 lines 3-4: D = rowsum(dO ∘ O) and L·log₂e, padded to whole row blocks (and dQ_acc = 0 when given).
+    Returns the stats array and the launch made (kernel, grid, threads, shared bytes, arguments)."""
     p = bp.fwd
     N_pad = cfg.padded_rows(p.N_q)
     stats = _empty_f32(p, (p.Z, p.H_q, 2, N_pad))
     zero_dq = dQacc is not None
     placeholder = dQacc if zero_dq else _empty_f32(p, (1, 1, 1, 1))
-    _launch(preprocess_kernel(p.d, p.dtype, zero_dq), (rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z),
-            32 * PRE_WARPS, 0, p.stream, (bp.O, bp.dO, bp.L, stats, placeholder, np.int32(p.N_q)))
-    return stats
+    spec = (preprocess_kernel(p.d, p.dtype, zero_dq), (rt.grid_size(N_pad, PRE_WARPS), p.H_q, p.Z),
+            32 * PRE_WARPS, 0, (bp.O, bp.dO, bp.L, stats, placeholder, np.int32(p.N_q)))
+    _launch(*spec[:4], p.stream, spec[4])
+    return stats, spec
 
 
 def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, causal, scale, **options):
@@ -197,7 +199,7 @@ def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, ca
     kernel = make_kernel(cfg)
     # Alg. 2 lines 3-4: dQ_acc = 0; D = rowsum(dO ∘ O); L·log₂e.
     dQacc = _empty_f32(p, (p.Z, p.H_q, p.N_q, p.d))
-    stats = _preprocess(bp, cfg, dQacc)
+    stats, _ = _preprocess(bp, cfg, dQacc)
     # Alg. 2 lines 5-24: one block per key block j (and column chunk).
     args = (p.Q, p.K, p.V, bp.dO, stats, dQacc, bp.dK, bp.dV, np.int32(p.N_q), np.int32(p.N_k),
             np.int32(p.H_q // p.H_kv), np.float32(p.scale), np.float32(p.scale * math.log2(math.e)))
@@ -216,16 +218,67 @@ def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, 
     rung's key-block kernel (dK, dV only), one block per (key block, column chunk, key/value head, batch); the
     rung's dQ kernel, one block per (query block of 16·W rows, column chunk, query head, batch), which writes dQ in
     the input dtype itself — no atomics, no conversion launch."""
+    key = launch._plan_key((Q, K, V, O, L, dO), make_kernel, make_dq_kernel, causal, scale, options)
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(Q, K, V, O, L, dO)
     bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
     p = bp.fwd
     cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
-    stats = _preprocess(bp, cfg, None)
+    stats, pre = _preprocess(bp, cfg, None)
     common = (np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv), np.float32(p.scale),
               np.float32(p.scale * math.log2(math.e)))
     # Alg. 2 lines 5-24 without line 20: dK_j, dV_j, one block per key block j (and column chunk).
-    _launch(make_kernel(cfg), (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads,
-            4 * shared_words(cfg), p.stream, (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV) + common)
+    kv = (make_kernel(cfg), (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads,
+          4 * shared_words(cfg), (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV) + common)
+    _launch(*kv[:4], p.stream, kv[4])
     # Alg. 2 line 20 as a pass over query blocks: dQ_i = τ Σ_j dS_ij K_j, written once.
-    _launch(make_dq_kernel(cfg), (rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks, p.H_q, p.Z), cfg.threads,
-            4 * dq_shared_words(cfg), p.stream, (p.Q, p.K, p.V, bp.dO, stats, p.O) + common)
+    dq = (make_dq_kernel(cfg), (rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks, p.H_q, p.Z), cfg.threads,
+          4 * dq_shared_words(cfg), (p.Q, p.K, p.V, bp.dO, stats, p.O) + common)
+    _launch(*dq[:4], p.stream, dq[4])
+    if key is not None:
+        prepared = [driver_launch.Prepared(k, grid, threads, args, nbytes) for k, grid, threads, nbytes, args
+                    in (pre, kv, dq)]
+        _PLANS[key] = BackwardPlan(bp, tuple(stats.shape), pre[4][4], *prepared)
     return finish_backward(bp)
+
+
+# -- the short road for PyTorch CUDA tensors -------------------------------------------------------------------------
+
+#: plans per (rung, options, shapes, dtypes, device) of :func:`run_backward_dq_pass`
+_PLANS: dict = {}
+
+
+class BackwardPlan:
+    """A backward (:func:`run_backward_dq_pass`) on PyTorch CUDA tensors of fixed shapes, dtype and options,
+    made from a first call's checked :class:`BackwardProblem` and its three prepared launches. A call makes the
+    six inputs contiguous (no copy when they are), allocates the stats and dQ, dK, dV (poisoned when asked) and
+    launches preprocess → key-block kernel → dQ kernel on PyTorch's current stream."""
+
+    def __init__(self, bp: BackwardProblem, stats_shape: tuple, placeholder, pre, kv, dq):
+        p = bp.fwd
+        self.pre, self.kv, self.dq = pre, kv, dq
+        self.placeholder = placeholder              # a (1, 1, 1, 1) float32 Buffer the preprocess never writes
+        self.stats_shape = stats_shape
+        self.q_shape, self.kv_shape = p.lead + (p.N_q, p.d), bp.kv_lead + (p.N_k, p.d)
+        self.device = p.O_user.device
+        self.device_index = self.device.index
+
+    def __call__(self, Q, K, V, O, L, dO):
+        from kernels_gpu.flash2 import Flash2Backward
+        torch = launch._torch()
+        q, k, v, o, lse, do = (x.detach().contiguous() for x in (Q, K, V, O, L, dO))
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        dQ = torch.empty(self.q_shape, dtype=q.dtype, device=self.device)
+        dK = torch.empty(self.kv_shape, dtype=q.dtype, device=self.device)
+        dV = torch.empty(self.kv_shape, dtype=q.dtype, device=self.device)
+        if rt.poison_outputs:
+            for x in (dQ, dK, dV):
+                x.view(torch.int16).fill_(-1)
+        s = driver_launch.current_stream(self.device_index)
+        Qp, Kp, Vp, dOp, Sp = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats.data_ptr()
+        self.pre(s, o.data_ptr(), dOp, lse.data_ptr(), Sp, self.placeholder.ptr)
+        self.kv(s, Qp, Kp, Vp, dOp, Sp, dK.data_ptr(), dV.data_ptr())
+        self.dq(s, Qp, Kp, Vp, dOp, Sp, dQ.data_ptr())
+        return Flash2Backward(dQ, dK, dV)

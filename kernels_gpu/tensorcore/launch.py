@@ -36,7 +36,7 @@ from fa2edu.validation import check_scale
 from kernels_gpu import driver_launch
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES, Buffer
 
-__all__ = ["Problem", "prepare", "finish", "run", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES"]
+__all__ = ["Problem", "prepare", "finish", "run", "ForwardPlan", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES"]
 
 DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -174,7 +174,7 @@ def prepare(Q, K, V, *, causal, scale) -> Problem:
             L_user.fill_(math.nan)
         # Zero-copy views, launched on PyTorch's current stream: the kernel is ordered after the work that produced
         # Q, K, V and before whatever PyTorch does next, with no host synchronisation.
-        stream = int(torch.cuda.current_stream(q.device).cuda_stream)
+        stream = driver_launch.current_stream(q.device.index)
         words = [Buffer.of_torch(x, np.uint32) for x in (q, k, v, O_user)]
         return Problem(*words[:3], words[3], Buffer.of_torch(L_user, np.float32), O_user=O_user,
                        L_user=L_user, stream=stream, **common)
@@ -227,9 +227,18 @@ def row_block_major(cfg, p) -> tuple:
 def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_for=row_block_major, **options):
     """Check the inputs, pick the rung's configuration, launch one block per (row block, head, batch) — arranged
     by ``grid_for(cfg, problem)`` —, and return ``Flash2Forward(O, L)`` in the caller's kind. ``options`` go to
-    ``config_for`` (e.g. a tile shape)."""
+    ``config_for`` (e.g. a tile shape).
+
+    PyTorch CUDA tensors take a shorter road from the second call with the same shapes, dtypes, device and
+    options on: the checks passed, the configuration, the kernel and its packed parameters are kept in a
+    :class:`ForwardPlan`, and a call only allocates O and L and launches."""
     from kernels_gpu.flash2 import Flash2Forward
 
+    key = _plan_key((Q, K, V), make_kernel, grid_for, causal, scale, options)
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(Q, K, V)
     p = prepare(Q, K, V, causal=causal, scale=scale)
     cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
     kernel = make_kernel(cfg)
@@ -239,5 +248,54 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
                          f"{MAX_DYNAMIC_BYTES}")
     args = (p.Q, p.K, p.V, p.O, p.L, np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv),
             np.float32(p.scale))
-    driver_launch.launch(kernel, grid_for(cfg, p), cfg.threads, p.stream, args, nbytes)
+    grid = grid_for(cfg, p)
+    driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, nbytes)
+    if key is not None:
+        _PLANS[key] = ForwardPlan(p, driver_launch.Prepared(kernel, grid, cfg.threads, args, nbytes))
     return Flash2Forward(*finish(p))
+
+
+# -- the short road for PyTorch CUDA tensors -------------------------------------------------------------------------
+
+#: plans per (rung, options, shapes, dtypes, device): what a repeated call needs beyond allocating its outputs
+_PLANS: dict = {}
+
+
+def _plan_key(tensors, *fixed):
+    """The cache key of a call on PyTorch CUDA tensors with the driver-level launch (None otherwise: no plan).
+    Everything the checks and the configuration depend on is in it — shapes, dtypes, device, the type and value
+    of every option — so a call that finds a plan would have passed the checks of the call that made it."""
+    torch = _torch()
+    if torch is None or not all(type(x) is torch.Tensor and x.is_cuda for x in tensors):
+        return None
+    if not driver_launch.enabled():
+        return None
+    causal, scale, options = fixed[-3], fixed[-2], fixed[-1]
+    return (fixed[:-3], type(causal), causal, type(scale), scale, tuple(sorted(options.items())),
+            tuple((x.shape, x.dtype, x.device) for x in tensors))
+
+
+class ForwardPlan:
+    """A forward on PyTorch CUDA tensors of fixed shapes, dtype and options, made from a first call's checked
+    :class:`Problem` and its :class:`~kernels_gpu.driver_launch.Prepared` launch. A call makes Q, K, V contiguous
+    (no copy when they are), allocates O (Q's shape and dtype) and L (float32, Q's shape without the last axis),
+    poisons them when asked, and launches on PyTorch's current stream."""
+
+    def __init__(self, p: Problem, launch_):
+        self.launch = launch_
+        self.o_shape, self.l_shape = p.lead + (p.N_q, p.d), p.lead + (p.N_q,)
+        self.device = p.O_user.device
+        self.device_index = self.device.index
+
+    def __call__(self, Q, K, V):
+        from kernels_gpu.flash2 import Flash2Forward
+        torch = _torch()
+        q, k, v = Q.contiguous(), K.contiguous(), V.contiguous()
+        O = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        L = torch.empty(self.l_shape, dtype=torch.float32, device=self.device)
+        if rt.poison_outputs:
+            O.view(torch.int16).fill_(-1)
+            L.fill_(math.nan)
+        self.launch(driver_launch.current_stream(self.device_index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    O.data_ptr(), L.data_ptr())
+        return Flash2Forward(O, L)

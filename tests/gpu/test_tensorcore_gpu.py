@@ -156,8 +156,20 @@ def test_lean_launch_equals_numba_launch(monkeypatch):
     K, V = (torch.randn(2, 2, 517, 128, device="cuda").half() for _ in range(2))
     dO = torch.randn_like(Q)
     assert driver_launch.enabled()
-    O1, L1 = tensorcore.flash2_forward(Q, K, V, causal=True)
+    from kernels_gpu.tensorcore import backward_launch, launch
+    launch._PLANS.clear()
+    backward_launch._PLANS.clear()
+    O1, L1 = tensorcore.flash2_forward(Q, K, V, causal=True)       # the full road; leaves a plan
     g1 = tensorcore.flash2_backward(Q, K, V, O1, L1, dO, causal=True)
+    assert len(launch._PLANS) == 1 and len(backward_launch._PLANS) == 1
+    O1b, L1b = tensorcore.flash2_forward(Q, K, V, causal=True)     # the plan's road
+    g1b = tensorcore.flash2_backward(Q, K, V, O1, L1, dO, causal=True)
+    O_nc, _ = tensorcore.flash2_forward(Q, K, V, causal=False)     # another key: not the causal plan
+    assert len(launch._PLANS) == 2
+    torch.cuda.synchronize()
+    assert torch.equal(O1, O1b) and torch.equal(L1, L1b) and not torch.equal(O_nc, O1)
+    for a, b in zip(g1, g1b):
+        assert torch.equal(a, b)
     Od1, Ld1 = tensorcore.flash2_forward(*(cuda.to_device(x.cpu().numpy()) for x in (Q, K, V)), causal=True)
     monkeypatch.setenv("FA2EDU_LEAN_LAUNCH", "0")
     assert not driver_launch.enabled()
