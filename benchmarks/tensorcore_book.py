@@ -1,19 +1,25 @@
 """What chapter 14 reads from the tensor-core results, computed in one place and tested.
 
 Chapter 14 ("Tensor cores from Python") teaches from the GPU runs of ``python -m benchmarks.tensorcore`` committed
-under ``benchmarks/results/nvidia-h100/``: ``tensorcore.json`` (v1-v5), ``tensorcore_v6.json`` (v5, v6),
-``tensorcore_v7.json`` (v6, v7), ``tensorcore_v9.json`` (v6-v9), ``tensorcore_v11.json`` (v6, v9, v10, v11) and
-``tensorcore_v11_d256.json``. Each run has a header (device, versions, date), ``mma_ceiling`` (the TFLOP/s of a
-numba kernel that does nothing but ``mma.sync``) and one record per (impl, dtype, causal, d, N) with its time and
-TFLOP/s, SDPA flash (``sdpa_flash``) included: every rung is compared with SDPA *of its own run*. Beside them lie
-the tile-width sweep (``tensorcore_tiles_v9.json``), the host-cost measurement
-(``tensorcore_launch_overhead.json``), two Nsight Compute reports (``ncu_tensorcore_*_d128.txt``) and the logs of
-the GPU tests and of ``compute-sanitizer``; and two runs beside the forward ladder, read by
-:func:`backward_table` (``tensorcore_backward.json``: the backward rungs v1-v3 beside SDPA flash's backward),
-:func:`partitioning_table` and :func:`precision_table` (``tensorcore_variants.json``: split-Q against split-K
-with their shared-memory bytes; TF32 against the float32 forwards, with errors against float64). This module
-does the reading and the arithmetic, so that the chapter asks each question in one line and
-``tests/test_tensorcore_book.py`` checks the answers. Nothing here times anything or needs a GPU.
+under ``benchmarks/results/nvidia-h100/``. ``tensorcore_ladder.json`` is one run of every rung v1-v11 (fp16,
+non-causal) with the planned driver-level launch (``kernels_gpu.driver_launch``): the ladder's figure and tables
+read it (:data:`RUNG_FILE`). The runs that first measured each rung, with numba's ordinary launch, stay for the
+history and the predictions (:data:`FIRST_RUN`): ``tensorcore.json`` (v1-v5), ``tensorcore_v6.json`` (v5, v6),
+``tensorcore_v7.json`` (v6, v7), ``tensorcore_v9.json`` (v6-v9), ``tensorcore_v11_numba_call.json`` (v6, v9, v10,
+v11) and ``tensorcore_v11_d256.json``. ``tensorcore_v11.json`` (:data:`NEWEST`) is v11 on the full grid (fp16 and
+bf16, causal and not) with the planned launch. Each run has a header (device, versions, date), ``mma_ceiling`` (the
+TFLOP/s of a numba kernel that does nothing but ``mma.sync``) and one record per (impl, dtype, causal, d, N) with
+its time and TFLOP/s, SDPA flash (``sdpa_flash``) included: every rung is compared with SDPA *of its own run*.
+Beside them lie the tile-width sweep (``tensorcore_tiles_v9.json``), the host-cost measurement before and after the
+planned launch (``tensorcore_launch_overhead_numba_call.json``, ``tensorcore_launch_overhead.json``), two Nsight
+Compute reports (``ncu_tensorcore_*_d128.txt``) and the logs of the GPU tests and of ``compute-sanitizer``; and two
+runs beside the forward ladder, read by :func:`backward_table` (``tensorcore_backward.json``: v3 beside SDPA
+flash's backward, fp16 and bf16, causal and not, planned launch; ``tensorcore_backward_ladder.json``: the rungs
+v1-v3, fp16 non-causal, numba's ordinary launch), :func:`partitioning_table` and :func:`precision_table`
+(``tensorcore_variants.json``: split-Q against split-K with their shared-memory bytes; TF32 against the float32
+forwards, with errors against float64). This module does the reading and the arithmetic, so that the chapter asks
+each question in one line and ``tests/test_tensorcore_book.py`` checks the answers. Nothing here times anything or
+needs a GPU.
 
 The rungs' module headers (``kernels_gpu/tensorcore/flash2_forward_v*.py``) state what each rung changed and what
 it predicted before it was first measured; :func:`rung_header` returns those paragraphs as written, and
@@ -24,7 +30,7 @@ Typical use (the chapter's)::
 
     from benchmarks import tensorcore_book as tcb
     runs = tcb.load_runs()                         # every committed run, by file name
-    tcb.rung_series(runs, "v9", d=64)              # ([N, ...], [TFLOP/s, ...], file) for a figure
+    tcb.rung_series(runs, "v9", d=64)              # ([N, ...], [TFLOP/s, ...], file): the one-run ladder
     print(tcb.format_predictions(tcb.check_predictions(runs)))
     tcb.targets(runs[tcb.NEWEST], "v11")           # the project's forward targets: met or missed
     tcb.ncu_report("ncu_tensorcore_v8_v9_d128.txt")["v9"].instructions
@@ -44,7 +50,7 @@ from typing import NamedTuple
 __all__ = [
     "RESULTS", "FOLDER", "DEFAULT_RUN", "NEWEST", "RUNGS", "LATEST", "RUNG_FILE", "BASELINE", "CUDA_CORE",
     "TARGET_TFLOPS", "TARGET_TFLOPS_MIN_N", "TARGET_RATIO", "TARGET_RATIO_MIN_N", "TARGET_CAUSAL",
-    "TARGET_CAUSAL_N", "MMA_FLOPS",
+    "TARGET_CAUSAL_N", "MMA_FLOPS", "LADDER_RUN", "FIRST_RUN", "BACKWARD_LADDER_RUN",
     "TensorCoreRun", "load", "load_runs", "forward_flops", "record", "tflops", "series", "rung_below",
     "rung_series", "RungPoint", "rung_points", "baseline_range", "cuda_core_series", "LadderRow", "ladder_table",
     "PairRow", "pair_table", "causal_speedup", "TargetCheck", "targets", "CausalCheck", "causal_targets",
@@ -62,16 +68,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FOLDER = RESULTS / "nvidia-h100"
 #: the first run (v1-v5 and SDPA flash on the full grid, bf16 and causal for v5)
 DEFAULT_RUN = FOLDER / "tensorcore.json"
-#: the newest run of the ladder: v6, v9, v10, v11 and SDPA flash, bf16 and causal for v11
+#: the newest run of the fastest rung: v11 and SDPA flash, fp16 and bf16, causal and not (planned launch)
 NEWEST = "tensorcore_v11.json"
+#: one run of every rung v1-v11 and SDPA flash, fp16, non-causal (planned launch): the ladder's figure
+LADDER_RUN = "tensorcore_ladder.json"
 #: the forward rungs, in ladder order
 RUNGS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11")
 #: the fastest rung (``kernels_gpu.tensorcore.flash2_forward``)
 LATEST = "v11"
-#: the run in which each rung was first measured (beside the rung below it, and SDPA flash)
-RUNG_FILE = {"v1": "tensorcore.json", "v2": "tensorcore.json", "v3": "tensorcore.json", "v4": "tensorcore.json",
+#: the run the ladder's figure and tables read for each rung: the one run of every rung
+RUNG_FILE = {v: LADDER_RUN for v in RUNGS}
+#: the run in which each rung was first measured (beside the rung below it, and SDPA flash), with numba's
+#: ordinary launch: what each header's prediction is judged against
+FIRST_RUN = {"v1": "tensorcore.json", "v2": "tensorcore.json", "v3": "tensorcore.json", "v4": "tensorcore.json",
              "v5": "tensorcore.json", "v6": "tensorcore_v6.json", "v7": "tensorcore_v7.json",
-             "v8": "tensorcore_v9.json", "v9": "tensorcore_v9.json", "v10": NEWEST, "v11": NEWEST}
+             "v8": "tensorcore_v9.json", "v9": "tensorcore_v9.json", "v10": "tensorcore_v11_numba_call.json",
+             "v11": "tensorcore_v11_numba_call.json"}
 #: what every rung is compared with in the same run: PyTorch's SDPA with its flash backend
 BASELINE = "sdpa_flash"
 #: the fastest fp32 CUDA-core forward of chapter 10 (``kernels_gpu.fast``): (file, impl) of ``benchmarks.book``
@@ -183,11 +195,12 @@ def rung_below(rung: str) -> str | None:
     return RUNGS[i - 1] if i else None
 
 
-def rung_series(runs: dict, rung: str, d: int, dtype: str = "float16",
-                causal: bool = False) -> tuple[list, list, str]:
-    """``(Ns, TFLOP/s, file)`` of a rung from the run that first measured it (:data:`RUNG_FILE`); empty lists if
-    that run did not measure this (dtype, causal, d)."""
-    name = RUNG_FILE[rung] if rung in RUNG_FILE else None
+def rung_series(runs: dict, rung: str, d: int, dtype: str = "float16", causal: bool = False,
+                files=None) -> tuple[list, list, str]:
+    """``(Ns, TFLOP/s, file)`` of a rung from the run ``files`` names for it (default :data:`RUNG_FILE`, the one
+    run of every rung; :data:`FIRST_RUN` for the run that first measured it); empty lists if that run did not
+    measure this (dtype, causal, d)."""
+    name = (files or RUNG_FILE).get(rung)
     if name is None:
         raise ValueError(f"rung must be one of {RUNGS}, got {rung!r}")
     if name not in runs:
@@ -207,9 +220,10 @@ class RungPoint(NamedTuple):
 
 
 def rung_points(runs: dict, rung: str, d: int, Ns=(1024, 4096, 16384), dtype: str = "float16",
-                causal: bool = False) -> list[RungPoint]:
-    """:class:`RungPoint` of ``rung`` at each N of ``Ns`` (a KeyError names a configuration its run lacks)."""
-    run = runs[RUNG_FILE[rung]]
+                causal: bool = False, files=None) -> list[RungPoint]:
+    """:class:`RungPoint` of ``rung`` at each N of ``Ns`` in the run ``files`` names for it (default
+    :data:`RUNG_FILE`); a KeyError names a configuration that run lacks."""
+    run = runs[(files or RUNG_FILE)[rung]]
     below = rung_below(rung)
     points = []
     for N in Ns:
@@ -409,8 +423,9 @@ class Prediction(NamedTuple):
     ``unit``, judged at every N of ``Ns`` (fp16).
 
     ``unit``: ``"ratio"`` (``impl``'s TFLOP/s over ``against``'s), ``"TFLOP/s"``, or ``"causal"`` (``impl``'s
-    wall-time ratio non-causal / causal). ``impl`` defaults to the rung; ``file`` to the run that measured it
-    (:data:`RUNG_FILE`); ``against_file`` to ``file`` — a different one makes the comparison cross two runs.
+    wall-time ratio non-causal / causal). ``impl`` defaults to the rung; ``file`` to the run that first
+    measured it (:data:`FIRST_RUN`); ``against_file`` to ``file`` — a different one makes the comparison cross two
+    runs.
     ``words`` quotes the header."""
 
     rung: str
@@ -470,7 +485,7 @@ class PredictionCheck(NamedTuple):
 
 
 def _measure(runs: dict, p: Prediction, N: int) -> float:
-    run = runs[p.file or RUNG_FILE[p.rung]]
+    run = runs[p.file or FIRST_RUN[p.rung]]
     impl = p.impl or p.rung
     if p.unit == "causal":
         return causal_speedup(run, impl, p.d, N)
@@ -479,7 +494,8 @@ def _measure(runs: dict, p: Prediction, N: int) -> float:
         return value
     if p.unit != "ratio":
         raise ValueError(f"unit must be 'ratio', 'TFLOP/s' or 'causal', got {p.unit!r}")
-    return value / tflops(runs[p.against_file or p.file or RUNG_FILE[p.rung]], p.against, p.d, N, causal=p.causal)
+    against = runs[p.against_file or p.file or FIRST_RUN[p.rung]]
+    return value / tflops(against, p.against, p.d, N, causal=p.causal)
 
 
 def _verdict(low: float, high: float, got_low: float, got_high: float) -> str:
@@ -502,7 +518,7 @@ def check_predictions(runs: dict, predictions=PREDICTIONS) -> list[PredictionChe
         values = [_measure(runs, p, N) for N in p.Ns]
         lo, hi = min(values), max(values)
         digits = _DIGITS[p.unit]
-        same = p.against_file is None or p.against_file == (p.file or RUNG_FILE[p.rung])
+        same = p.against_file is None or p.against_file == (p.file or FIRST_RUN[p.rung])
         rows.append(PredictionCheck(p, lo, hi, _verdict(p.low, p.high, round(lo, digits), round(hi, digits)), same))
     return rows
 
@@ -714,7 +730,8 @@ class LaunchRow(NamedTuple):
 
 
 def launch_overhead(name: str = "tensorcore_launch_overhead.json", folder=None) -> list[LaunchRow]:
-    """The rows of the host-cost file, in file order."""
+    """The rows of a host-cost file, in file order: by default the planned launch; the same measurement with
+    numba's ordinary launch is ``tensorcore_launch_overhead_numba_call.json``."""
     path = (Path(folder) if folder is not None else FOLDER) / name
     return [LaunchRow(*(row[f] for f in LaunchRow._fields)) for row in json.loads(path.read_text())["rows"]]
 
@@ -782,8 +799,11 @@ def gpu_test_progress(path) -> dict:
 
 # -- the backward rungs, split-K against split-Q, TF32 ----------------------------------------------------------------
 
-#: ``python -m benchmarks.tensorcore_backward``: the backward rungs v1-v3 beside SDPA flash's backward
+#: ``python -m benchmarks.tensorcore_backward``: v3 beside SDPA flash's backward (fp16 and bf16, causal and
+#: not, planned launch)
 BACKWARD_RUN = "tensorcore_backward.json"
+#: the earlier run of the backward rungs v1-v3 beside SDPA flash's (fp16, non-causal, numba's ordinary launch)
+BACKWARD_LADDER_RUN = "tensorcore_backward_ladder.json"
 #: ``python -m benchmarks.tensorcore_variants``: split-Q against split-K (with shared-memory bytes), and TF32
 #: against the float32 forwards (with errors against float64)
 VARIANTS_RUN = "tensorcore_variants.json"
