@@ -14,29 +14,29 @@ long, and consecutive blocks of one head share its K and V in L2).
 one block's time, ~T_r tiles, out of roughly waves × T_r / 2); the causal/non-causal wall-time ratio at N = 8192
 rises from v9's 1.41 (d = 128) towards 1.6. Non-causal: unchanged.
 
-**Measured** (H100, 2026-11-24, first with numba's ordinary launch, ``tensorcore_v11_numba_call.json``;
-causal fp16, TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 78.0 / 118.6 / 128.0 / 186.2 / 206.8; d = 128: 57.7 / 102.6 / 152.4 / 197.9 / 248.6 (v9,
-causal, the previous run: 59.8 / 96.8 / 137.8 / 177.0 / 193.4 and 55.4 / 95.5 / 133.0 / 183.4 / 216.0): +5-15 %
-from N = 4096 as predicted, within run-to-run noise below. Causal against non-causal wall time at N = 8192, same
-run: 1.65× (d = 64), 1.46× (d = 128) in fp16; 1.86× and 1.82× in bf16. Non-causal is v10's kernel (same numbers
-within noise). What limits it now: SDPA flash runs 264-341 TFLOP/s in the same run; v11 reaches 0.45-0.5× at
-N = 1024, 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384, one call between two CUDA events as the harness times
-it. ``benchmarks.launch_overhead`` (``tensorcore_launch_overhead.json``) separates the host from the GPU: a v11
-call spent 400 µs (d = 64) to 900 µs (d = 128) on the host — argument checks, five zero-copy array views and
-numba's launch, which types every argument — against SDPA's 110-170 µs, and a single call's GPU waits for it.
-Twenty calls queued between two events (the GPU never waits) gave v11 218 / 235 TFLOP/s at d = 64 (N = 1024 /
-4096) and 168 / 309 at d = 128: 0.75-0.9× SDPA flash queued the same way (291 / 303, 332 / 343) — the kernel
-was above the targets' 0.5× everywhere; the Python launch path was what missed them at short N.
+**Measured** (H100, 2026-11-24, first with numba's ordinary launch, ``tensorcore_v11_numba_call.json``; causal
+fp16, TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 78.0 / 118.6 / 128.0 / 186.2 / 206.8; d = 128:
+57.7 / 102.6 / 152.4 / 197.9 / 248.6 (v9, causal, the previous run: 59.8 / 96.8 / 137.8 / 177.0 / 193.4 and 55.4 /
+95.5 / 133.0 / 183.4 / 216.0): +5-15 % from N = 4096 as predicted, within run-to-run noise below. Causal against
+non-causal wall time at N = 8192, same run: 1.65× (d = 64), 1.46× (d = 128) in fp16; 1.86× and 1.82× in bf16.
+Non-causal is v10's kernel (same numbers within noise). What limits it now: SDPA flash runs 264-341 TFLOP/s in the
+same run; v11 reaches 0.45-0.5× at N = 1024, 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384, one call between two
+CUDA events as the harness times it. ``benchmarks.launch_overhead`` (``tensorcore_launch_overhead.json``) separates
+the host from the GPU: a v11 call spent 400 µs (d = 64) to 900 µs (d = 128) on the host — argument checks, five
+zero-copy array views and numba's launch, which types every argument — against SDPA's 110-170 µs, and a single
+call's GPU waits for it. Twenty calls queued between two events (the GPU never waits) gave v11 218 / 235 TFLOP/s at
+d = 64 (N = 1024 / 4096) and 168 / 309 at d = 128: 0.75-0.9× SDPA flash queued the same way (291 / 303, 332 / 343)
+— the kernel was above the targets' 0.5× everywhere; the Python launch path was what missed them at short N.
 
 Then, same day, with the planned driver-level launch (``kernels_gpu.driver_launch``: compiled once per argument
-types, parameters packed by hand, a plan per shape for PyTorch CUDA tensors): the host cost is gone — 64-96 µs
-per call against SDPA's own 80-167 µs (``tensorcore_launch_overhead.json``). One run of every rung
-(``tensorcore_ladder.json``, fp16 non-causal, N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 207.8 / 230.7 /
-240.7 / 245.3 / 255.7 TFLOP/s (0.80-0.94× SDPA flash); d = 128: 237.3 / 287.2 / 291.2 / 308.4 / 296.4
-(0.86-0.96×). v11's full grid (``tensorcore_v11.json``, fp16 and bf16, causal and not) meets every forward
-target: ≥ 218 TFLOP/s at N ≥ 4096, ≥ 0.81× SDPA flash at every N from 1024, causal 1.74-1.98× faster than
-non-causal at N = 8192. What limits it now: d = 64 at ~0.82× SDPA flash, the register spill at d = 128, and
-mma.sync itself (near 630 TFLOP/s on this GPU; Hopper's full rate needs ``wgmma``, sm_90's warpgroup MMA).
+types, parameters packed by hand, a plan per shape for PyTorch CUDA tensors): the host cost is gone — 64-96 µs per
+call against SDPA's own 80-167 µs (``tensorcore_launch_overhead.json``). One run of every rung
+(``tensorcore_ladder.json``, fp16 non-causal, N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 207.8 / 230.7 / 240.7
+/ 245.3 / 255.7 TFLOP/s (0.80-0.94× SDPA flash); d = 128: 237.3 / 287.2 / 291.2 / 308.4 / 296.4 (0.86-0.96×). v11's
+full grid (``tensorcore_v11.json``, fp16 and bf16, causal and not) meets every forward target: ≥ 218 TFLOP/s at N ≥
+4096, ≥ 0.81× SDPA flash at every N from 1024, causal 1.74-1.98× faster than non-causal at N = 8192. What limits it
+now: d = 64 at ~0.82× SDPA flash, the register spill at d = 128, and mma.sync itself (near 630 TFLOP/s on this GPU;
+Hopper's full rate needs ``wgmma``, sm_90's warpgroup MMA).
 """
 
 from __future__ import annotations
