@@ -54,14 +54,6 @@ def lean_launch_enabled() -> bool:
 
 # -- flat arrays: what a kernel parameter is ----------------------------------------------------------------------
 
-class _Interface:
-    """A bare ``__cuda_array_interface__`` for a 1-D view of device memory (numba's ordinary launch path)."""
-
-    def __init__(self, ptr: int, n: int, dtype: np.dtype):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": np.dtype(dtype).str, "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
 @dataclass
 class Flat:
     """A kernel's 1-D array parameter: ``n`` elements of ``dtype`` from device address ``ptr``. ``array`` is the
@@ -79,17 +71,15 @@ class Flat:
 
     def numba_array(self):
         if self.array is None:
-            self.array = cuda.as_cuda_array(_Interface(self.ptr, max(self.n, 1), self.dtype), sync=False)
+            self.array = driver_launch.Buffer(self.ptr, (max(self.n, 1),), self.dtype).numba_array()
         return self.array
 
     def numba_type(self):
-        from numba.cuda import types
-        from numba.cuda.np import numpy_support
-        return types.Array(numpy_support.from_dtype(self.dtype), 1, "C")
+        return driver_launch.Buffer(self.ptr, (self.n,), self.dtype).numba_type()
 
     def params(self) -> list:
-        """numba's layout of a 1-D array parameter: meminfo, parent, size, itemsize, data, shape[0], strides[0]."""
-        return [0, 0, self.n, self.dtype.itemsize, self.ptr, self.n, self.dtype.itemsize]
+        """numba's layout of a 1-D array parameter (:meth:`kernels_gpu.driver_launch.Buffer.params`)."""
+        return driver_launch.Buffer(self.ptr, (self.n,), self.dtype).params()
 
 
 def _numba_flat(array, dtype=None) -> Flat:

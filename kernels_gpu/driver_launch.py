@@ -3,7 +3,8 @@
 An ordinary numba call, ``kernel[grid, block, stream, shared](*args)``, types every argument, looks up the compiled
 overload and turns every array into its parameter layout, on every call. For a kernel with a handful of arrays
 that is hundreds of microseconds of host time — measured on an H100 for the tensor-core forward: 400-830 µs per
-call against SDPA's 110-170 (``benchmarks/results/nvidia-h100/tensorcore_launch_overhead.json``) — as long as
+call against SDPA's 110-170
+(``benchmarks/results/nvidia-h100/tensorcore_launch_overhead_numba_call.json``) — as long as
 the GPU spends on a whole attention call at N = 1024, and a decoding step takes tens of microseconds.
 
 :func:`launch` does the same work once per kernel and argument types (compile, load, raise the shared-memory

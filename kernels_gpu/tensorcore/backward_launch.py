@@ -218,7 +218,7 @@ def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, 
     rung's key-block kernel (dK, dV only), one block per (key block, column chunk, key/value head, batch); the
     rung's dQ kernel, one block per (query block of 16·W rows, column chunk, query head, batch), which writes dQ in
     the input dtype itself — no atomics, no conversion launch."""
-    key = launch._plan_key((Q, K, V, O, L, dO), make_kernel, make_dq_kernel, causal, scale, options)
+    key = launch._plan_key((Q, K, V, O, L, dO), (make_kernel, make_dq_kernel), causal, scale, options)
     if key is not None:
         plan = _PLANS.get(key)
         if plan is not None:

@@ -234,7 +234,7 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
     :class:`ForwardPlan`, and a call only allocates O and L and launches."""
     from kernels_gpu.flash2 import Flash2Forward
 
-    key = _plan_key((Q, K, V), make_kernel, grid_for, causal, scale, options)
+    key = _plan_key((Q, K, V), (make_kernel, grid_for), causal, scale, options)
     if key is not None:
         plan = _PLANS.get(key)
         if plan is not None:
@@ -261,7 +261,7 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
 _PLANS: dict = {}
 
 
-def _plan_key(tensors, *fixed):
+def _plan_key(tensors, rung: tuple, causal, scale, options: dict):
     """The cache key of a call on PyTorch CUDA tensors with the driver-level launch (None otherwise: no plan).
     Everything the checks and the configuration depend on is in it — shapes, dtypes, device, the type and value
     of every option — so a call that finds a plan would have passed the checks of the call that made it."""
@@ -270,8 +270,7 @@ def _plan_key(tensors, *fixed):
         return None
     if not driver_launch.enabled():
         return None
-    causal, scale, options = fixed[-3], fixed[-2], fixed[-1]
-    return (fixed[:-3], type(causal), causal, type(scale), scale, tuple(sorted(options.items())),
+    return (rung, type(causal), causal, type(scale), scale, tuple(sorted(options.items())),
             tuple((x.shape, x.dtype, x.device) for x in tensors))
 
 
