@@ -294,6 +294,8 @@ def decode_impls(torch, page: int) -> dict:
         "kernels_gpu_paged": lambda s: kernels_gpu.decode_attention(s["q"], s["kp"], s["vp"], s["seqlens"],
                                                                     s["table"]).O,
         "kernels_gpu_splits1": lambda s: ours(s, num_splits=1),
+        # the first split program (FMA units, kernels_gpu.decode.split_kernel), beside the tensor-core default
+        "kernels_gpu_cuda_core": lambda s: ours(s, kernel="cuda_core"),
     }
     for backend in SDPA_BACKENDS:
         impls[f"sdpa_{backend}"] = _sdpa(torch, backend)
@@ -334,7 +336,8 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
                     k_, v_, t_ = (s["kp"], s["vp"], s["table"]) if paged else (s["k"], s["v"], None)
                     rec["num_splits"] = decode.planned_splits(
                         s["q"], k_, v_, s["seqlens"], t_, num_splits=1 if name.endswith("splits1") else None,
-                        block_size=None if t_ is not None else page)
+                        block_size=None if t_ is not None else page,
+                        kernel="cuda_core" if name.endswith("cuda_core") else None)
                 calls = time_calls(torch, fn, sets, target_ms)
                 rec.update(status="ok", ms_call=_median_ms(calls), repeats_call=len(calls),
                            host_us=host_time_us(torch, fn, sets))
@@ -438,7 +441,8 @@ def plot(results: dict, path: str) -> str:
     copy = results["copy_GBps"]["used"]
     fig, axes = plt.subplots(1, max(1, len(batches)), figsize=(4.2 * max(1, len(batches)), 3.6), squeeze=False)
     styles = {"kernels_gpu": ("tab:blue", "-", "kernels_gpu"), "kernels_gpu_paged": ("tab:green", "--", "paged"),
-              "kernels_gpu_splits1": ("tab:gray", ":", "num_splits=1")}
+              "kernels_gpu_splits1": ("tab:gray", ":", "num_splits=1"),
+              "kernels_gpu_cuda_core": ("tab:purple", "-.", "CUDA-core program")}
     for ax, batch in zip(axes[0], batches):
         here = [r for r in recs if r["batch"] == batch]
         contexts = sorted({r["context"] for r in here})

@@ -79,11 +79,12 @@ from numba import cuda, float32, int64, uint32, uint64
 from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, decode_block_size
 from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
+from kernels_gpu import decode_tc
 from kernels_gpu import runtime as rt
 
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
            "DecodeTiling", "decode_tiling", "default_num_splits", "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
-           "split_kernel", "merge_kernel"]
+           "split_kernel", "merge_kernel", "PROGRAMS"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -728,6 +729,11 @@ class _Call(NamedTuple):
     scale2: float
     causal: bool
     num_splits: int | None
+    program: str = "cuda_core"      # the split program: "tensorcore" (decode_tc) or "cuda_core" (split_kernel)
+
+
+#: the split programs a caller may name (``kernel=``); None picks the tensor-core one wherever it applies
+PROGRAMS = ("tensorcore", "cuda_core")
 
 
 def _words_view(t: io.Tensor, name: str) -> tuple[io.Flat, tuple, int]:
@@ -766,8 +772,11 @@ def _host_words(x: np.ndarray, storage: str, pad_to: int) -> tuple[io.Flat, tupl
     return flat, strides
 
 
-def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size, validate):
+def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size, validate,
+             kernel=None):
     rt.require_device()
+    if kernel is not None and kernel not in PROGRAMS:
+        raise ValueError(f"kernel must be None, 'tensorcore' or 'cuda_core', got {kernel!r}")
     tq, tk, tv = io.tensor(q, "q"), io.tensor(k_cache, "k_cache"), io.tensor(v_cache, "v_cache")
     kind = io.check_kinds(tq, tk, tv)
     storage = tq.storage
@@ -842,17 +851,37 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
     R = (H_q // H_kv) * N_new
     tiling = decode_tiling(storage, d_pad, dv_pad, R, vec)
     row_tiles = -(-R // tiling.rows)
+    # The split program: tensor cores wherever they apply (16-bit storage, head sizes multiples of 8, 16-byte rows,
+    # pages of whole tiles), unless the caller names one.
+    tc_ok = decode_tc.supports(storage, d_pad, dv_pad, page, vec)
+    if kernel == "tensorcore" and not tc_ok:
+        raise ValueError(f"kernel='tensorcore' needs float16 or bfloat16 storage, d and d_v multiples of 8 up to "
+                         f"256, 16-byte aligned cache rows and a page size that is a multiple of {decode_tc.TILE}; "
+                         f"got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows aligned to "
+                         f"{4 * vec} bytes")
+    program = "tensorcore" if tc_ok and kernel != "cuda_core" else "cuda_core"
+    if program == "tensorcore":
+        row_tiles = -(-R // 16)                     # one 16-row MMA tile per program
     return _Call(kind, storage, out, io.stream_of(kind, getattr(q, "device", None)), Qw, Kw, Vw, table_flat,
                  seq_flat, B, H_q, H_kv, N_new, d_pad, dv_pad, d_v, R, tiling, row_tiles, page, block, max_pages,
                  num_pages, capacity, n_max, k_strides[:3], v_strides[:3], float(tau) * LOG2E, bool(causal),
-                 num_splits)
+                 num_splits, program)
 
 
-def _slots(kernel, args, threads: int) -> int:
+def _slots(kernel, args, threads: int, shared: int = 0) -> int:
     """Resident blocks of the split kernel: the occupancy calculator's answer on a GPU, 2 × 132 in the simulator."""
     if rt.simulator_in_use():
         return 2 * DECODE_SMS
-    return io.resident_blocks(kernel, args, threads)
+    return io.resident_blocks(kernel, args, threads, shared)
+
+
+def _split_program(c: _Call, simulator: bool) -> tuple:
+    """(kernel, threads, dynamic shared bytes) of the call's split program."""
+    if c.program == "tensorcore":
+        warps = SIMULATOR_WARPS if simulator else 4
+        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator), 32 * warps,
+                decode_tc.shared_bytes(c.d, c.d_v, warps))
+    return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
@@ -865,15 +894,14 @@ def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
 def _run(c: _Call, partials_out: bool = False):
     """Launch the split program (and the merge when S > 1); returns (O, L[, O_part, L_part, S])."""
     simulator = rt.simulator_in_use()
-    kernel = split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator)
+    kernel, threads, shared = _split_program(c, simulator)
     view = np.float32 if c.storage == "float32" else np.uint32
     O_user, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, view)
     L_user, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
     S = c.num_splits
     if S is None:
         probe = _split_args(c, 1, Ow, Lf, Lf, Lf)
-        S = default_num_splits(c.B * c.H_kv * c.row_tiles, c.n_max, c.block,
-                               _slots(kernel, probe, c.tiling.threads))
+        S = default_num_splits(c.B * c.H_kv * c.row_tiles, c.n_max, c.block, _slots(kernel, probe, threads, shared))
     if partials_out and S < 2:
         raise ValueError("partials exist only with num_splits >= 2")
     if S > 1:
@@ -888,7 +916,7 @@ def _run(c: _Call, partials_out: bool = False):
         Opart = Lpart = Lf                          # (not written: the single split writes O and L)
     args = _split_args(c, S, Ow, Lf, Opart, Lpart)
     grid = (S * c.row_tiles, c.H_kv, c.B)
-    io.launch(kernel, grid, c.tiling.threads, c.stream, args)
+    io.launch(kernel, grid, threads, c.stream, args, shared)
     if S > 1:
         merge = merge_kernel(c.storage, c.d_v, simulator)
         rows = c.B * c.H_kv * c.R
@@ -906,7 +934,7 @@ def _run(c: _Call, partials_out: bool = False):
 # -- the public functions ----------------------------------------------------------------------------------------
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
-                     num_splits=None, *, block_size=None, validate=None) -> DecodeResult:
+                     num_splits=None, *, block_size=None, validate=None, kernel=None) -> DecodeResult:
     """Attention of N_new new tokens per sequence to a KV cache on the GPU: split-KV (Flash-Decoding), contiguous
     or paged (PagedAttention), GQA — :func:`fa2edu.decode_attention`'s semantics (see the module header for the
     kernels).
@@ -943,6 +971,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
         host index data is always checked; device index data is not (the kernel clamps lengths to the cache and
         page ids to [0, num_pages), so a bad value gives a wrong result, never a read outside the cache), and the
         split rule then plans for the cache's capacity as the longest length.
+    kernel : {None, "tensorcore", "cuda_core"}, optional
+        The split program. Default None: the tensor-core program (:mod:`kernels_gpu.decode_tc`) for float16 and
+        bfloat16 caches with head sizes multiples of 8 (≤ 256), 16-byte aligned rows and pages of a multiple of
+        16 keys; the CUDA-core program (this module's :func:`split_kernel`) otherwise. Naming "tensorcore" where
+        it does not apply is an error.
 
     Returns
     -------
@@ -970,35 +1003,35 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
     T. Dao, "FlashAttention-2", 2023, Algorithm 1.
     """
     call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size,
-                    validate)
+                    validate, kernel)
     O, L = _run(call)
     return DecodeResult(O, L)
 
 
 def planned_splits(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, num_splits=None, *,
-                   block_size=None) -> int:
+                   block_size=None, kernel=None) -> int:
     """The split count :func:`decode_attention` would launch with for these arguments (the rule of
     :func:`default_num_splits` when ``num_splits`` is None), without launching anything."""
-    call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, None, num_splits, block_size, None)
+    call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, None, num_splits, block_size, None,
+                    kernel)
     if call.num_splits is not None:
         return call.num_splits
-    kernel = split_kernel(call.storage, call.d, call.d_v, call.tiling, call.page, call.causal,
-                          rt.simulator_in_use())
+    program, threads, shared = _split_program(call, rt.simulator_in_use())
     # arguments of the launch's types (the occupancy is asked of the kernel compiled for them)
     _, Ow = call.out.empty((2,), call.storage, np.float32 if call.storage == "float32" else np.uint32)
     _, Lf = call.out.empty((1,), "float32")
     probe = _split_args(call, 1, Ow, Lf, Lf, Lf)
     return default_num_splits(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
-                              _slots(kernel, probe, call.tiling.threads))
+                              _slots(program, probe, threads, shared))
 
 
 def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
-                          num_splits=2, *, block_size=None, validate=None):
+                          num_splits=2, *, block_size=None, validate=None, kernel=None):
     """The split program alone (for inspection and tests): ``(O_s, L_s, S)`` with O_s (S, B, H_q, N_new, d_v) and
     L_s (S, B, H_q, N_new) float32 — split s's attention over its own key blocks (O_s = 0, L_s = +inf where it saw
     no key), before the merge. Arguments as :func:`decode_attention`; ``num_splits`` ≥ 2."""
     call = _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size,
-                    validate)
+                    validate, kernel)
     if call.num_splits is None or call.num_splits < 2:
         raise ValueError("decode_split_partials needs num_splits >= 2 (a single split writes no partials)")
     *_, P, PL, S = _run(call, partials_out=True)

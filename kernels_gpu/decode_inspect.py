@@ -32,12 +32,13 @@ def _compile_without_gpu() -> None:
         dispatcher.get_current_device = lambda: _Hopper()
 
 
-def _ptxas(ptx: str) -> dict:
+def _ptxas(ptx: str, max_registers: int | None = None) -> dict:
     exe = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    cap = [] if max_registers is None else [f"-maxrregcount={max_registers}"]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        out = subprocess.run([exe, "-arch=sm_90", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        out = subprocess.run([exe, "-arch=sm_90", "-v", *cap, str(src), "-o", str(Path(tmp) / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
     nums = {key: int(m.group(1)) if (m := re.search(pat, out)) else None for key, pat in
             (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
@@ -60,6 +61,23 @@ def split_report(storage: str = "float16", d: int = 128, R: int = 4, page: int =
            (types.float32,))
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     return dict(kernel="decode_split", storage=storage, d=d, R=R, page=page, tiling=tuple(tiling), **_ptxas(ptx))
+
+
+def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, causal: bool = True,
+                    index: str = "int32", warps: int = 4) -> dict:
+    """The tensor-core split program (:mod:`kernels_gpu.decode_tc`) for (storage, d = d_v, page size; 0:
+    contiguous): ``ldsm`` and ``mma`` counts beside the resources (``cp_async``: 16-byte copies in the PTX)."""
+    from kernels_gpu import decode_tc
+    _compile_without_gpu()
+    kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False)
+    I = getattr(types, index)
+    sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
+           (types.int64,) * 16 + (types.float32,))
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    cap = decode_tc.REGISTER_CAP if d <= 128 else None          # as split_kernel_tc asks of the compiler
+    return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps,
+                shared_bytes=decode_tc.shared_bytes(d, d, warps), mma=ptx.count("mma.sync"),
+                ldmatrix=ptx.count("ldmatrix"), cp_async=ptx.count("cp.async.cg"), **_ptxas(ptx, cap))
 
 
 def merge_report(storage: str = "float16", d_v: int = 128) -> dict:
@@ -97,6 +115,9 @@ def main(argv=None) -> int:
             for R in args.R:
                 print(split_report(storage, d, R), flush=True)
             print(split_report(storage, d, 4, page=0), flush=True)
+            if storage != "float32":
+                for page in (256, 0):
+                    print(split_tc_report(storage, d, page), flush=True)
             print(merge_report(storage, d), flush=True)
             for causal in (False, True):
                 print(varlen_report(storage, d, causal), flush=True)

@@ -1,0 +1,340 @@
+"""Split-KV decoding on tensor cores: the split program of :mod:`kernels_gpu.decode`, second version.
+
+:func:`kernels_gpu.decode_attention` launches this program for float16 and bfloat16 caches whose head sizes are
+multiples of 8 (up to 256) and whose rows are 16-byte aligned; everything else (float32, odd sizes or strides) runs
+the CUDA-core program of :mod:`kernels_gpu.decode`, which stays reachable with ``kernel="cuda_core"``. Both
+programs write the same partials, merged by the same launch, so everything around them (the split cut, the split
+rule, the merge, paged lookups, the checks) is shared.
+
+**Why a second program.** The CUDA-core program does the dot products on the FMA units: for each key a group of
+16 lanes holds a slice of the key's row, multiplies it into the R query rows, and sums the slices with a butterfly
+of shuffles. That is about 69 warp-instructions per key at R = 4, d = 128 (the first program's header counts
+them) — for 512 bytes of K and V. At batch 32 there are enough warps on every SM to issue them while the loads are
+in flight, and it streams at 0.88-0.91 of the copy rate; at batch 1 a 16k-key step has 8 KV heads × 32 splits
+= 256 programs, two per SM, eight warps that cannot both keep the loads going and issue that many instructions:
+it reached 0.34 of the copy rate. On tensor cores a warp multiplies 16 keys into a 16-row query tile with
+``D/16`` MMAs for S = Q Kᵀ and ``D_v/8`` for O += P V: about 11 warp-instructions per key, 6× fewer, and the
+loads go from HBM to shared memory by ``cp.async`` without passing through registers.
+
+**The program** (one per split, KV head, sequence and 16-row tile of the R = G·N_new query rows; W warps):
+
+1. The query tile: rows r0 … r0 + 15 of the group (row r is query head h·G + r // N_new, new token r % N_new;
+   rows past R are zeros) go from HBM straight into MMA A-fragments in registers, once (FA2 Alg. 1 line 4).
+2. **Split-K inside the program.** The split's keys are cut into tiles of ``TILE`` keys; warp w takes tiles
+   w, w + W, w + 2W, … Each warp has its own two shared-memory stages and runs its own pipeline — it starts the
+   copy of its next tile (``cp.async``, 16 bytes per lane and copy) before computing this one, and meets only
+   its own lanes (``bar.warp.sync``): no block-wide barrier in the loop. A paged tile lies in one page
+   (``page_size`` a multiple of ``TILE``), so one block-table lookup serves its 16 rows.
+3. Per tile, FA2 Alg. 1 lines 8-10 on the warp's 16 × TILE scores: S = Q Kᵀ (``ldmatrix`` of K, MMAs into float32
+   accumulators), keys past the split (and, causal, past a row's last visible key) masked to −∞, the online
+   softmax in base 2, Õ += P̃ V (P̃ from the accumulators, V by ``ldmatrix.trans``).
+4. The W warps merge their (m, ℓ, Õ) through shared memory by the (m, ℓ) rule of FA1 Section 3.1, and the
+   program writes its partial (O_s, L_s) in float32 — or, with a single split, O and L themselves. The merge of
+   the splits is :func:`kernels_gpu.decode.merge_kernel`, unchanged.
+
+Costs as the first program: per (sequence, KV head), n_b·(d + d_v) cache elements read once; the tensor cores do
+16/R times the useful FLOPs (the rows past R are zeros), which costs nothing here: at R = 4 and d = 128 a 16k-key
+step is 2·16·(d + d_v)·16384·8 = 1.1 GFLOP, 3 µs at the MMA rate against 22 µs for its 67 MB at the copy rate.
+
+**Prediction** (written before the first GPU run; H100, the ``benchmarks.decode`` grid, graph replay): the stream
+becomes bound by HBM at every batch: at batch 1, 0.75-0.85 of the copy rate at 16k keys and 0.85-0.95 at 64k (the
+first program: 0.34 and 0.59); at batch 32, 0.95-1.05 (the first: 0.88-0.91), within ±5 % of SDPA's best backend.
+Registers: ~110 per thread at d = 128 (Q fragments 32, Õ 64, S 8); shared memory 2 stages × W warps × 16 keys ×
+(d + d_v + 16) × 2 bytes = 70 KB at d = 128: 3 programs per SM, 12 warps, each with a 8 KB tile on its way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int64, uint32, uint64
+
+from kernels_gpu.tensorcore import ptx
+from kernels_gpu.tensorcore.steps import Config, make_steps
+
+__all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout"]
+
+#: keys per warp tile (one ``ldmatrix`` row block of K; the k-extent of one O += P̃ V step)
+TILE = 16
+#: shared-memory stages per warp (the tile being computed and the next one on its way)
+STAGES = 2
+LN2 = 0.6931471805599453
+#: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
+#: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
+#: memory does) with no spill (``python -m kernels_gpu.decode_inspect``).
+REGISTER_CAP = 168
+
+
+def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
+    """Whether the tensor-core program takes this call: 16-bit storage, head sizes multiples of 8 up to 256 (16-byte
+    chunks), rows 16-byte aligned (``vec`` = 4 words, from the caller's strides and address), and a page size
+    (paged caches) that is a multiple of :data:`TILE`, so that a tile never straddles two pages."""
+    return (storage in ("float16", "bfloat16") and d % 8 == 0 and d_v % 8 == 0 and 8 <= d <= 256
+            and 8 <= d_v <= 256 and vec == 4 and page % TILE == 0)
+
+
+def layout(d: int, d_v: int, warps: int) -> dict:
+    """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
+    8 different bank groups), STAGES stages per warp; after the loop the same memory holds the warps' (m, ℓ, Õ)."""
+    D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
+    RS, RSV = D // 2 + 4, DV // 2 + 4
+    stage = TILE * (RS + RSV)
+    OS = DV + 4                                          # floats per Õ row in the merge area
+    merge = 2 * 16 * warps + 16 * warps * OS
+    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=STAGES * stage, OS=OS,
+                words=max(warps * STAGES * stage, merge))
+
+
+def shared_bytes(d: int, d_v: int, warps: int) -> int:
+    """Dynamic shared memory of one program, in bytes."""
+    return 4 * layout(d, d_v, warps)["words"]
+
+
+@functools.lru_cache(maxsize=None)
+def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool):
+    """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
+    causal masking. Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
+    arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads;
+    :func:`shared_bytes` of dynamic shared memory."""
+    W = warps
+    THREADS = 32 * W
+    lay = layout(d, d_v, W)
+    D, DV, RS, RSV, STAGE, WARP_WORDS, OS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS", "OS"))
+    DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)
+    CH_K, CH_V = D // 8, DV // 8             # 16-byte chunks of a padded row
+    KS = D // 16                             # 16-wide k-steps of S = Q Kᵀ
+    NT = TILE // 8                           # 16 × 8 accumulator tiles of S per warp tile
+    KV = TILE // 16                          # 16-key k-steps of Õ += P̃ V
+    NOV = DV // 8                            # 16 × 8 accumulator tiles of Õ
+    V_OFF = TILE * RS                        # V's rows follow K's in a stage
+    Q_LEN, S_LEN, O_LEN = 4 * KS, 4 * NT, 4 * NOV
+    L_AREA, O_AREA = 16 * W, 32 * W          # merge area (floats): m of 16W rows, then ℓ, then Õ (OS per row)
+    PAGE = page
+    CAUSAL = causal
+    NEG_INF = float32(-math.inf)
+    st = make_steps(Config(d=d, warps=W, B_c=TILE, dtype=storage, causal=causal, simulated=simulator))
+    mma_into, zero = st["mma_into"], st["zero"]
+    pack = ptx.pack_f16x2 if storage == "float16" else ptx.pack_bf16x2
+    ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
+    shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
+    dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
+
+    @dev
+    def copy_tile(sm, dst, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh,
+                  v_sn):
+        """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``,
+        16 bytes per ``cp.async``; keys at or past ``hi`` and the columns between d and D are zero-filled (source
+        size 0, the address then the tile's first row, which exists)."""
+        if PAGE > 0:
+            # PagedAttention: the tile's keys lie in logical page j0 // PAGE, physical page table[b, j0 // PAGE]
+            # (clamped into the cache: device tables are not checked by the host).
+            p = j0 // PAGE
+            phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
+            k_first = phys * k_so + h * k_sh + (j0 - p * PAGE) * k_sn
+            v_first = phys * v_so + h * v_sh + (j0 - p * PAGE) * v_sn
+        else:
+            k_first = b * k_so + h * k_sh + j0 * k_sn
+            v_first = b * v_so + h * v_sh + j0 * v_sn
+        for e in range(lane, TILE * CH_K, 32):
+            r = e // CH_K
+            c = e - r * CH_K
+            ok = j0 + r < hi and 4 * c < DW
+            ptx.cp_async16(sm, dst + r * RS + 4 * c, Kw, k_first + r * k_sn + 4 * c if ok else k_first,
+                           16 if ok else 0)
+        for e in range(lane, TILE * CH_V, 32):
+            r = e // CH_V
+            c = e - r * CH_V
+            ok = j0 + r < hi and 4 * c < DVW
+            ptx.cp_async16(sm, dst + V_OFF + r * RSV + 4 * c, Vw, v_first + r * v_sn + 4 * c if ok else v_first,
+                           16 if ok else 0)
+
+    @dev
+    def row_softmax(s, o, m, l, hh, last, j0, hi, scale2, masked):
+        """Alg. 1 lines 9-10 for the lane's row g + 8·hh (a constant), base 2 with the scale folded in
+        (``scale2`` = τ·log₂e): mask, row maximum over the group's four lanes, rescale Õ and ℓ if it moved,
+        P̃ = 2^(S·scale2 − m·scale2), the lane's part of the row sum."""
+        mx = NEG_INF
+        for n in range(NT):
+            for e in range(2):
+                if masked:
+                    col = j0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                    if col >= hi or (CAUSAL and col > last):
+                        s[4 * n + 2 * hh + e] = NEG_INF
+                mx = max(mx, s[4 * n + 2 * hh + e])
+        mx = max(mx, shfl_xor(mx, 1))
+        mx = max(mx, shfl_xor(mx, 2))
+        m_new = max(m[hh], mx)
+        # Guard (no visible key so far): P̃ = 0, nothing to rescale, m stays −∞.
+        if m_new == NEG_INF:
+            for n in range(NT):
+                for e in range(2):
+                    s[4 * n + 2 * hh + e] = float32(0.0)
+            return
+        m_scaled = m_new * scale2
+        # Alg. 1 line 10: Õ, ℓ ← 2^(m_old − m_new) Õ, ℓ — only when the maximum moved (0 after m_old = −∞).
+        if m_new != m[hh]:
+            alpha = ex2(m[hh] * scale2 - m_scaled)
+            l[hh] *= alpha
+            for n in range(NOV):
+                for e in range(2):
+                    o[4 * n + 2 * hh + e] *= alpha
+        # Alg. 1 line 9: P̃ = 2^(S·τlog₂e − m·τlog₂e) and the lane's part of the row sum.
+        rowsum = float32(0.0)
+        for n in range(NT):
+            for e in range(2):
+                p = ex2(s[4 * n + 2 * hh + e] * scale2 - m_scaled)
+                s[4 * n + 2 * hh + e] = p
+                rowsum += p
+        l[hh] += rowsum
+        m[hh] = m_new
+
+    cap = REGISTER_CAP if max(D, DV) <= 128 and not simulator else None
+
+    @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
+    def decode_split_tc(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
+                        max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = lane // 4
+        t = lane % 4
+        split = cuda.blockIdx.x // row_tiles
+        r0 = (cuda.blockIdx.x - split * row_tiles) * 16
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        G = H_q // H_kv
+        # Sequence b's keys 0 … n − 1 (clamped to the cache) and this split's [lo, hi): whole key blocks, the cut of
+        # fa2edu.inference.split_ranges.
+        n = min(max(int64(seqlens[b]), int64(0)), capacity)
+        T = (n + block - 1) // block
+        lo = (split * T // S) * block
+        hi = min(n, ((split + 1) * T // S) * block)
+        q_base = (b * H_q + h * G) * N_new      # flat row of the group's row 0 in q, O and L
+        sm = cuda.shared.array(0, uint32)       # the stages, as 32-bit words ...
+        smf = cuda.shared.array(0, float32)     # ... and the same memory as floats, for the final merge
+        mine = warp * WARP_WORDS
+
+        # Alg. 1 line 4: the tile's query rows as A-fragments (lane: rows g, g + 8; words t, t + 4 of each k-step).
+        qa = cuda.local.array(Q_LEN, uint32)
+        for kk in range(KS):
+            for x in range(4):
+                rr = r0 + g + 8 * (x % 2)
+                w = 8 * kk + t + 4 * (x // 2)
+                word = uint32(0)
+                if rr < R and w < DW:
+                    word = uint32(Qw[(q_base + rr) * DW + w])
+                qa[4 * kk + x] = word
+        # Causal: the last key each of the lane's two rows may see (row r is new token r % N_new).
+        last0 = n - N_new + (r0 + g) % N_new
+        last1 = n - N_new + (r0 + g + 8) % N_new
+
+        # Alg. 1 line 5, per warp: Õ = 0, ℓ = 0, m = −∞.
+        o = cuda.local.array(O_LEN, float32)
+        s = cuda.local.array(S_LEN, float32)
+        m = cuda.local.array(2, float32)
+        l = cuda.local.array(2, float32)
+        zero(o, O_LEN)
+        for hh in range(2):
+            m[hh] = NEG_INF
+            l[hh] = float32(0.0)
+
+        # Alg. 1 line 6, split-K inside the program: warp w takes the tiles w, w + W, … of the split.
+        n_tiles = (hi - lo + TILE - 1) // TILE if hi > lo else 0
+        count = (n_tiles - warp + W - 1) // W if n_tiles > warp else 0
+        if count > 0:
+            copy_tile(sm, mine, Kw, Vw, table, lo + warp * TILE, hi, b, h, lane, max_pages, num_pages, k_so, k_sh,
+                      k_sn, v_so, v_sh, v_sn)
+        ptx.cp_async_commit()
+        for i in range(count):
+            j0 = lo + (warp + i * W) * TILE
+            stage = mine + (i % 2) * STAGE
+            # Line 7 for the warp's next tile, started now: it lands while this one is computed.
+            if i + 1 < count:
+                copy_tile(sm, mine + ((i + 1) % 2) * STAGE, Kw, Vw, table, j0 + W * TILE, hi, b, h, lane,
+                          max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_one()             # this lane's copies of tile i have landed ...
+            ptx.syncwarp()                      # ... and the other lanes' too
+
+            # Line 8: S = Q Kᵀ, the warp's 16 rows × TILE keys.
+            zero(s, S_LEN)
+            for kk in range(KS):
+                for p in range(NT // 2):
+                    # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
+                    k_row = stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    b0, b1, b2, b3 = ldmatrix(sm, k_row)
+                    mma_into(s, 2 * p, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1)
+                    mma_into(s, 2 * p + 1, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3)
+
+            # Lines 9-10: the online softmax; the mask only where a key of the tile can be invisible to a row:
+            # past the split, or (causal) past n − N_new, the first new token's last key.
+            masked = j0 + TILE > hi or (CAUSAL and j0 + TILE - 1 > n - N_new)
+            row_softmax(s, o, m, l, 0, last0, j0, hi, scale2, masked)
+            row_softmax(s, o, m, l, 1, last1, j0, hi, scale2, masked)
+
+            # Line 10 (second half): Õ += P̃ V, A straight from the accumulators, V transposed by ldmatrix.
+            for kk in range(KV):
+                a0 = pack(s[8 * kk], s[8 * kk + 1])
+                a1 = pack(s[8 * kk + 2], s[8 * kk + 3])
+                a2 = pack(s[8 * kk + 4], s[8 * kk + 5])
+                a3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+                for p in range(NOV // 2):
+                    # B: lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7, columns 16p + 8(u // 2) …
+                    v_row = stage + V_OFF + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RSV + 8 * p + 4 * (lane // 16)
+                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                    mma_into(o, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(o, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+            ptx.syncwarp()                      # every lane is done with this stage before it is refilled
+        ptx.cp_async_wait_all()
+
+        # The warps' (m, ℓ, Õ) merged by the (m, ℓ) rule (FA1 Section 3.1) through shared memory, which the stages
+        # no longer need once every warp is here. ℓ: the group's four partial sums first.
+        for hh in range(2):
+            total = l[hh] + shfl_xor(l[hh], 1)
+            l[hh] = total + shfl_xor(total, 2)
+        cuda.syncthreads()
+        for hh in range(2):
+            row = warp * 16 + g + 8 * hh
+            if t == 0:
+                smf[row] = NEG_INF if m[hh] == NEG_INF else m[hh] * scale2
+                smf[L_AREA + row] = l[hh]
+            for nn in range(NOV):
+                for e in range(2):
+                    smf[O_AREA + row * OS + 8 * nn + 2 * t + e] = o[4 * nn + 2 * hh + e]
+        cuda.syncthreads()
+        # One thread per (row, word of output): M = max_w m_w, ℓ = Σ_w 2^(m_w − M) ℓ_w, O = Σ_w 2^(m_w − M) Õ_w / ℓ
+        # (Alg. 1 lines 12-13; ℓ = 0: the split saw no key for this row, O = 0, L = +inf).
+        rows_here = min(16, R - r0)
+        for e in range(tid, rows_here * DVW, THREADS):
+            rr = e // DVW
+            w = e - rr * DVW
+            M = NEG_INF
+            for x in range(W):
+                M = max(M, smf[x * 16 + rr])
+            M_use = float32(0.0) if M == NEG_INF else M
+            lt = float32(0.0)
+            a_lo = float32(0.0)
+            a_hi = float32(0.0)
+            for x in range(W):
+                wgt = ex2(smf[x * 16 + rr] - M_use)
+                lt += wgt * smf[L_AREA + x * 16 + rr]
+                a_lo += wgt * smf[O_AREA + (x * 16 + rr) * OS + 2 * w]
+                a_hi += wgt * smf[O_AREA + (x * 16 + rr) * OS + 2 * w + 1]
+            inv = float32(0.0) if lt == 0.0 else float32(1.0) / lt
+            L_r = float32(math.inf) if lt == 0.0 else float32(LN2) * (M + math.log2(lt))
+            r = r0 + rr
+            if S == 1:
+                # Alg. 1 lines 14-15: the only split writes O and L.
+                Ow[(q_base + r) * DVW + w] = pack(a_lo * inv, a_hi * inv)
+                if w == 0:
+                    L[q_base + r] = L_r
+            else:
+                # Flash-Decoding: this split's partial (O_s, L_s) in float32, for kernels_gpu.decode.merge_kernel.
+                part = ((b * H_kv + h) * S + split) * R + r
+                Opart[part * d_v + 2 * w] = a_lo * inv
+                Opart[part * d_v + 2 * w + 1] = a_hi * inv
+                if w == 0:
+                    Lpart[part] = L_r
+
+    return decode_split_tc
