@@ -91,8 +91,10 @@ LN2 = 0.6931471805599453
 #: a split program's fixed cost (its query load, the merge of its groups, its partial), in key blocks, for the
 #: split rule (:func:`default_num_splits`)
 SPLIT_OVERHEAD = 0.5
-#: warps of a merge block (one warp per output row)
+#: warps of a merge block (one block per output row; the warps share its splits)
 MERGE_WARPS = 4
+#: splits a merge warp takes per trip (their loads all in flight before the first is used)
+MERGE_UNROLL = 4
 #: 32-bit words of K and V one lane loads per step (K and V of its ``keys`` keys); two steps are in flight
 WORDS_IN_FLIGHT = 16
 #: float32 values of the query tile (and of Õ) one lane holds per KV row
@@ -553,60 +555,99 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
 @functools.lru_cache(maxsize=None)
 def merge_kernel(storage: str, d_v: int, simulator: bool):
     """Flash-Decoding's reduction: the S partials (O_s, L_s) of each output row merged by the log-sum-exp rule of
-    :func:`fa2edu.merge_attention_states` — L = M + log Σ_s e^{L_s − M} with M = max_s L_s, O = Σ_s e^{L_s − L} O_s;
-    splits with L_s = +inf (no key) are skipped; rows with no key at all get O = 0, L = +inf.
+    :func:`fa2edu.merge_attention_states` — L = M + log Σ_s e^{L_s − M} with M = max_s L_s, O = Σ_s e^{L_s − M} O_s
+    / Σ_s e^{L_s − M}; splits with L_s = +inf (no key) weigh 0; rows with no key at all get O = 0, L = +inf.
 
-    One warp per output row (:data:`MERGE_WARPS` per block), lane k owning words k, k + 32, … of the row (coalesced).
-    Row x = (b·H_kv + h)·R + r is also O's flat row (b·H_q + h·G)·N_new + r. Reads S·(d_v + 1) floats per row."""
+    One block of :data:`MERGE_WARPS` warps per output row (row x = (b·H_kv + h)·R + r, also O's flat row
+    (b·H_q + h·G)·N_new + r). Two passes over the S partials, both spread over the block:
+
+    1. M = max_s L_s: thread t reads L_s for s ≡ t (mod threads), then a tree in shared memory;
+    2. warp w accumulates the splits s ≡ w (mod warps), lane k the columns k, k + 32, …, :data:`MERGE_UNROLL`
+       splits per trip with all their loads issued before the first is used (the first version took one split
+       per trip and a warp per row: every trip waited a full memory latency, S of them in a row — at batch 1 and
+       32 splits, longer than the split programs themselves); the warps' sums meet in shared memory.
+
+    Reads S·(d_v + 1) floats per row, once; writes d_v values and L."""
     EPW = 1 if storage == "float32" else 2
     DV_W = d_v // EPW
-    WPL = -(-DV_W // 32)
-    ACC = 2 * WPL
+    WPL = -(-d_v // 32)                      # columns per lane
+    THREADS = 32 * MERGE_WARPS
+    U = MERGE_UNROLL
     unpack, pack = _converters(storage, simulator)
+    NEG_INF = float32(-math.inf)
+    POS_INF = float32(math.inf)
 
     @cuda.jit
     def decode_merge(Opart, Lpart, Ow, L, rows, R, S):
-        x = cuda.blockIdx.x * MERGE_WARPS + cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
-        if x >= rows:
-            return
+        x = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
         base = (x // R) * R * S + x % R            # partial of split s: base + s·R
-        M = float32(-math.inf)
-        for sp in range(S):
+        red = cuda.shared.array(THREADS, float32)
+        acc_sm = cuda.shared.array((MERGE_WARPS, WPL * 32), float32)
+        tot_sm = cuda.shared.array(MERGE_WARPS, float32)
+        # Pass 1: M = max over the splits that saw a key.
+        mx = NEG_INF
+        for sp in range(tid, S, THREADS):
             L_s = Lpart[base + sp * R]
-            if L_s != math.inf:
-                M = max(M, L_s)
-        if M == -math.inf:
+            if L_s != POS_INF:
+                mx = max(mx, L_s)
+        red[tid] = mx
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step > 0:
+            if tid < step:
+                red[tid] = max(red[tid], red[tid + step])
+            cuda.syncthreads()
+            step //= 2
+        M = red[0]
+        if M == NEG_INF:
             # No split saw a key: the merge of identities is the identity.
-            for q in range(WPL):
-                w = lane + 32 * q
-                if w < DV_W:
-                    Ow[x * DV_W + w] = pack(float32(0.0), float32(0.0))
-            if lane == 0:
+            for w in range(tid, DV_W, THREADS):
+                Ow[x * DV_W + w] = pack(float32(0.0), float32(0.0))
+            if tid == 0:
                 L[x] = math.inf
             return
-        acc = cuda.local.array(ACC, float32)
-        for q in range(2 * WPL):
+        # Pass 2: warp w's splits, U per trip (weights and values loaded first, then accumulated).
+        acc = cuda.local.array(WPL, float32)
+        wgt = cuda.local.array(U, float32)
+        for q in range(WPL):
             acc[q] = 0.0
         tot = float32(0.0)
-        for sp in range(S):
-            L_s = Lpart[base + sp * R]
-            if L_s != math.inf:
-                wgt = math.exp(L_s - M)              # every exponent ≤ 0: no overflow
-                tot += wgt
-                for q in range(WPL):
-                    w = lane + 32 * q
-                    if w < DV_W:
-                        acc[2 * q] += wgt * Opart[(base + sp * R) * d_v + w * EPW]
-                        if EPW == 2:
-                            acc[2 * q + 1] += wgt * Opart[(base + sp * R) * d_v + w * EPW + 1]
-        inv = float32(1.0) / tot
+        for s0 in range(warp * U, S, MERGE_WARPS * U):
+            for u in range(U):
+                sp = s0 + u
+                L_s = Lpart[base + sp * R] if sp < S else POS_INF
+                # every exponent ≤ 0: no overflow; an empty split (L_s = +inf) weighs exactly 0
+                wgt[u] = float32(0.0) if L_s == POS_INF else float32(math.exp(L_s - M))
+            for u in range(U):
+                tot += wgt[u]
+            for q in range(WPL):
+                c = lane + 32 * q
+                if c < d_v:
+                    for u in range(U):
+                        sp = min(s0 + u, S - 1)
+                        acc[q] += wgt[u] * Opart[(base + sp * R) * d_v + c]
         for q in range(WPL):
-            w = lane + 32 * q
-            if w < DV_W:
-                Ow[x * DV_W + w] = pack(acc[2 * q] * inv, acc[2 * q + 1] * inv)
+            acc_sm[warp, lane + 32 * q] = acc[q]
         if lane == 0:
-            L[x] = M + math.log(tot)
+            tot_sm[warp] = tot
+        cuda.syncthreads()
+        total = float32(0.0)
+        for w in range(MERGE_WARPS):
+            total += tot_sm[w]
+        inv = float32(1.0) / total
+        for w in range(tid, DV_W, THREADS):
+            lo = float32(0.0)
+            hi = float32(0.0)
+            for v in range(MERGE_WARPS):
+                lo += acc_sm[v, w * EPW]
+                if EPW == 2:
+                    hi += acc_sm[v, w * EPW + 1]
+            Ow[x * DV_W + w] = pack(lo * inv, hi * inv)
+        if tid == 0:
+            L[x] = M + math.log(total)
 
     return decode_merge
 
@@ -879,8 +920,9 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
     """(kernel, threads, dynamic shared bytes) of the call's split program."""
     if c.program == "tensorcore":
         warps = SIMULATOR_WARPS if simulator else 4
-        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator), 32 * warps,
-                decode_tc.shared_bytes(c.d, c.d_v, warps))
+        stages = decode_tc.STAGES
+        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages),
+                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
@@ -920,7 +962,7 @@ def _run(c: _Call, partials_out: bool = False):
     if S > 1:
         merge = merge_kernel(c.storage, c.d_v, simulator)
         rows = c.B * c.H_kv * c.R
-        io.launch(merge, (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS, c.stream,
+        io.launch(merge, (rows,), 32 * MERGE_WARPS, c.stream,
                   (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)))
     O = c.out.finish(O_user, c.storage)
     if c.d_v != c.d_v_user:
@@ -1068,6 +1110,6 @@ def merge_split_partials(O_s, L_s):
     L_user, Lf = out.empty((rows,), "float32")
     args = (io._numba_flat(cuda.to_device(Op)), io._numba_flat(cuda.to_device(Lp)), Ow, Lf, np.int64(rows),
             np.int64(1), np.int64(S))
-    io.launch(merge_kernel("float32", d_v, rt.simulator_in_use()), (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS,
+    io.launch(merge_kernel("float32", d_v, rt.simulator_in_use()), (rows,), 32 * MERGE_WARPS,
               0, args)
     return O_user.copy_to_host().reshape(lead + (d_v,)), L_user.copy_to_host().reshape(lead)

@@ -74,32 +74,37 @@ def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
             and 8 <= d_v <= 256 and vec == 4 and page % TILE == 0)
 
 
-def layout(d: int, d_v: int, warps: int) -> dict:
+def layout(d: int, d_v: int, warps: int, stages: int = STAGES) -> dict:
     """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
-    8 different bank groups), STAGES stages per warp; after the loop the same memory holds the warps' (m, ℓ, Õ)."""
+    8 different bank groups), ``stages`` stages per warp; after the loop the same memory holds the warps' (m, ℓ,
+    Õ)."""
     D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
     RS, RSV = D // 2 + 4, DV // 2 + 4
     stage = TILE * (RS + RSV)
     OS = DV + 4                                          # floats per Õ row in the merge area
     merge = 2 * 16 * warps + 16 * warps * OS
-    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=STAGES * stage, OS=OS,
-                words=max(warps * STAGES * stage, merge))
+    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=stages * stage, OS=OS,
+                words=max(warps * stages * stage, merge))
 
 
-def shared_bytes(d: int, d_v: int, warps: int) -> int:
+def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES) -> int:
     """Dynamic shared memory of one program, in bytes."""
-    return 4 * layout(d, d_v, warps)["words"]
+    return 4 * layout(d, d_v, warps, stages)["words"]
 
 
 @functools.lru_cache(maxsize=None)
-def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool):
+def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
+                    stages: int = STAGES):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
-    causal masking. Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
+    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
     arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads;
     :func:`shared_bytes` of dynamic shared memory."""
+    if stages not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3, got {stages}")
     W = warps
     THREADS = 32 * W
-    lay = layout(d, d_v, W)
+    NS = stages
+    lay = layout(d, d_v, W, NS)
     D, DV, RS, RSV, STAGE, WARP_WORDS, OS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS", "OS"))
     DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)
     CH_K, CH_V = D // 8, DV // 8             # 16-byte chunks of a padded row
@@ -118,6 +123,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     pack = ptx.pack_f16x2 if storage == "float16" else ptx.pack_bf16x2
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
+    wait_oldest = ptx.cp_async_wait_one if NS == 2 else ptx.cp_async_wait_two   # all but the NS − 1 newest
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
 
     @dev
@@ -242,19 +248,22 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         # Alg. 1 line 6, split-K inside the program: warp w takes the tiles w, w + W, … of the split.
         n_tiles = (hi - lo + TILE - 1) // TILE if hi > lo else 0
         count = (n_tiles - warp + W - 1) // W if n_tiles > warp else 0
-        if count > 0:
-            copy_tile(sm, mine, Kw, Vw, table, lo + warp * TILE, hi, b, h, lane, max_pages, num_pages, k_so, k_sh,
-                      k_sn, v_so, v_sh, v_sn)
-        ptx.cp_async_commit()
-        for i in range(count):
-            j0 = lo + (warp + i * W) * TILE
-            stage = mine + (i % 2) * STAGE
-            # Line 7 for the warp's next tile, started now: it lands while this one is computed.
-            if i + 1 < count:
-                copy_tile(sm, mine + ((i + 1) % 2) * STAGE, Kw, Vw, table, j0 + W * TILE, hi, b, h, lane,
+        # Line 7 for the warp's first NS − 1 tiles, one commit group each.
+        for i in range(NS - 1):
+            if i < count:
+                copy_tile(sm, mine + i * STAGE, Kw, Vw, table, lo + (warp + i * W) * TILE, hi, b, h, lane,
                           max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
             ptx.cp_async_commit()
-            ptx.cp_async_wait_one()             # this lane's copies of tile i have landed ...
+        for i in range(count):
+            j0 = lo + (warp + i * W) * TILE
+            stage = mine + (i % NS) * STAGE
+            # Line 7 for the warp's tile i + NS − 1, started now: it lands while tiles i … are computed (its stage
+            # held tile i − 1, which every lane finished with at the last syncwarp).
+            if i + NS - 1 < count:
+                copy_tile(sm, mine + ((i + NS - 1) % NS) * STAGE, Kw, Vw, table, j0 + (NS - 1) * W * TILE, hi, b,
+                          h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
+            ptx.cp_async_commit()               # (an empty group at the end: the count stays regular)
+            wait_oldest()                       # this lane's copies of tile i have landed ...
             ptx.syncwarp()                      # ... and the other lanes' too
 
             # Line 8: S = Q Kᵀ, the warp's 16 rows × TILE keys.

@@ -223,6 +223,9 @@ def resident_blocks(kernel, args, threads: int, shared_bytes: int = 0) -> int:
     argtypes = _argument_types(args)
     key = (kernel, argtypes, threads, shared_bytes)
     if key not in _RESIDENT:
+        # Above 48 KiB the occupancy calculator counts a block only once the function may have that much: asked
+        # first, it answers 0 blocks.
+        raise_shared_limit(kernel, args, shared_bytes)
         _, compiled = _compiled(kernel, argtypes)
         _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(threads, shared_bytes))
     return _RESIDENT[key]

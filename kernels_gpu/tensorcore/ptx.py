@@ -18,7 +18,8 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
                                source size of 0 fills the 16 bytes with zeros
     ``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
     ``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
-    ``cp_async_wait_one``      groups of this thread are still in flight
+    ``cp_async_wait_one``,     groups of this thread are still in flight
+    ``cp_async_wait_two``      (N = 0, 1, 2)
     ``pack_f16x2``,            ``cvt.rn.{f16x2,bf16x2}.f32``: two floats rounded  9.7.9.21 (cvt)
     ``pack_bf16x2``            to nearest-even and packed, the first in the
                                low half
@@ -62,7 +63,8 @@ from kernels_gpu.tensorcore import fragments as frag
 
 __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit",
-    "cp_async_wait_all", "cp_async_wait_one", "pack_f16x2", "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
+    "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "pack_f16x2", "pack_bf16x2", "unpack_f16x2",
+    "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round",
 ]
 
@@ -298,6 +300,11 @@ def _cp_async_wait_one_twin():
     _land(_pending(), 1)
 
 
+def _cp_async_wait_two_twin():
+    """Simulator twin of ``cp.async.wait_group 2``: all but the two newest committed groups have landed."""
+    _land(_pending(), 2)
+
+
 def _pack_twin(dtype: str):
     def pack(lo, hi):
         return _pack(lo, hi, dtype)
@@ -484,6 +491,7 @@ def _build_gpu() -> dict:
                 cp_async_commit=make_simple("cp.async.commit_group;"),
                 cp_async_wait_all=make_simple("cp.async.wait_group 0;"),
                 cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
+                cp_async_wait_two=make_simple("cp.async.wait_group 2;"),
                 pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
                 mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32)
@@ -493,7 +501,8 @@ def _build_twins() -> dict:
     return dict(mma_f16=_mma_twin("float16"), mma_bf16=_mma_twin("bfloat16"), ldmatrix_x4=_ldmatrix_twin(False),
                 ldmatrix_x4_trans=_ldmatrix_twin(True), cp_async16=_cp_async16_twin,
                 cp_async_commit=_cp_async_commit_twin, cp_async_wait_all=_cp_async_wait_all_twin,
-                cp_async_wait_one=_cp_async_wait_one_twin, pack_f16x2=_pack_twin("float16"),
+                cp_async_wait_one=_cp_async_wait_one_twin, cp_async_wait_two=_cp_async_wait_two_twin,
+                pack_f16x2=_pack_twin("float16"),
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
                 syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin)
