@@ -94,7 +94,7 @@ SPLIT_OVERHEAD = 0.5
 #: warps of a merge block (one block per output row; the warps share its splits)
 MERGE_WARPS = 4
 #: splits a merge warp takes per trip (their loads all in flight before the first is used)
-MERGE_UNROLL = 4
+MERGE_UNROLL = 8
 #: 32-bit words of K and V one lane loads per step (K and V of its ``keys`` keys); two steps are in flight
 WORDS_IN_FLIGHT = 16
 #: float32 values of the query tile (and of Õ) one lane holds per KV row
@@ -559,13 +559,14 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
     / Σ_s e^{L_s − M}; splits with L_s = +inf (no key) weigh 0; rows with no key at all get O = 0, L = +inf.
 
     One block of :data:`MERGE_WARPS` warps per output row (row x = (b·H_kv + h)·R + r, also O's flat row
-    (b·H_q + h·G)·N_new + r). Two passes over the S partials, both spread over the block:
+    (b·H_q + h·G)·N_new + r). Warp w takes the splits w·U … w·U + U − 1, then every W·U further (U =
+    :data:`MERGE_UNROLL`), lane k the columns k, k + 32, …; per trip it loads all U partials (L_s and its columns of
+    O_s) before using any, then folds them into a running (m, ℓ, Σ) by the online rule — the maximum m moves, what
+    came before is scaled by e^{m_old − m_new} (FA1 Section 3.1, once more). At S ≤ W·U that is one memory round
+    trip per row. The warps' (m, ℓ, Σ) then meet in shared memory by the same rule.
 
-    1. M = max_s L_s: thread t reads L_s for s ≡ t (mod threads), then a tree in shared memory;
-    2. warp w accumulates the splits s ≡ w (mod warps), lane k the columns k, k + 32, …, :data:`MERGE_UNROLL`
-       splits per trip with all their loads issued before the first is used (the first version took one split
-       per trip and a warp per row: every trip waited a full memory latency, S of them in a row — at batch 1 and
-       32 splits, longer than the split programs themselves); the warps' sums meet in shared memory.
+    (The first version gave a row one warp and took one split per trip: S round trips in a row. At batch 1 and 32
+    splits the merge launch took longer than the split programs' memory stream would have.)
 
     Reads S·(d_v + 1) floats per row, once; writes d_v values and L."""
     EPW = 1 if storage == "float32" else 2
@@ -573,6 +574,9 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
     WPL = -(-d_v // 32)                      # columns per lane
     THREADS = 32 * MERGE_WARPS
     U = MERGE_UNROLL
+    COLS = 32 * WPL                          # columns of a warp's sums in shared memory
+    ACC_SM = MERGE_WARPS * COLS
+    VALS = U * WPL
     unpack, pack = _converters(storage, simulator)
     NEG_INF = float32(-math.inf)
     POS_INF = float32(math.inf)
@@ -584,24 +588,51 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
         warp = tid // 32
         lane = tid % 32
         base = (x // R) * R * S + x % R            # partial of split s: base + s·R
-        red = cuda.shared.array(THREADS, float32)
-        acc_sm = cuda.shared.array((MERGE_WARPS, WPL * 32), float32)
-        tot_sm = cuda.shared.array(MERGE_WARPS, float32)
-        # Pass 1: M = max over the splits that saw a key.
-        mx = NEG_INF
-        for sp in range(tid, S, THREADS):
-            L_s = Lpart[base + sp * R]
-            if L_s != POS_INF:
-                mx = max(mx, L_s)
-        red[tid] = mx
+        acc_sm = cuda.shared.array(ACC_SM, float32)
+        m_sm = cuda.shared.array(MERGE_WARPS, float32)
+        l_sm = cuda.shared.array(MERGE_WARPS, float32)
+        acc = cuda.local.array(WPL, float32)
+        Ls = cuda.local.array(U, float32)
+        vals = cuda.local.array(VALS, float32)
+        for q in range(WPL):
+            acc[q] = 0.0
+        m = NEG_INF                                # this warp's running maximum of L_s, and ℓ = Σ e^{L_s − m}
+        l = float32(0.0)
+        for s0 in range(warp * U, S, MERGE_WARPS * U):
+            # every load of the trip first (an absent split reads as empty: L = +inf, O = 0) ...
+            for u in range(U):
+                sp = s0 + u
+                Ls[u] = Lpart[base + sp * R] if sp < S else POS_INF
+                for q in range(WPL):
+                    c = lane + 32 * q
+                    vals[u * WPL + q] = Opart[(base + sp * R) * d_v + c] if sp < S and c < d_v else float32(0.0)
+            # ... then the online rule: m_new = max(m, L_s of the splits that saw a key)
+            m_new = m
+            for u in range(U):
+                if Ls[u] != POS_INF:
+                    m_new = max(m_new, Ls[u])
+            if m_new != NEG_INF:
+                alpha = float32(math.exp(m - m_new))          # 0 while m = −inf (nothing to scale yet)
+                l *= alpha
+                for q in range(WPL):
+                    acc[q] *= alpha
+                for u in range(U):
+                    # every exponent ≤ 0: no overflow; an empty split weighs exactly 0
+                    w = float32(0.0) if Ls[u] == POS_INF else float32(math.exp(Ls[u] - m_new))
+                    l += w
+                    for q in range(WPL):
+                        acc[q] += w * vals[u * WPL + q]
+                m = m_new
+        for q in range(WPL):
+            acc_sm[warp * COLS + lane + 32 * q] = acc[q]
+        if lane == 0:
+            m_sm[warp] = m
+            l_sm[warp] = l
         cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if tid < step:
-                red[tid] = max(red[tid], red[tid + step])
-            cuda.syncthreads()
-            step //= 2
-        M = red[0]
+        # The warps' (m_w, ℓ_w, Σ_w) by the same rule: M = max_w m_w, ℓ = Σ_w e^{m_w − M} ℓ_w.
+        M = NEG_INF
+        for v in range(MERGE_WARPS):
+            M = max(M, m_sm[v])
         if M == NEG_INF:
             # No split saw a key: the merge of identities is the identity.
             for w in range(tid, DV_W, THREADS):
@@ -609,43 +640,19 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
             if tid == 0:
                 L[x] = math.inf
             return
-        # Pass 2: warp w's splits, U per trip (weights and values loaded first, then accumulated).
-        acc = cuda.local.array(WPL, float32)
-        wgt = cuda.local.array(U, float32)
-        for q in range(WPL):
-            acc[q] = 0.0
-        tot = float32(0.0)
-        for s0 in range(warp * U, S, MERGE_WARPS * U):
-            for u in range(U):
-                sp = s0 + u
-                L_s = Lpart[base + sp * R] if sp < S else POS_INF
-                # every exponent ≤ 0: no overflow; an empty split (L_s = +inf) weighs exactly 0
-                wgt[u] = float32(0.0) if L_s == POS_INF else float32(math.exp(L_s - M))
-            for u in range(U):
-                tot += wgt[u]
-            for q in range(WPL):
-                c = lane + 32 * q
-                if c < d_v:
-                    for u in range(U):
-                        sp = min(s0 + u, S - 1)
-                        acc[q] += wgt[u] * Opart[(base + sp * R) * d_v + c]
-        for q in range(WPL):
-            acc_sm[warp, lane + 32 * q] = acc[q]
-        if lane == 0:
-            tot_sm[warp] = tot
-        cuda.syncthreads()
         total = float32(0.0)
-        for w in range(MERGE_WARPS):
-            total += tot_sm[w]
+        for v in range(MERGE_WARPS):
+            total += float32(math.exp(m_sm[v] - M)) * l_sm[v]
         inv = float32(1.0) / total
         for w in range(tid, DV_W, THREADS):
             lo = float32(0.0)
             hi = float32(0.0)
             for v in range(MERGE_WARPS):
-                lo += acc_sm[v, w * EPW]
+                f = float32(math.exp(m_sm[v] - M)) * inv
+                lo += f * acc_sm[v * COLS + w * EPW]
                 if EPW == 2:
-                    hi += acc_sm[v, w * EPW + 1]
-            Ow[x * DV_W + w] = pack(lo * inv, hi * inv)
+                    hi += f * acc_sm[v * COLS + w * EPW + 1]
+            Ow[x * DV_W + w] = pack(lo, hi)
         if tid == 0:
             L[x] = M + math.log(total)
 
