@@ -126,12 +126,47 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     wait_oldest = ptx.cp_async_wait_one if NS == 2 else ptx.cp_async_wait_two   # all but the NS − 1 newest
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
 
+    def make_copy_rows(CH: int, RSX: int, DWX: int):
+        """A device function ``copy_rows(sm, dst, X, first, sn, left, lane)``: start the copy of the TILE rows of X
+        from word ``first`` on (row stride ``sn`` words) into shared memory at word ``dst`` (row stride RSX), CH
+        chunks of 16 bytes per row (columns past DWX words and rows from ``left`` on are zero-filled: source size
+        0, the address then ``first``, which exists)."""
+        if 32 % CH == 0 and TILE % (32 // CH) == 0:
+            RP = 32 // CH                    # rows one copy instruction of the warp covers
+            STEPS = TILE // RP
+
+            @dev
+            def copy_rows(sm, dst, X, first, sn, left, lane):
+                # A lane always copies chunk lane % CH of rows lane // CH + k·RP: its addresses are computed once
+                # and stepped by constants (no division, no bounds arithmetic per copy but one compare).
+                r0 = lane // CH
+                c = lane - r0 * CH
+                col_ok = 4 * c < DWX
+                src = first + r0 * sn + 4 * c
+                to = dst + r0 * RSX + 4 * c
+                for k in range(STEPS):
+                    ok = col_ok and r0 + k * RP < left
+                    ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn if ok else first, 16 if ok else 0)
+            return copy_rows
+
+        @dev
+        def copy_rows_any(sm, dst, X, first, sn, left, lane):
+            # (chunk counts that do not divide a warp: d = 40, 48, 80, …)
+            for e in range(lane, TILE * CH, 32):
+                r = e // CH
+                c = e - r * CH
+                ok = r < left and 4 * c < DWX
+                ptx.cp_async16(sm, dst + r * RSX + 4 * c, X, first + r * sn + 4 * c if ok else first,
+                               16 if ok else 0)
+        return copy_rows_any
+
+    copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW), make_copy_rows(CH_V, RSV, DVW)
+
     @dev
     def copy_tile(sm, dst, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh,
                   v_sn):
         """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``,
-        16 bytes per ``cp.async``; keys at or past ``hi`` and the columns between d and D are zero-filled (source
-        size 0, the address then the tile's first row, which exists)."""
+        16 bytes per ``cp.async``; keys at or past ``hi`` and the columns between d and D are zero-filled."""
         if PAGE > 0:
             # PagedAttention: the tile's keys lie in logical page j0 // PAGE, physical page table[b, j0 // PAGE]
             # (clamped into the cache: device tables are not checked by the host).
@@ -142,18 +177,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         else:
             k_first = b * k_so + h * k_sh + j0 * k_sn
             v_first = b * v_so + h * v_sh + j0 * v_sn
-        for e in range(lane, TILE * CH_K, 32):
-            r = e // CH_K
-            c = e - r * CH_K
-            ok = j0 + r < hi and 4 * c < DW
-            ptx.cp_async16(sm, dst + r * RS + 4 * c, Kw, k_first + r * k_sn + 4 * c if ok else k_first,
-                           16 if ok else 0)
-        for e in range(lane, TILE * CH_V, 32):
-            r = e // CH_V
-            c = e - r * CH_V
-            ok = j0 + r < hi and 4 * c < DVW
-            ptx.cp_async16(sm, dst + V_OFF + r * RSV + 4 * c, Vw, v_first + r * v_sn + 4 * c if ok else v_first,
-                           16 if ok else 0)
+        copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
+        copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
 
     @dev
     def row_softmax(s, o, m, l, hh, last, j0, hi, scale2, masked):
