@@ -135,18 +135,27 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             RP = 32 // CH                    # rows one copy instruction of the warp covers
             STEPS = TILE // RP
 
+            FULL_COLS = 4 * CH == DWX            # every chunk of a row is data (d a multiple of 16)
+
             @dev
             def copy_rows(sm, dst, X, first, sn, left, lane):
                 # A lane always copies chunk lane % CH of rows lane // CH + k·RP: its addresses are computed once
-                # and stepped by constants (no division, no bounds arithmetic per copy but one compare).
+                # and stepped by constants (no division per copy).
                 r0 = lane // CH
                 c = lane - r0 * CH
-                col_ok = 4 * c < DWX
                 src = first + r0 * sn + 4 * c
                 to = dst + r0 * RSX + 4 * c
-                for k in range(STEPS):
-                    ok = col_ok and r0 + k * RP < left
-                    ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn if ok else first, 16 if ok else 0)
+                if FULL_COLS and left >= TILE:
+                    # A whole tile of whole rows (every tile but a split's last): no bounds to test, no address to
+                    # select — the copy is address arithmetic and the copies alone.
+                    for k in range(STEPS):
+                        ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn, 16)
+                else:
+                    col_ok = 4 * c < DWX
+                    for k in range(STEPS):
+                        ok = col_ok and r0 + k * RP < left
+                        ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn if ok else first,
+                                       16 if ok else 0)
             return copy_rows
 
         @dev
