@@ -83,14 +83,13 @@ from kernels_gpu import decode_tc
 from kernels_gpu import runtime as rt
 
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
-           "DecodeTiling", "decode_tiling", "default_num_splits", "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
+           "DecodeTiling", "decode_tiling", "default_num_splits", "SPLIT_FILL", "load_words", "butterfly_sum",
            "split_kernel", "merge_kernel", "PROGRAMS"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: a split program's fixed cost (its query load, the merge of its groups, its partial), in key blocks, for the
-#: split rule (:func:`default_num_splits`)
-SPLIT_OVERHEAD = 0.5
+#: the share of the resident program slots the split rule fills (:func:`default_num_splits`)
+SPLIT_FILL = 2 / 3
 #: warps of a merge block (one block per output row; the warps share its splits)
 MERGE_WARPS = 4
 #: splits a merge warp takes per trip (their loads all in flight before the first is used)
@@ -663,32 +662,29 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
 
 @functools.lru_cache(maxsize=4096)
 def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
-    """The split count when the caller gives none: the one whose programs finish soonest on the resident slots.
+    """The split count when the caller gives none: enough programs to fill :data:`SPLIT_FILL` of the resident
+    slots, no more.
 
     ``programs`` = B · H_kv · row tiles (one program each without splitting); a sequence of n_max keys has
-    T = ceil(n_max / block) key blocks (pages); ``slots`` = the blocks the GPU holds at once (SMs × resident blocks
-    per SM: the occupancy calculator's answer; in the simulator 2 × 132, an H100's SMs). With S splits a program
-    streams at most ceil(T / S) blocks (splits are whole blocks: :func:`fa2edu.inference.split_ranges`), and the
-    programs run in ceil(programs · S / slots) rounds, so the modelled time is
+    T = ceil(n_max / block) key blocks (pages); ``slots`` = the programs the GPU holds at once (SMs × resident
+    programs per SM: the occupancy calculator's answer; in the simulator 2 × 132, an H100's SMs).
 
-        rounds(S) · (ceil(T / S) + :data:`SPLIT_OVERHEAD`),
+    1. S = floor(SPLIT_FILL · slots / programs), at least 1 and at most T: splitting stops once the programs
+       fill that share of the slots. Measured (H200, tensor-core program, 3 programs per SM): two programs per SM
+       already stream the cache at the rate the GPU allows — batch 32 (256 programs) ran 523 µs at 1 split and
+       542 µs at 3 (the rule of the first version, which modelled rounds of programs and not the bandwidth they
+       share); more splits only add partials to write and merge.
+    2. Splits are whole blocks (:func:`fa2edu.inference.split_ranges`), so the longest split has ceil(T / S)
+       blocks: S is then lowered to the fewest splits with that same longest split (64 pages in 33 splits are as
+       slow as 32 splits of 2 pages, and write more partials).
 
-    the overhead being a program's fixed cost (its query load, the merge of its groups, its partial) in key blocks.
-    The rule takes the S = 1 … T of least modelled time, the smallest on ties (fewest partials to write and merge).
-    It sees whole blocks: 64 pages in 49 splits make splits of 1 and 2 pages, as slow as 32 splits of 2. Examples
-    for 8 KV heads and 256-key pages on 132 SMs × 3 resident blocks (396 slots): batch 1 at 16k keys → 32 splits of
-    2 pages (256 programs), at 32k → 43, at 128k → 47; batch 8 at 16k → 6; batch 32 → 3 (768 programs in two
-    rounds: the model counts programs, not the bandwidth they share, so it leans towards more of them; the partials
-    cost 0.02 % of the cache's bytes there)."""
+    Examples for 8 KV heads, 256-key pages, 396 slots (132 SMs × 3): batch 1 at 16k, 64k and 128k keys → 32
+    splits; batch 8 at 16k → 4; batch 32 → 1."""
     if n_max <= 0 or programs < 1:
         return 1
     T = -(-n_max // block)
-    best, best_cost = 1, math.inf
-    for S in range(1, T + 1):
-        cost = -(-programs * S // slots) * (-(-T // S) + SPLIT_OVERHEAD)
-        if cost < best_cost - 1e-9:
-            best, best_cost = S, cost
-    return best
+    S = max(1, min(T, int(SPLIT_FILL * slots) // programs))
+    return -(-T // -(-T // S))
 
 
 # -- arguments ------------------------------------------------------------------------------------------------------
@@ -923,27 +919,55 @@ def _slots(kernel, args, threads: int, shared: int = 0) -> int:
     return io.resident_blocks(kernel, args, threads, shared)
 
 
-def _split_program(c: _Call, simulator: bool) -> tuple:
-    """(kernel, threads, dynamic shared bytes) of the call's split program."""
+def _split_program(c: _Call, simulator: bool, fused: bool = True) -> tuple:
+    """(kernel, threads, dynamic shared bytes) of the call's split program (``fused``: the tensor-core program
+    merges the splits itself)."""
     if c.program == "tensorcore":
         warps = SIMULATOR_WARPS if simulator else 4
         stages = decode_tc.STAGES
-        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages),
+        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages, fused),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
+#: the tensor-core program's merge counters, one int32 per (sequence, KV head, row tile), per (kind, device, stream):
+#: zeros between launches (the program that merges a group resets its counter), so they are allocated once and
+#: reused — launches on one stream run one after the other; another stream gets its own
+_COUNTERS: dict = {}
+
+
+def _counters(c: _Call, n: int):
+    """Zeroed int32 counters (at least ``n``) for the call's stream."""
+    key = (c.kind, str(getattr(c.out, "device", None)), c.stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.n < n:
+        n = max(n, 2 * (have.n if have is not None else 0), 1024)
+        if c.kind == "torch-cuda":
+            import torch
+            t = torch.zeros(n, dtype=torch.int32, device=c.out.device)
+            have = io.Flat(int(t.data_ptr()), n, np.dtype(np.int32), None, t)
+        else:
+            have = io._numba_flat(cuda.to_device(np.zeros(n, np.int32)))
+        _COUNTERS[key] = have
+    return have
+
+
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
     i64 = np.int64
-    return (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
+    args = (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
             i64(c.R), i64(S), i64(c.row_tiles), i64(c.block), i64(c.max_pages), i64(c.num_pages), i64(c.capacity),
             *(i64(s) for s in c.k_strides), *(i64(s) for s in c.v_strides), np.float32(c.scale2))
+    if c.program == "tensorcore":
+        args += (_counters(c, c.B * c.H_kv * c.row_tiles),)
+    return args
 
 
 def _run(c: _Call, partials_out: bool = False):
     """Launch the split program (and the merge when S > 1); returns (O, L[, O_part, L_part, S])."""
     simulator = rt.simulator_in_use()
-    kernel, threads, shared = _split_program(c, simulator)
+    # the tensor-core program merges its splits itself (unless the partials are asked for)
+    fused = c.program == "tensorcore" and not partials_out
+    kernel, threads, shared = _split_program(c, simulator, fused)
     view = np.float32 if c.storage == "float32" else np.uint32
     O_user, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, view)
     L_user, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
@@ -966,7 +990,7 @@ def _run(c: _Call, partials_out: bool = False):
     args = _split_args(c, S, Ow, Lf, Opart, Lpart)
     grid = (S * c.row_tiles, c.H_kv, c.B)
     io.launch(kernel, grid, threads, c.stream, args, shared)
-    if S > 1:
+    if S > 1 and not fused:
         merge = merge_kernel(c.storage, c.d_v, simulator)
         rows = c.B * c.H_kv * c.R
         io.launch(merge, (rows,), 32 * MERGE_WARPS, c.stream,

@@ -180,6 +180,76 @@ def test_decode_with_the_gpus_four_warps(monkeypatch):
     check_against_oracle(case, O, L, storage="float16")
 
 
+# -- decode: the tensor-core split program (decode_tc) -----------------------------------------------------------
+
+TC_CASES = {
+    # paged, 16-key pages shuffled, an idle slot, GQA 4, the fused merge of 3 splits
+    "paged16-gqa4-S3": (dict(paged=True, B=2, H_kv=1, G=4, N_new=1, d=16, d_v=16, block=16, blocks=3,
+                             lengths=[40, 0]), dict(num_splits=3)),
+    # contiguous, 3 new tokens (causal, one sequence shorter than N_new), d ≠ d_v, one split (no merge)
+    "contig-new3-dv32-S1": (dict(paged=False, B=2, H_kv=2, G=2, N_new=3, d=16, d_v=32, block=16, blocks=2,
+                                 lengths=["full", 2]), dict(num_splits=1)),
+    # d = 40 (5 chunks a row: the general copy loop; 48-wide MMA steps), more splits than blocks (empty splits)
+    "contig-d40-gqa8-S5": (dict(paged=False, B=1, H_kv=1, G=8, N_new=1, d=40, d_v=24, block=16, blocks=3,
+                                lengths=[37]), dict(num_splits=5)),
+    # d = 8 (half of one 16-wide step), 20 rows: two 16-row tiles, the default split rule
+    "contig-d8-rows20": (dict(paged=False, B=1, H_kv=1, G=4, N_new=5, d=8, d_v=8, block=16, blocks=2,
+                              lengths=[21]), dict()),
+}
+
+
+@pytest.mark.parametrize("name", list(TC_CASES))
+def test_tensorcore_program_matches_oracle_and_leaves_its_counters_at_zero(name):
+    spec, kw = TC_CASES[name]
+    case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
+    O, L = run_decode(case, kernel="tensorcore", **kw)
+    check_against_oracle(case, O, L, storage="float16")
+    assert all(not c.array.copy_to_host().any() for c in decode._COUNTERS.values())
+
+
+def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
+    """Two warps (split-K inside the program, the warps' merge through shared memory), three stages per warp
+    (cp.async.wait_group 2), bfloat16 tensors; the partials (no fused merge) equal the oracle on their blocks'
+    keys and merge, by fa2edu's rule, to the fused answer."""
+    from kernels_gpu import decode_tc
+    monkeypatch.setattr(decode, "SIMULATOR_WARPS", 2)
+    monkeypatch.setattr(decode_tc, "STAGES", 3)
+    case = decode_case(21, paged=True, B=1, H_kv=2, G=2, N_new=1, d=16, d_v=16, block=32, blocks=3,
+                       lengths=[90])
+    bf = [torch.from_numpy(case[k]).to(torch.bfloat16) for k in ("q", "k_cache", "v_cache")]
+    seq, table = torch.from_numpy(case["cache_seqlens"]), torch.from_numpy(case["block_table"])
+    O, L = kernels_gpu.decode_attention(*bf, seq, table, num_splits=2, kernel="tensorcore")
+    rounded = dict(case, q=bf[0].double().numpy(),
+                   keys=[torch.from_numpy(k).to(torch.bfloat16).double().numpy() for k in case["keys"]],
+                   values=[torch.from_numpy(v).to(torch.bfloat16).double().numpy() for v in case["values"]])
+    check_against_oracle(rounded, O.double().numpy(), L.numpy(), storage="bfloat16")
+    O_s, L_s, S = decode.decode_split_partials(*bf, seq, table, num_splits=2, kernel="tensorcore")
+    O_m, L_m = fa2edu.merge_attention_states(O_s[0].numpy(), L_s[0].numpy(), O_s[1].numpy(), L_s[1].numpy())
+    np.testing.assert_allclose(O.float().numpy(), O_m, atol=1e-2)      # O rounded to bfloat16 once
+    np.testing.assert_allclose(L.numpy(), L_m, atol=1e-5)
+
+
+def test_program_choice_and_its_errors():
+    f16 = decode_case(1, paged=True, B=1, H_kv=1, G=2, N_new=1, d=16, d_v=16, block=16, blocks=1, lengths=[9],
+                      dtype=np.float16)
+    args = (f16["q"], f16["k_cache"], f16["v_cache"], f16["cache_seqlens"], f16["block_table"], True, None, None,
+            None, None)
+    assert decode._prepare(*args).program == "tensorcore"                       # 16-bit, d % 8 == 0, pages of 16
+    assert decode._prepare(*args, kernel="cuda_core").program == "cuda_core"
+    odd_page = decode_case(1, paged=True, B=1, H_kv=1, G=2, N_new=1, d=16, d_v=16, block=12, blocks=1,
+                           lengths=[9], dtype=np.float16)
+    odd = (odd_page["q"], odd_page["k_cache"], odd_page["v_cache"], odd_page["cache_seqlens"],
+           odd_page["block_table"], True, None, None, None, None)
+    assert decode._prepare(*odd).program == "cuda_core"                         # a tile would straddle pages
+    with pytest.raises(ValueError, match="page size that is a multiple of 16"):
+        decode._prepare(*odd, kernel="tensorcore")
+    f32 = decode_case(1, paged=False, B=1, H_kv=1, G=1, N_new=1, d=16, d_v=16, block=16, blocks=1, lengths=[5])
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        run_decode(f32, kernel="tensorcore")
+    with pytest.raises(ValueError, match="kernel must be None, 'tensorcore' or 'cuda_core'"):
+        run_decode(f32, kernel="tensor")
+
+
 # -- decode: splits and their merge ----------------------------------------------------------------------------------
 
 def test_split_partials_are_the_oracle_on_their_key_blocks_and_merge_to_the_answer():
@@ -240,19 +310,26 @@ def test_merge_launch_is_fa2edus_merge_rule_with_empty_splits():
 
 # -- the rules -------------------------------------------------------------------------------------------------------
 
-def test_default_num_splits_balances_whole_blocks_over_the_slots():
-    slots = 3 * 132                                       # an H100, 3 resident blocks of 128 threads per SM
+def test_default_num_splits_fills_two_thirds_of_the_slots_with_whole_blocks():
+    slots = 3 * 132                                       # an H100/H200, 3 resident programs per SM
     assert decode.default_num_splits(8, 16384, 256, slots) == 32      # batch 1 · 8 KV heads: 2 pages a split
-    assert decode.default_num_splits(8, 32768, 256, slots) == 43      # 128 pages: 42 splits of 3, one of 2
-    assert decode.default_num_splits(64, 16384, 256, slots) == 6      # batch 8: 384 programs
+    assert decode.default_num_splits(8, 65536, 256, slots) == 32      # 8 pages a split
+    assert decode.default_num_splits(8, 32768, 256, slots) == 32      # 128 pages: 33 splits would still need 4
+    assert decode.default_num_splits(64, 16384, 256, slots) == 4      # batch 8: 256 programs
+    assert decode.default_num_splits(256, 65536, 256, slots) == 1     # batch 32: the slots are already filled
     assert decode.default_num_splits(8, 4096, 256, slots) == 16       # every page a split
     assert decode.default_num_splits(8, 100, 256, slots) == 1         # one key block: nothing to split
     assert decode.default_num_splits(8, 0, 256, slots) == 1
-    # the rule's model: least rounds · (longest split + overhead), the fewest splits on ties
-    for programs, n, block in [(8, 16384, 256), (24, 5000, 16), (256, 131072, 256)]:
-        T = -(-n // block)
-        cost = [-(-programs * S // slots) * (-(-T // S) + decode.SPLIT_OVERHEAD) for S in range(1, T + 1)]
-        assert decode.default_num_splits(programs, n, block, slots) == 1 + int(np.argmin(cost))
+    # the rule's two properties, over a grid
+    for programs in (1, 3, 8, 24, 64, 256, 1000):
+        for n, block in ((100, 16), (5000, 16), (16384, 256), (131072, 256)):
+            T = -(-n // block)
+            S = decode.default_num_splits(programs, n, block, slots)
+            assert 1 <= S <= T
+            assert S == 1 or programs * S <= decode.SPLIT_FILL * slots          # within the fill
+            assert S == 1 or -(-T // (S - 1)) > -(-T // S)                    # one fewer split: a longer one
+            target = max(1, min(T, int(decode.SPLIT_FILL * slots) // programs))
+            assert -(-T // S) == -(-T // target)                              # as long as the fill's count
 
 
 def test_decode_tiling_rule():

@@ -137,19 +137,54 @@ DECODE = [  # (B, H_kv, G, N_new, d, page, max_pages, lengths, paged, num_splits
 ]
 
 
+@pytest.mark.parametrize("program", ["default", "cuda_core"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("spec", DECODE, ids=lambda s: f"B{s[0]}-G{s[2]}-new{s[3]}-d{s[4]}-p{s[5]}-"
                                                         f"{'paged' if s[8] else 'contig'}-S{s[9]}")
-def test_decode_matches_oracle(dtype, spec):
+def test_decode_matches_oracle(dtype, spec, program):
+    """Both split programs: the default (tensor cores for float16/bfloat16, the fused merge) and the CUDA-core
+    one (float32 always runs it)."""
+    if program == "cuda_core" and dtype == "float32":
+        pytest.skip("float32 runs the CUDA-core program by default")
     B, H_kv, G, N_new, d, page, max_pages, lengths, paged, S = spec
     case = make_cache(zlib.crc32(repr((dtype, spec)).encode()), B=B, H_kv=H_kv, G=G, N_new=N_new, d=d, page=page,
                       max_pages=max_pages, lengths=lengths, dtype=dtype, paged=paged)
     extra = {} if paged else {"block_size": page}
+    if program == "cuda_core":
+        extra["kernel"] = "cuda_core"
     O, L = kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
                                         case["block_table"], num_splits=S, **extra)
     torch.cuda.synchronize()
     assert O.dtype == DTYPES[dtype] and O.shape == case["q"].shape and L.dtype == torch.float32
     check_decode(case, O, L, dtype)
+
+
+@pytest.mark.parametrize("d, d_v, G, N_new", [(40, 40, 4, 1), (256, 256, 4, 1), (64, 128, 8, 3), (8, 8, 2, 2)])
+def test_tensorcore_program_head_sizes_and_row_tiles(d, d_v, G, N_new):
+    """The tensor-core program at head sizes off the fast copy path (d = 40: 5 chunks a row; d = 8: half a 16-wide
+    MMA step), d = 256 (the largest), d ≠ d_v, and 24 rows (two 16-row tiles); its partials merged by the merge
+    launch equal its own fused merge; the merge counters are zeros again after every call."""
+    from kernels_gpu import decode
+    g = torch.Generator(device="cuda").manual_seed(d * 1000 + d_v + G)
+    B, H_kv, page, max_pages = 3, 2, 16, 40
+    seqlens = torch.tensor([600, 0, 640], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H_kv * G, N_new, d, device="cuda", generator=g).half()
+    k = torch.randn(B, H_kv, page * max_pages, d, device="cuda", generator=g).half()
+    v = torch.randn(B, H_kv, page * max_pages, d_v, device="cuda", generator=g).half()
+    O, L = kernels_gpu.decode_attention(q, k, v, seqlens, block_size=page, num_splits=7, kernel="tensorcore")
+    O_s, L_s, S = decode.decode_split_partials(q, k, v, seqlens, block_size=page, num_splits=7, kernel="tensorcore")
+    O_m, L_m = decode.merge_split_partials(O_s.cpu().numpy(), L_s.cpu().numpy())
+    torch.cuda.synchronize()
+    assert all(int(c.keep.count_nonzero()) == 0 for c in decode._COUNTERS.values() if hasattr(c.keep, "count_nonzero"))
+    for b, n in enumerate(seqlens.tolist()):
+        if n == 0:
+            assert (O[b] == 0).all() and torch.isinf(L[b]).all()
+            continue
+        O_ref, L_ref = attention(q[b], k[b, :, :n], v[b, :, :n], True, torch.float64)
+        O_pt, _ = attention(q[b], k[b, :, :n], v[b, :, :n], True, torch.float16)
+        assert_rule(O[b], L[b], O_ref, L_ref, O_pt, f"d {d}, d_v {d_v}, sequence {b}", SLACK["float16"])
+    torch.testing.assert_close(O.float().cpu(), torch.from_numpy(O_m).float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(L.cpu(), torch.from_numpy(L_m), atol=1e-5, rtol=1e-6)
 
 
 def test_decode_strided_cache_read_in_place():
