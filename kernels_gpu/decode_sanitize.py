@@ -8,8 +8,10 @@ Run on the GPU machine from the repository root::
     compute-sanitizer --tool initcheck --error-exitcode 1 python -m kernels_gpu.decode_sanitize
 
 Launches: decoding from a paged float16 cache (shuffled pages, ragged lengths with an idle slot and a full one, GQA
-4, 16-byte loads, 3 splits and their merge), from a contiguous bfloat16 cache with 2 new tokens (causal: a token
-that sees no key) and one split, and float32 with the default split rule; varlen over a packed float16 batch (an
+4, 3 splits merged by the tensor-core program's last program of each group), from a contiguous bfloat16 cache with
+2 new tokens (causal: a token that sees no key) and one split, float32 with the default split rule (the CUDA-core
+program, 16-byte loads), the CUDA-core program on float16 (3 splits and the merge launch), and a contiguous float16
+cache with 3 new tokens and the default split rule; varlen over a packed float16 batch (an
 empty sequence, n_q ≠ n_k, causal) and a float32 one. Ragged everywhere: lengths divide no tile. Outputs are
 poisoned (NaN) before each launch, so initcheck and the oracle both see a forgotten write. Prints one line per
 launch; exits non-zero on a wrong result.
@@ -41,7 +43,7 @@ def _check(name: str, O, O_ref, tol: float) -> bool:
     return ok
 
 
-def decode_case(dtype, *, paged: bool, N_new: int, num_splits, seed: int) -> bool:
+def decode_case(dtype, *, paged: bool, N_new: int, num_splits, seed: int, kernel=None) -> bool:
     import torch
 
     import kernels_gpu
@@ -69,13 +71,13 @@ def decode_case(dtype, *, paged: bool, N_new: int, num_splits, seed: int) -> boo
             kc[b, :, :n], vc[b, :, :n] = keys[b], values[b]
         table = None
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    O, L = kernels_gpu.decode_attention(q, kc, vc, seqlens, table, num_splits=num_splits)
+    O, L = kernels_gpu.decode_attention(q, kc, vc, seqlens, table, num_splits=num_splits, kernel=kernel)
     torch.cuda.synchronize()
     ok = True
     for b, n in enumerate(lengths):
         ref = torch.zeros_like(O[b], dtype=torch.float64) if n == 0 else _reference(q[b], keys[b], values[b], True)
-        ok &= _check(f"decode {str(dtype)[6:]} {'paged' if paged else 'contiguous'} N_new={N_new} "
-                     f"num_splits={num_splits} sequence {b} (n = {n})", O[b], ref,
+        ok &= _check(f"decode {str(dtype)[6:]} {kernel or 'default'} {'paged' if paged else 'contiguous'} "
+                     f"N_new={N_new} num_splits={num_splits} sequence {b} (n = {n})", O[b], ref,
                      1e-5 if dtype == torch.float32 else 2e-2)
     return ok
 
@@ -112,6 +114,8 @@ def main(argv=None) -> int:
     ok = decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=0)
     ok &= decode_case(torch.bfloat16, paged=False, N_new=2, num_splits=1, seed=1)
     ok &= decode_case(torch.float32, paged=True, N_new=1, num_splits=None, seed=2)
+    ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=5, kernel="cuda_core")
+    ok &= decode_case(torch.float16, paged=False, N_new=3, num_splits=None, seed=6)
     ok &= varlen_case(torch.float16, causal=True, seed=3)
     ok &= varlen_case(torch.float32, causal=False, seed=4)
     print("all ok" if ok else "SOME RESULTS WRONG", flush=True)
