@@ -119,7 +119,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     Q_LEN, S_LEN, O_LEN = 4 * KS, 4 * NT, 4 * NOV
     FUSED = fused
     WPW = -(-DVW // 32)                      # the fused merge: output words per lane (2 columns each) ...
-    MU = max(2, 16 // WPW)                   # ... and splits per trip, their loads all in flight
+    MU = max(2, 8 // WPW)                    # ... and splits per trip, their loads all in flight
+    ACC_N, VALS_N = 2 * WPW, 2 * WPW * MU    # (register-array sizes: compile-time constants)
     POS_INF = float32(math.inf)
     L_AREA, O_AREA = 16 * W, 32 * W          # merge area (floats): m of 16W rows, then ℓ, then Õ (OS per row)
     PAGE = page
@@ -258,8 +259,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         if sm[0] == 0:
             return
         cuda.threadfence()                      # the other programs' partials, counted before ours, are visible
-        acc = cuda.local.array(2 * WPW, float32)
-        vals = cuda.local.array(2 * WPW * MU, float32)
+        acc = cuda.local.array(ACC_N, float32)
+        vals = cuda.local.array(VALS_N, float32)
         Ls = cuda.local.array(MU, float32)
         for rr in range(warp, rows_here, W):
             r = r0 + rr
