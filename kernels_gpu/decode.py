@@ -919,55 +919,27 @@ def _slots(kernel, args, threads: int, shared: int = 0) -> int:
     return io.resident_blocks(kernel, args, threads, shared)
 
 
-def _split_program(c: _Call, simulator: bool, fused: bool = True) -> tuple:
-    """(kernel, threads, dynamic shared bytes) of the call's split program (``fused``: the tensor-core program
-    merges the splits itself)."""
+def _split_program(c: _Call, simulator: bool) -> tuple:
+    """(kernel, threads, dynamic shared bytes) of the call's split program."""
     if c.program == "tensorcore":
         warps = SIMULATOR_WARPS if simulator else 4
         stages = decode_tc.STAGES
-        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages, fused),
+        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
-#: the tensor-core program's merge counters, one int32 per (sequence, KV head, row tile), per (kind, device, stream):
-#: zeros between launches (the program that merges a group resets its counter), so they are allocated once and
-#: reused — launches on one stream run one after the other; another stream gets its own
-_COUNTERS: dict = {}
-
-
-def _counters(c: _Call, n: int):
-    """Zeroed int32 counters (at least ``n``) for the call's stream."""
-    key = (c.kind, str(getattr(c.out, "device", None)), c.stream)
-    have = _COUNTERS.get(key)
-    if have is None or have.n < n:
-        n = max(n, 2 * (have.n if have is not None else 0), 1024)
-        if c.kind == "torch-cuda":
-            import torch
-            t = torch.zeros(n, dtype=torch.int32, device=c.out.device)
-            have = io.Flat(int(t.data_ptr()), n, np.dtype(np.int32), None, t)
-        else:
-            have = io._numba_flat(cuda.to_device(np.zeros(n, np.int32)))
-        _COUNTERS[key] = have
-    return have
-
-
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
     i64 = np.int64
-    args = (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
+    return (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
             i64(c.R), i64(S), i64(c.row_tiles), i64(c.block), i64(c.max_pages), i64(c.num_pages), i64(c.capacity),
             *(i64(s) for s in c.k_strides), *(i64(s) for s in c.v_strides), np.float32(c.scale2))
-    if c.program == "tensorcore":
-        args += (_counters(c, c.B * c.H_kv * c.row_tiles),)
-    return args
 
 
 def _run(c: _Call, partials_out: bool = False):
     """Launch the split program (and the merge when S > 1); returns (O, L[, O_part, L_part, S])."""
     simulator = rt.simulator_in_use()
-    # the tensor-core program merges its splits itself (unless the partials are asked for)
-    fused = c.program == "tensorcore" and not partials_out
-    kernel, threads, shared = _split_program(c, simulator, fused)
+    kernel, threads, shared = _split_program(c, simulator)
     view = np.float32 if c.storage == "float32" else np.uint32
     O_user, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, view)
     L_user, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
@@ -990,7 +962,7 @@ def _run(c: _Call, partials_out: bool = False):
     args = _split_args(c, S, Ow, Lf, Opart, Lpart)
     grid = (S * c.row_tiles, c.H_kv, c.B)
     io.launch(kernel, grid, threads, c.stream, args, shared)
-    if S > 1 and not fused:
+    if S > 1:
         merge = merge_kernel(c.storage, c.d_v, simulator)
         rows = c.B * c.H_kv * c.R
         io.launch(merge, (rows,), 32 * MERGE_WARPS, c.stream,

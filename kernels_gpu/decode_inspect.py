@@ -72,7 +72,7 @@ def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, cau
     kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False)
     I = getattr(types, index)
     sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
-           (types.int64,) * 16 + (types.float32, types.int32[::1]))
+           (types.int64,) * 16 + (types.float32,))
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     cap = decode_tc.REGISTER_CAP if d <= 128 else None          # as split_kernel_tc asks of the compiler
     return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps,

@@ -8,7 +8,7 @@ Run on the GPU machine from the repository root::
     compute-sanitizer --tool initcheck --error-exitcode 1 python -m kernels_gpu.decode_sanitize
 
 Launches: decoding from a paged float16 cache (shuffled pages, ragged lengths with an idle slot and a full one, GQA
-4, 3 splits merged by the tensor-core program's last program of each group), from a contiguous bfloat16 cache with
+4, 3 splits and their merge launch, on the tensor-core program), from a contiguous bfloat16 cache with
 2 new tokens (causal: a token that sees no key) and one split, float32 with the default split rule (the CUDA-core
 program, 16-byte loads), the CUDA-core program on float16 (3 splits and the merge launch), and a contiguous float16
 cache with 3 new tokens and the default split rule; varlen over a packed float16 batch (an

@@ -94,12 +94,9 @@ def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
-                    stages: int = STAGES, fused: bool = True):
+                    stages: int = STAGES):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
-    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed), and
-    ``fused``: with S > 1 splits, the program that finishes its group's splits last merges them (step 5 of the
-    module header; ``counters`` must hold zeros, and are left holding zeros); else the partials wait for
-    :func:`kernels_gpu.decode.merge_kernel`. Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
+    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
     arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads;
     :func:`shared_bytes` of dynamic shared memory."""
     if stages not in (2, 3):
@@ -117,11 +114,6 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     NOV = DV // 8                            # 16 × 8 accumulator tiles of Õ
     V_OFF = TILE * RS                        # V's rows follow K's in a stage
     Q_LEN, S_LEN, O_LEN = 4 * KS, 4 * NT, 4 * NOV
-    FUSED = fused
-    WPW = -(-DVW // 32)                      # the fused merge: output words per lane (2 columns each) ...
-    MU = max(2, 8 // WPW)                    # ... and splits per trip, their loads all in flight
-    ACC_N, VALS_N = 2 * WPW, 2 * WPW * MU    # (register-array sizes: compile-time constants)
-    POS_INF = float32(math.inf)
     L_AREA, O_AREA = 16 * W, 32 * W          # merge area (floats): m of 16W rows, then ℓ, then Õ (OS per row)
     PAGE = page
     CAUSAL = causal
@@ -237,77 +229,11 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         l[hh] += rowsum
         m[hh] = m_new
 
-    @dev
-    def merge_if_last(Opart, Lpart, Ow, L, counters, b, h, split, r0, rows_here, q_base, H_kv, R, S, row_tiles, sm,
-                      tid, warp, lane):
-        """Step 5 (``fused``): count this program's partial as written; the program that counts its group's last
-        merges the group's S partials by the log-sum-exp rule of :func:`fa2edu.merge_attention_states` and resets
-        the counter — Flash-Decoding's reduction without a second launch (the pattern of the CUDA samples'
-        ``threadFenceReduction``: write, fence, count; the last to count reads after a fence).
-
-        Warp w merges rows w, w + W, … of the tile, lane k the output words k, k + 32, …; per trip MU splits,
-        every load issued before the first is used, folded into a running (m, ℓ, Σ) by the online rule (m moves:
-        what came before is scaled by e^{m_old − m_new}). Empty splits (L_s = +inf) weigh 0; a row no split saw
-        a key for gets O = 0, L = +inf."""
-        cuda.threadfence()                      # this program's partial reaches the GPU before it is counted
-        cuda.syncthreads()
-        group = (b * H_kv + h) * row_tiles + r0 // 16
-        if tid == 0:
-            seen = cuda.atomic.add(counters, group, 1)
-            sm[0] = uint32(1) if seen == S - 1 else uint32(0)
-        cuda.syncthreads()
-        if sm[0] == 0:
-            return
-        cuda.threadfence()                      # the other programs' partials, counted before ours, are visible
-        acc = cuda.local.array(ACC_N, float32)
-        vals = cuda.local.array(VALS_N, float32)
-        Ls = cuda.local.array(MU, float32)
-        for rr in range(warp, rows_here, W):
-            r = r0 + rr
-            base = (b * H_kv + h) * S * R + r   # split s's partial of row r: base + s·R
-            for x in range(2 * WPW):
-                acc[x] = float32(0.0)
-            m_run = NEG_INF
-            l_run = float32(0.0)
-            for s0 in range(0, S, MU):
-                for u in range(MU):
-                    sp = s0 + u
-                    Ls[u] = Lpart[base + sp * R] if sp < S else POS_INF
-                    for q in range(WPW):
-                        w = lane + 32 * q
-                        ok = sp < S and w < DVW
-                        vals[(u * WPW + q) * 2] = Opart[(base + sp * R) * d_v + 2 * w] if ok else float32(0.0)
-                        vals[(u * WPW + q) * 2 + 1] = Opart[(base + sp * R) * d_v + 2 * w + 1] if ok else float32(0.0)
-                m_new = m_run
-                for u in range(MU):
-                    if Ls[u] != POS_INF:
-                        m_new = max(m_new, Ls[u])
-                if m_new != NEG_INF:
-                    alpha = float32(math.exp(m_run - m_new))     # 0 while m_run = −inf
-                    l_run *= alpha
-                    for x in range(2 * WPW):
-                        acc[x] *= alpha
-                    for u in range(MU):
-                        wgt = float32(0.0) if Ls[u] == POS_INF else float32(math.exp(Ls[u] - m_new))
-                        l_run += wgt
-                        for x in range(2 * WPW):
-                            acc[x] += wgt * vals[u * 2 * WPW + x]
-                    m_run = m_new
-            inv = float32(0.0) if l_run == 0.0 else float32(1.0) / l_run
-            for q in range(WPW):
-                w = lane + 32 * q
-                if w < DVW:
-                    Ow[(q_base + r) * DVW + w] = pack(acc[2 * q] * inv, acc[2 * q + 1] * inv)
-            if lane == 0:
-                L[q_base + r] = POS_INF if l_run == 0.0 else m_run + float32(math.log(l_run))
-        if tid == 0:
-            counters[group] = 0                 # ready for the next launch
-
     cap = REGISTER_CAP if max(D, DV) <= 128 and not simulator else None
 
     @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
     def decode_split_tc(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
-                        max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2, counters):
+                        max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = cuda.laneid
@@ -454,8 +380,5 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 Opart[part * d_v + 2 * w + 1] = a_hi * inv
                 if w == 0:
                     Lpart[part] = L_r
-        if FUSED and S > 1:
-            merge_if_last(Opart, Lpart, Ow, L, counters, b, h, split, r0, rows_here, q_base, H_kv, R, S,
-                          row_tiles, sm, tid, warp, lane)
 
     return decode_split_tc

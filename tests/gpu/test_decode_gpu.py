@@ -142,7 +142,7 @@ DECODE = [  # (B, H_kv, G, N_new, d, page, max_pages, lengths, paged, num_splits
 @pytest.mark.parametrize("spec", DECODE, ids=lambda s: f"B{s[0]}-G{s[2]}-new{s[3]}-d{s[4]}-p{s[5]}-"
                                                         f"{'paged' if s[8] else 'contig'}-S{s[9]}")
 def test_decode_matches_oracle(dtype, spec, program):
-    """Both split programs: the default (tensor cores for float16/bfloat16, the fused merge) and the CUDA-core
+    """Both split programs: the default (tensor cores for float16/bfloat16) and the CUDA-core
     one (float32 always runs it)."""
     if program == "cuda_core" and dtype == "float32":
         pytest.skip("float32 runs the CUDA-core program by default")
@@ -162,8 +162,8 @@ def test_decode_matches_oracle(dtype, spec, program):
 @pytest.mark.parametrize("d, d_v, G, N_new", [(40, 40, 4, 1), (256, 256, 4, 1), (64, 128, 8, 3), (8, 8, 2, 2)])
 def test_tensorcore_program_head_sizes_and_row_tiles(d, d_v, G, N_new):
     """The tensor-core program at head sizes off the fast copy path (d = 40: 5 chunks a row; d = 8: half a 16-wide
-    MMA step), d = 256 (the largest), d ≠ d_v, and 24 rows (two 16-row tiles); its partials merged by the merge
-    launch equal its own fused merge; the merge counters are zeros again after every call."""
+    MMA step), d = 256 (the largest), d ≠ d_v, and 24 rows (two 16-row tiles); its partials, merged on the host in
+    float32, give the call's answer."""
     from kernels_gpu import decode
     g = torch.Generator(device="cuda").manual_seed(d * 1000 + d_v + G)
     B, H_kv, page, max_pages = 3, 2, 16, 40
@@ -175,7 +175,6 @@ def test_tensorcore_program_head_sizes_and_row_tiles(d, d_v, G, N_new):
     O_s, L_s, S = decode.decode_split_partials(q, k, v, seqlens, block_size=page, num_splits=7, kernel="tensorcore")
     O_m, L_m = decode.merge_split_partials(O_s.cpu().numpy(), L_s.cpu().numpy())
     torch.cuda.synchronize()
-    assert all(int(c.keep.count_nonzero()) == 0 for c in decode._COUNTERS.values() if hasattr(c.keep, "count_nonzero"))
     for b, n in enumerate(seqlens.tolist()):
         if n == 0:
             assert (O[b] == 0).all() and torch.isinf(L[b]).all()
