@@ -9,6 +9,11 @@ q (B, H_q, N_new, d); a contiguous cache (B, H_kv, N_max, d) or a paged one (num
 tensors); all arithmetic float32. O (B, H_q, N_new, d_v) in the storage dtype, L (B, H_q, N_new) float32 (+inf on
 a token that sees no key).
 
+**Two split programs.** This module's :func:`split_kernel` does its dot products on the FMA units (the first
+version, described below); :mod:`kernels_gpu.decode_tc` does them on tensor cores and is the default for float16
+and bfloat16 caches whose head sizes are multiples of 8 (``kernel=`` names either). Both write the same partials;
+everything else here — the checks, the split cut, the merge launch, paged lookups — serves both.
+
 **Why these kernels look as they do.** A decoding step reads the whole cache to produce G·N_new rows of output per
 KV head (G = H_q / H_kv): about 2·G·N_new FLOPs per element read, a few, against the hundreds a GPU can do per
 element its memory delivers (chapter 13). So the kernel's only job is to stream K and V once, at the memory's rate:
@@ -52,8 +57,9 @@ sums, the online softmax, addresses), so at the memory's rate an SM issues about
 cycle: enough warps must be resident to hide the load latency, hence two steps in flight, 166 registers (3 blocks
 of 4 warps per SM) and a split rule that fills the resident slots.
 
-**Measured** (H100 80GB HBM3, ``benchmarks.decode --quick``: batch 1 and 32, contexts 4k, 16k, 64k;
-``benchmarks/results/nvidia-h100/decode.json``; copy rate 3007 GB/s). Graph times reach 77 %, 88 %, 91 % of the
+**Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks.decode --quick``: batch 1 and 32, contexts 4k, 16k, 64k;
+copy rate 3007 GB/s; ``decode.json`` of that date, since replaced by the run of :mod:`kernels_gpu.decode_tc`,
+where this program is the line ``kernels_gpu_cuda_core``). Graph times reach 77 %, 88 %, 91 % of the
 copy rate at batch 32 (predicted 80-95 % from 16k: met), but only 18 %, 34 %, 59 % at batch 1 (predicted 65-85 %
 from 16k: missed; a 16k step is 65 µs of GPU time, in which the split programs' fixed costs and the merge launch
 weigh more than predicted). num_splits=1 at batch 1 is 5.8×, 10.5×, 18× slower than the default rule (16, 32, 43
@@ -83,13 +89,17 @@ from kernels_gpu import decode_tc
 from kernels_gpu import runtime as rt
 
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
-           "DecodeTiling", "decode_tiling", "default_num_splits", "SPLIT_FILL", "load_words", "butterfly_sum",
+           "DecodeTiling", "decode_tiling", "default_num_splits", "rounds_num_splits",
+           "SPLIT_FILL", "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
            "split_kernel", "merge_kernel", "PROGRAMS"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: the share of the resident program slots the split rule fills (:func:`default_num_splits`)
+#: the share of the resident program slots the tensor-core program's split rule fills (:func:`default_num_splits`)
 SPLIT_FILL = 2 / 3
+#: a CUDA-core split program's fixed cost (its query load, the merge of its groups, its partial), in key blocks, for
+#: its split rule (:func:`rounds_num_splits`)
+SPLIT_OVERHEAD = 0.5
 #: warps of a merge block (one block per output row; the warps share its splits)
 MERGE_WARPS = 4
 #: splits a merge warp takes per trip (their loads all in flight before the first is used)
@@ -662,8 +672,8 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
 
 @functools.lru_cache(maxsize=4096)
 def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
-    """The split count when the caller gives none: enough programs to fill :data:`SPLIT_FILL` of the resident
-    slots, no more.
+    """The tensor-core program's split count when the caller gives none: enough programs to fill
+    :data:`SPLIT_FILL` of the resident slots, no more (the CUDA-core program's rule is :func:`rounds_num_splits`).
 
     ``programs`` = B · H_kv · row tiles (one program each without splitting); a sequence of n_max keys has
     T = ceil(n_max / block) key blocks (pages); ``slots`` = the programs the GPU holds at once (SMs × resident
@@ -685,6 +695,32 @@ def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int
     T = -(-n_max // block)
     S = max(1, min(T, int(SPLIT_FILL * slots) // programs))
     return -(-T // -(-T // S))
+
+
+@functools.lru_cache(maxsize=4096)
+def rounds_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
+    """The CUDA-core program's split rule: the split count whose programs finish soonest on the resident slots.
+
+    Arguments as :func:`default_num_splits`. With S splits a program streams at most ceil(T / S) blocks and the
+    programs run in ceil(programs · S / slots) rounds, so the modelled time is
+
+        rounds(S) · (ceil(T / S) + :data:`SPLIT_OVERHEAD`),
+
+    the overhead being a program's fixed cost in key blocks; the rule takes the S = 1 … T of least modelled time,
+    the smallest on ties. It leans towards more programs, which suits this program: it cannot stream the cache
+    with two programs per SM (it issues ~69 warp-instructions per key at G = 4, d = 128), and on the H100 it ran
+    1.05-1.18× faster at batch 32 with 3 splits (the model's choice) than with 1 (``decode.json``: 0.76-0.78 of the
+    copy rate with 1 split, 0.88-0.91 with 3 in the run before). Examples (8 KV heads, 256-key pages, 396 slots):
+    batch 1 at 16k keys → 32, at 32k → 43, at 128k → 47; batch 8 at 16k → 6; batch 32 → 3."""
+    if n_max <= 0 or programs < 1:
+        return 1
+    T = -(-n_max // block)
+    best, best_cost = 1, math.inf
+    for S in range(1, T + 1):
+        cost = -(-programs * S // slots) * (-(-T // S) + SPLIT_OVERHEAD)
+        if cost < best_cost - 1e-9:
+            best, best_cost = S, cost
+    return best
 
 
 # -- arguments ------------------------------------------------------------------------------------------------------
@@ -929,6 +965,11 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
+def _split_rule(c: _Call):
+    """The split rule of the call's program."""
+    return default_num_splits if c.program == "tensorcore" else rounds_num_splits
+
+
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
     i64 = np.int64
     return (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
@@ -946,7 +987,7 @@ def _run(c: _Call, partials_out: bool = False):
     S = c.num_splits
     if S is None:
         probe = _split_args(c, 1, Ow, Lf, Lf, Lf)
-        S = default_num_splits(c.B * c.H_kv * c.row_tiles, c.n_max, c.block, _slots(kernel, probe, threads, shared))
+        S = _split_rule(c)(c.B * c.H_kv * c.row_tiles, c.n_max, c.block, _slots(kernel, probe, threads, shared))
     if partials_out and S < 2:
         raise ValueError("partials exist only with num_splits >= 2")
     if S > 1:
@@ -1066,8 +1107,8 @@ def planned_splits(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=
     _, Ow = call.out.empty((2,), call.storage, np.float32 if call.storage == "float32" else np.uint32)
     _, Lf = call.out.empty((1,), "float32")
     probe = _split_args(call, 1, Ow, Lf, Lf, Lf)
-    return default_num_splits(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
-                              _slots(program, probe, threads, shared))
+    return _split_rule(call)(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
+                             _slots(program, probe, threads, shared))
 
 
 def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,

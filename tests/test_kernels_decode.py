@@ -331,6 +331,20 @@ def test_default_num_splits_fills_two_thirds_of_the_slots_with_whole_blocks():
             assert -(-T // S) == -(-T // target)                              # as long as the fill's count
 
 
+def test_rounds_num_splits_balances_whole_blocks_over_the_slots():
+    """The CUDA-core program's rule: least rounds · (longest split + overhead), the fewest splits on ties."""
+    slots = 3 * 132
+    assert decode.rounds_num_splits(8, 16384, 256, slots) == 32
+    assert decode.rounds_num_splits(8, 32768, 256, slots) == 43      # 128 pages: 42 splits of 3, one of 2
+    assert decode.rounds_num_splits(64, 16384, 256, slots) == 6
+    assert decode.rounds_num_splits(256, 65536, 256, slots) == 3     # batch 32: two rounds of programs
+    assert decode.rounds_num_splits(8, 100, 256, slots) == 1
+    for programs, n, block in [(8, 16384, 256), (24, 5000, 16), (256, 131072, 256)]:
+        T = -(-n // block)
+        cost = [-(-programs * S // slots) * (-(-T // S) + decode.SPLIT_OVERHEAD) for S in range(1, T + 1)]
+        assert decode.rounds_num_splits(programs, n, block, slots) == 1 + int(np.argmin(cost))
+
+
 def test_decode_tiling_rule():
     t = decode.decode_tiling("float16", 128, 128, 4, warps=4)        # the benchmark's shape: G = 4, N_new = 1
     assert t == decode.DecodeTiling(warps=4, lanes=16, keys=2, rows=4, vec=4) and t.groups == 8
