@@ -52,12 +52,19 @@ CASES = {
 
 
 @pytest.fixture(autouse=True)
-def no_tf32():
-    # SDPA's float32 baseline must be true float32 (TF32 would make it look worse than it is).
-    saved = torch.backends.cuda.matmul.allow_tf32
+def same_dtype_baselines():
+    """SDPA's baseline must compute in the dtype it is the baseline of (flash-attn's rule compares with attention
+    computed in the same dtype). float32: true float32 (TF32 would make it look worse than it is). float16 and
+    bfloat16: SDPA's math backend — which it takes for head sizes its fused kernels refuse (d = 1, 7, 59, …) —
+    computes in float32 and rounds once unless fp16/bf16 reductions are allowed, and would be a float32 baseline
+    for a 16-bit kernel (on an H100 at d = 1, bfloat16, the op's gradients came out up to 1.8× over twice that
+    float32-computed error, and within the rule against the bfloat16 one)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+    torch.backends.cuda.matmul.allow_tf32 = saved[0]
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(saved[1])
 
 
 def draw(q_shape, k_shape, d_v, dtype, seed=0):
