@@ -43,25 +43,27 @@ Registers: ~110 per thread at d = 128 (Q fragments 32, Õ 64, S 8); shared memor
 (d + d_v + 16) × 2 bytes = 70 KB at d = 128: 3 programs per SM, 12 warps, each with a 8 KB tile on its way.
 
 **Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.decode``: the full grid, CUDA-graph replay, the
-copy rate 3010 GB/s in the same run; ``benchmarks/results/nvidia-h100/decode.json``). The bytes that must move
+copy rate 3005 GB/s in the same run; ``benchmarks/results/nvidia-h100/decode.json``). The bytes that must move
 over the time, as a fraction of the copy rate, at contexts 4k / 8k / 16k / 32k / 64k / 128k:
 
-* batch 1: 0.33 / 0.47 / 0.60 / 0.70 / 0.82 / 0.88 (predicted 0.75-0.85 at 16k: missed; 0.85-0.95 at 64k:
+* batch 1: 0.33 / 0.46 / 0.60 / 0.70 / 0.82 / 0.88 (predicted 0.75-0.85 at 16k: missed; 0.85-0.95 at 64k:
   0.82, just under);
-* batch 8: 0.71 / 0.82 / 0.88 / 0.93 / 0.95 / 0.96; batch 32: 0.76 / 0.94 / 0.96 / 0.97 / 0.98 / 0.98
+* batch 8: 0.71 / 0.82 / 0.88 / 0.93 / 0.93 / 0.97; batch 32: 0.77 / 0.94 / 0.96 / 0.97 / 0.98 / 0.98
   (predicted 0.95-1.05: met from 16k).
 
-Against the CUDA-core program in the same run it is 1.15-1.32× faster at batch 1, 1.19-1.26× at batch 8 and
-1.25-1.26× at batch 32 from 16k (that run gave the CUDA-core program this program's split rule; it now has its own,
-:func:`kernels_gpu.decode.rounds_num_splits`, with 3 splits at batch 32). Against SDPA's best backend (cuDNN, at
-batch 8 and 128k flash) it runs at 0.80-0.91 of its speed at batch 1 and 0.87-0.945 at batch 8 and 32: cuDNN
-reaches 1.02-1.04× the copy rate where this program reaches 0.96-0.98 (predicted within ±5 %: missed). Registers: the compiler
-took 198 at d = 128, so ``max_registers`` caps it at 168 (3 programs per SM; ptxas reports 8 bytes of spill).
+The CUDA-core program, in the same run with its own split rule, is slower by 1.07-1.17× at batch 1, 1.04-1.08× at
+batch 8 and 1.06-1.10× at batch 32 from 16k keys (1.31×, 1.11×, 1.02× at 4k): a smaller gain than the 6× fewer
+instructions per key of the prediction promised — this program issues ~44 per key, not ~11 (below). Against SDPA's
+best backend (cuDNN, at batch 8 and 128k flash) it runs at 0.82-0.90 of its speed at batch 1 and 0.78-0.945 at
+batch 8 and 32: cuDNN reaches 1.01-1.04× the copy rate from 32k keys where this program reaches 0.93-0.98
+(predicted within ±5 %: missed). Registers: the compiler took 198 at d = 128, so ``max_registers`` caps it at 168
+(3 programs per SM; ptxas reports 8 bytes of spill).
 
 Why batch 1 stays below the prediction (Nsight Compute on an H200, batch 1, 16k keys, 32 splits:
 ``benchmarks/results/nvidia-h200/decode_tc_ncu_*.txt``): the grid is 256 programs — two per SM, 8 warps — and
-DRAM ran at 42-49 % of its peak. Each warp issued ~700 instructions per 16-key tile (the copies' 64-bit address
-arithmetic the largest part, then the softmax), ~5.5 cycles apart: waiting on fixed-latency dependencies (1.6
+DRAM ran at 42-49 % of its peak. Each warp issued ~700 instructions per 16-key tile — ~44 per key, where the
+prediction counted the MMAs, copies and softmax at ~11 and left out the 64-bit address arithmetic of every copy and
+``ldmatrix``, the largest part — ~5.5 cycles apart: waiting on fixed-latency dependencies (1.6
 cycles per issue) and on memory (1.0-1.7). So a tile takes a warp ~2 µs and its 8 tiles ~16 µs, plus the program's
 prologue and epilogue; shared memory (17 KB per warp for two stages) and registers cap an SM at 12 warps, so more
 splits do not add warps (48 splits: slower). What was tried, one change at a time (H200, same harness,
@@ -72,9 +74,11 @@ splits do not add warps (48 splits: slower). What was tried, one change at a tim
   ``driver_launch.resident_blocks``;
 * the merge launch: one warp per row taking one split per trip cost 8.0 µs at batch 1, 16k, 32 splits (the split
   programs: 25.2 µs); a block per row with 8 splits' loads in flight per warp, folded by the online (m, ℓ) rule:
-  3.2 µs (profiled); graph time 47.4 → 32.5 µs with the next change;
-* the copies' addresses stepped by constants, and whole tiles copied without bounds tests: 12 % fewer instructions
-  (6.6 M → 5.8 M), batch 1 unchanged, batch 8 and 32 +2-4 %;
+  3.2 µs (profiled); graph time 47.4 → 35.7 µs;
+* a lane's copy addresses computed once per tile and stepped by constants (no division per copy): 35.7 → 32.5 µs
+  at batch 1 and 16k, 92.5 → 83.4 µs at 64k, 573 → 522 µs at batch 32;
+* whole tiles copied without bounds tests or address selects: 12 % fewer instructions (6.6 M → 5.8 M at batch 1,
+  16k), time unchanged (32.5 → 32.6 µs; batch 32: 522 → 523 µs) — kept, as the simpler loop for the common tile;
 * three stages per warp (two tiles on their way): no gain anywhere (batch 1, 16k: 32.6 → 34.4 µs) — the warps wait
   on their own instruction chains as much as on memory;
 * the program that finishes a group's splits last merging them (an atomic counter per group, no merge launch):
