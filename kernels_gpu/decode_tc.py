@@ -161,8 +161,10 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     PAGE = page
     CAUSAL = causal
     NEG_INF = float32(-math.inf)
-    st = make_steps(Config(d=d, warps=W, B_c=TILE, dtype=storage, causal=causal, simulated=simulator))
-    mma_into, zero = st["mma_into"], st["zero"]
+    # The forward ladder's steps (chapter 14), for a tile of TILE keys: the MMA into an accumulator tile, and the
+    # online softmax of one of a lane's two rows — sized by d_v, the width of the Õ it rescales.
+    st = make_steps(Config(d=d_v, warps=W, B_c=TILE, dtype=storage, causal=causal, simulated=simulator))
+    mma_into, zero, row_softmax = st["mma_into"], st["zero"], st["row_softmax_f32"]
     pack = ptx.pack_f16x2 if storage == "float16" else ptx.pack_bf16x2
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
@@ -232,46 +234,6 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
         copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
 
-    @dev
-    def row_softmax(s, o, m, l, hh, last, j0, hi, scale2, masked):
-        """Alg. 1 lines 9-10 for the lane's row g + 8·hh (a constant), base 2 with the scale folded in
-        (``scale2`` = τ·log₂e): mask, row maximum over the group's four lanes, rescale Õ and ℓ if it moved,
-        P̃ = 2^(S·scale2 − m·scale2), the lane's part of the row sum."""
-        mx = NEG_INF
-        for n in range(NT):
-            for e in range(2):
-                if masked:
-                    col = j0 + 8 * n + 2 * (cuda.laneid % 4) + e
-                    if col >= hi or (CAUSAL and col > last):
-                        s[4 * n + 2 * hh + e] = NEG_INF
-                mx = max(mx, s[4 * n + 2 * hh + e])
-        mx = max(mx, shfl_xor(mx, 1))
-        mx = max(mx, shfl_xor(mx, 2))
-        m_new = max(m[hh], mx)
-        # Guard (no visible key so far): P̃ = 0, nothing to rescale, m stays −∞.
-        if m_new == NEG_INF:
-            for n in range(NT):
-                for e in range(2):
-                    s[4 * n + 2 * hh + e] = float32(0.0)
-            return
-        m_scaled = m_new * scale2
-        # Alg. 1 line 10: Õ, ℓ ← 2^(m_old − m_new) Õ, ℓ — only when the maximum moved (0 after m_old = −∞).
-        if m_new != m[hh]:
-            alpha = ex2(m[hh] * scale2 - m_scaled)
-            l[hh] *= alpha
-            for n in range(NOV):
-                for e in range(2):
-                    o[4 * n + 2 * hh + e] *= alpha
-        # Alg. 1 line 9: P̃ = 2^(S·τlog₂e − m·τlog₂e) and the lane's part of the row sum.
-        rowsum = float32(0.0)
-        for n in range(NT):
-            for e in range(2):
-                p = ex2(s[4 * n + 2 * hh + e] * scale2 - m_scaled)
-                s[4 * n + 2 * hh + e] = p
-                rowsum += p
-        l[hh] += rowsum
-        m[hh] = m_new
-
     cap = REGISTER_CAP if max(D, DV) <= 128 and not simulator else None
 
     @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
@@ -308,9 +270,11 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 if rr < R and w < DW:
                     word = uint32(Qw[(q_base + rr) * DW + w])
                 qa[4 * kk + x] = word
-        # Causal: the last key each of the lane's two rows may see (row r is new token r % N_new).
-        last0 = n - N_new + (r0 + g) % N_new
-        last1 = n - N_new + (r0 + g + 8) % N_new
+        # Causal: row r is new token r % N_new, which sees keys up to n − N_new + r % N_new — the forward's
+        # bottom-right rule "key ≤ row + diag" with row = the token and diag = n − N_new.
+        token0 = (r0 + g) % N_new
+        token1 = (r0 + g + 8) % N_new
+        diag = n - N_new
 
         # Alg. 1 line 5, per warp: Õ = 0, ℓ = 0, m = −∞.
         o = cuda.local.array(O_LEN, float32)
@@ -355,9 +319,11 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
 
             # Lines 9-10: the online softmax; the mask only where a key of the tile can be invisible to a row:
             # past the split, or (causal) past n − N_new, the first new token's last key.
-            masked = j0 + TILE > hi or (CAUSAL and j0 + TILE - 1 > n - N_new)
-            row_softmax(s, o, m, l, 0, last0, j0, hi, scale2, masked)
-            row_softmax(s, o, m, l, 1, last1, j0, hi, scale2, masked)
+            # (steps.row_softmax_f32: FA2 Alg. 1 lines 9-10 for the lane's row g + 8·hh, base 2, the scale folded
+            # in; keys at or past hi masked, as keys past N_k are in the forward)
+            masked = j0 + TILE > hi or (CAUSAL and j0 + TILE - 1 > diag)
+            row_softmax(s, o, m, l, 0, token0, j0, hi, scale2, diag, masked)
+            row_softmax(s, o, m, l, 1, token1, j0, hi, scale2, diag, masked)
 
             # Line 10 (second half): Õ += P̃ V, A straight from the accumulators, V transposed by ldmatrix.
             for kk in range(KV):

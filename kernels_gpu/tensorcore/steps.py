@@ -335,11 +335,11 @@ def make_steps(cfg: Config):
             row_softmax_exp2(s, o, m, l, 0, row0, col0, N_k, scale_log2, diag, mask_tile)
             row_softmax_exp2(s, o, m, l, 1, row0 + 8, col0, N_k, scale_log2, diag, mask_tile)
 
-        return online_softmax_exp2
+        return online_softmax_exp2, row_softmax_exp2
 
     #: v5-v7's softmax (float64 statistics, kept so that their measurements stay reproducible); v8 on: float32
-    online_softmax_exp2 = make_online_softmax_exp2(neg_inf)
-    online_softmax_f32 = make_online_softmax_exp2(float32(neg_inf))
+    online_softmax_exp2, _ = make_online_softmax_exp2(neg_inf)
+    online_softmax_f32, row_softmax_f32 = make_online_softmax_exp2(float32(neg_inf))
 
     @jit
     def finish_rows_exp2(o, m, l, O, L, z, head, row0, N_q, scale_log2):
@@ -348,6 +348,7 @@ def make_steps(cfg: Config):
         finish_row(o, m, l, 1, O, L, z, head, row0 + 8, N_q, scale_log2 * LN2)
 
     return dict(online_softmax_exp2=online_softmax_exp2, online_softmax_f32=online_softmax_f32,
+                row_softmax_f32=row_softmax_f32,
                 finish_rows_exp2=finish_rows_exp2,
                 load_q=make_load_rows(cfg.B_r), load_kv=make_load_rows(cfg.B_c), zero=zero, mma_into=mma_into,
                 copy_q_async=make_copy_rows_async(cfg.B_r), copy_kv_async=make_copy_rows_async(cfg.B_c),
