@@ -43,21 +43,22 @@ Registers: ~110 per thread at d = 128 (Q fragments 32, Õ 64, S 8); shared memor
 (d + d_v + 16) × 2 bytes = 70 KB at d = 128: 3 programs per SM, 12 warps, each with a 8 KB tile on its way.
 
 **Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.decode``: the full grid, CUDA-graph replay, the
-copy rate 3005 GB/s in the same run; ``benchmarks/results/nvidia-h100/decode.json``). The bytes that must move
-over the time, as a fraction of the copy rate, at contexts 4k / 8k / 16k / 32k / 64k / 128k:
+copy rate 3002 GB/s in the same run; ``benchmarks/results/nvidia-h100/decode.json``; two earlier runs of the same
+code, before the plan of repeated calls, gave the same figures within ±0.02). The bytes that must move over the
+time, as a fraction of the copy rate, at contexts 4k / 8k / 16k / 32k / 64k / 128k:
 
-* batch 1: 0.33 / 0.46 / 0.60 / 0.70 / 0.82 / 0.88 (predicted 0.75-0.85 at 16k: missed; 0.85-0.95 at 64k:
-  0.82, just under);
-* batch 8: 0.71 / 0.82 / 0.88 / 0.93 / 0.93 / 0.97; batch 32: 0.77 / 0.94 / 0.96 / 0.97 / 0.98 / 0.98
-  (predicted 0.95-1.05: met from 16k).
+* batch 1: 0.33 / 0.46 / 0.58 / 0.71 / 0.83 / 0.89 (predicted 0.75-0.85 at 16k: missed; 0.85-0.95 at 64k:
+  0.83, just under);
+* batch 8: 0.63 / 0.83 / 0.88 / 0.94 / 0.94 / 0.97; batch 32: 0.77 / 0.94 / 0.95 / 0.96 / 0.98 / 0.95
+  (predicted 0.95-1.05: met from 16k but at 128k, 0.95 — 0.98 in the earlier runs).
 
-The CUDA-core program, in the same run with its own split rule, is slower by 1.07-1.17× at batch 1, 1.04-1.08× at
-batch 8 and 1.06-1.10× at batch 32 from 16k keys (1.31×, 1.11×, 1.02× at 4k): a smaller gain than the 6× fewer
-instructions per key of the prediction promised — this program issues ~44 per key, not ~11 (below). Against SDPA's
-best backend (cuDNN, at batch 8 and 128k flash) it runs at 0.82-0.90 of its speed at batch 1 and 0.78-0.945 at
-batch 8 and 32: cuDNN reaches 1.01-1.04× the copy rate from 32k keys where this program reaches 0.93-0.98
-(predicted within ±5 %: missed). Registers: the compiler took 198 at d = 128, so ``max_registers`` caps it at 168
-(3 programs per SM; ptxas reports 8 bytes of spill).
+The CUDA-core program, in the same run with its own split rule, is slower by 1.07-1.16× at batch 1, 1.05-1.08× at
+batch 8 and 1.05-1.08× at batch 32 from 16k keys: a smaller gain than the 6× fewer instructions per key of the
+prediction promised — this program issues ~44 per key, not ~11 (below). Against SDPA's best backend (cuDNN, at
+batch 8 and 128k flash) it runs at 0.81-0.915 of its speed at batch 1 and 0.78-0.94 at batch 8 and 32: cuDNN
+reaches 1.01-1.04× the copy rate from 32k keys where this program reaches 0.94-0.98 (predicted within ±5 %:
+missed). Registers: the compiler took 198 at d = 128, so ``max_registers`` caps it at 168 (3 programs per SM;
+ptxas reports 8 bytes of spill).
 
 Why batch 1 stays below the prediction (Nsight Compute on an H200, batch 1, 16k keys, 32 splits:
 ``benchmarks/results/nvidia-h200/decode_tc_ncu_*.txt``): the grid is 256 programs — two per SM, 8 warps — and

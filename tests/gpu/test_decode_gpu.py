@@ -186,6 +186,35 @@ def test_tensorcore_program_head_sizes_and_row_tiles(d, d_v, G, N_new):
     torch.testing.assert_close(L.cpu(), torch.from_numpy(L_m), atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("paged, S", [(True, None), (False, 1), (True, 3)])
+def test_a_repeated_call_runs_the_kept_plan(paged, S, monkeypatch):
+    """A call on PyTorch CUDA tensors keeps a DecodePlan; the next call with the same shapes, strides, dtypes and
+    options runs it (no checks, two prepared launches): the same bits on the same data, and new tensors of the
+    same shapes read at their own addresses (a new cache, new lengths, a new block table) within the rule."""
+    from kernels_gpu import decode
+    spec = dict(B=3, H_kv=2, G=4, N_new=1, d=128, page=16, max_pages=20, dtype="float16", paged=paged)
+    case = make_cache(11, lengths=[300, 0, "full"], **spec)
+    extra = {} if paged else {"block_size": 16}
+
+    def call(c):
+        return kernels_gpu.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"],
+                                            c["block_table"], num_splits=S, **extra)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    first = call(case)
+    assert len(decode._PLANS) == 1
+    plan = next(iter(decode._PLANS.values()))
+    ran = []
+    monkeypatch.setattr(decode.DecodePlan, "__call__",
+                        lambda self, *a, _real=decode.DecodePlan.__call__: ran.append(self) or _real(self, *a))
+    again = call(case)
+    other = make_cache(12, lengths=[17, "full", 0], **spec)
+    got = call(other)
+    torch.cuda.synchronize()
+    assert ran == [plan, plan] and len(decode._PLANS) == 1
+    assert torch.equal(first.O, again.O) and torch.equal(first.L, again.L)
+    check_decode(other, got.O, got.L, "float16")
+
+
 def test_decode_strided_cache_read_in_place():
     """A (B, N_max, H_kv, d) cache seen as (B, H_kv, N_max, d) through a transpose: read where it is."""
     case = make_cache(3, B=2, H_kv=4, G=2, N_new=1, d=128, page=256, max_pages=4, lengths=[900, 1024],
