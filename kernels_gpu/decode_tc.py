@@ -27,10 +27,11 @@ loads go from HBM to shared memory by ``cp.async`` without passing through regis
    (``page_size`` a multiple of ``TILE``), so one block-table lookup serves its 16 rows.
 3. Per tile, FA2 Alg. 1 lines 8-10 on the warp's 16 × TILE scores: S = Q Kᵀ (``ldmatrix`` of K, MMAs into float32
    accumulators), keys past the split (and, causal, past a row's last visible key) masked to −∞, the online
-   softmax in base 2, Õ += P̃ V (P̃ from the accumulators, V by ``ldmatrix.trans``).
+   softmax in base 2 — the forward ladder's own step (``steps.row_softmax_f32``) —, Õ += P̃ V (P̃ from the
+   accumulators, V by ``ldmatrix.trans``).
 4. The W warps merge their (m, ℓ, Õ) through shared memory by the (m, ℓ) rule of FA1 Section 3.1, and the
    program writes its partial (O_s, L_s) in float32 — or, with a single split, O and L themselves. The merge of
-   the splits is :func:`kernels_gpu.decode.merge_kernel`, unchanged.
+   the splits is :func:`kernels_gpu.decode.merge_kernel`, the launch both programs share.
 
 Costs as the first program: per (sequence, KV head), n_b·(d + d_v) cache elements read once; the tensor cores do
 16/R times the useful FLOPs (the rows past R are zeros), which costs nothing here: at R = 4 and d = 128 a 16k-key
@@ -106,7 +107,7 @@ STAGES = 2
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
-#: memory does) with no spill (``python -m kernels_gpu.decode_inspect``).
+#: memory does) for 8 bytes of spill (``python -m kernels_gpu.decode_inspect``).
 REGISTER_CAP = 168
 
 
