@@ -1057,8 +1057,8 @@ class DecodePlan:
     call's checked :class:`_Call` and its launches (:class:`~kernels_gpu.driver_launch.Prepared`: compiled,
     configured, parameters packed). A call allocates O, L (and the partials, with S > 1 splits), poisons them when
     asked, and launches the split program and the merge on PyTorch's current stream with the new addresses: no
-    checks, no typing, no split rule — the host time of a call drops from ~250 µs to the allocations and two
-    launches."""
+    checks, no typing, no split rule (host time per call on an H100: 208-394 µs without a plan, 45-53 µs with one;
+    ``benchmarks/results/nvidia-h100/decode_host_time.json``)."""
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch
