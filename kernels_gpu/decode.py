@@ -86,7 +86,7 @@ from numbers import Integral
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int64, uint32
 
 from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, decode_block_size
 from fa2edu.validation import check_scale
@@ -346,13 +346,13 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
     # (local and shared array sizes must be compile-time constants: computed here, not in the kernel)
     Q_REGS, O_REGS, S_REGS, KW_REGS, VW_REGS = RT * QF, RT * OF, RT * KB, KB * KW, KB * VW
     SM_STATS, SM_O = NG * RT, NG * RT * d_v
-    PAGE = page
     CAUSAL = causal
     SCRATCH = THREADS * RT * KB if simulator else 1
     WORD = float32 if storage == "float32" else uint32
     NEG_INF = float32(-math.inf)
     unpack, pack = _converters(storage, simulator)
     load = load_words(VEC, simulator)
+    rows = io.cache_rows(page, simulator)
     butterfly = butterfly_sum(RT * KB, LPK, simulator)
     from kernels_gpu.tensorcore import ptx
     ex2 = ptx.ex2
@@ -367,16 +367,8 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
         split is replaced by the split's last key (a valid address; masked in compute_step)."""
         for kk in range(KB):
             j = min(t0 + kk * NG + grp, hi - 1)
-            if PAGE > 0:
-                # PagedAttention: logical page j // PAGE of sequence b is physical page table[b, j // PAGE]
-                # (clamped into the cache: device tables are not checked by the host).
-                p = j // PAGE
-                phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
-                k_row = phys * k_so + h * k_sh + (j - p * PAGE) * k_sn
-                v_row = phys * v_so + h * v_sh + (j - p * PAGE) * v_sn
-            else:
-                k_row = b * k_so + h * k_sh + j * k_sn
-                v_row = b * v_so + h * v_sh + j * v_sn
+            # key j's rows in K and V (paged: through the block table)
+            k_row, v_row = rows(table, b, h, j, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
             for u in range(NCH_K):
                 c = li + LPK * u
                 if c < CH_K:
@@ -592,7 +584,7 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
     COLS = 32 * WPL                          # columns of a warp's sums in shared memory
     ACC_SM = MERGE_WARPS * COLS
     VALS = U * WPL
-    unpack, pack = _converters(storage, simulator)
+    _, pack = _converters(storage, simulator)
     NEG_INF = float32(-math.inf)
     POS_INF = float32(math.inf)
 

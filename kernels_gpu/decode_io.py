@@ -30,8 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import functools
+
 import numpy as np
-from numba import cuda
+from numba import cuda, int64, uint64
 
 from kernels_gpu import driver_launch
 from kernels_gpu import runtime as rt
@@ -209,6 +211,30 @@ def device_flat(t: Tensor, view: np.dtype, words: bool = False) -> Flat:
         flat = t.device_array.reshape(int(np.prod(t.shape)))  # simulator: C-contiguous device arrays only
         return Flat(0, flat.shape[0], view, flat.view(view) if view != flat.dtype else flat, t.source)
     return Flat(t.ptr, -(-nbytes // view.itemsize), view, None, t.source)
+
+
+# -- where a cached key lives (device code, both decoding programs) ------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def cache_rows(page: int, simulator: bool):
+    """A device function ``rows(table, b, h, j, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn) ->
+    (k_row, v_row)``: the flat element offsets of key j of sequence b, KV head h, in K and in V (strides in the
+    kernel's elements). ``page`` = 0: a contiguous cache, row j of [b, h]. ``page`` > 0 (a compile-time constant,
+    so the division is a multiply and a shift): PagedAttention — logical page j // page of sequence b is physical
+    page ``table[b, j // page]``, clamped into the cache (device tables are not checked by the host: a bad entry
+    gives a wrong answer, never a read outside the cache)."""
+    jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
+    PAGE = page
+
+    @jit
+    def rows(table, b, h, j, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn):
+        if PAGE > 0:
+            p = j // PAGE
+            phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
+            return (phys * k_so + h * k_sh + (j - p * PAGE) * k_sn,
+                    phys * v_so + h * v_sh + (j - p * PAGE) * v_sn)
+        return b * k_so + h * k_sh + j * k_sn, b * v_so + h * v_sh + j * v_sn
+    return rows
 
 
 # -- index arrays (cache_seqlens, block_table, cu_seqlens) ---------------------------------------------------------

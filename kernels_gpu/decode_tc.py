@@ -93,12 +93,14 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int64, uint32
+
+from kernels_gpu.decode_io import cache_rows
 
 from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import Config, make_steps
 
-__all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout"]
+__all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout", "register_cap"]
 
 #: keys per warp tile (one ``ldmatrix`` row block of K; the k-extent of one O += P̃ V step)
 TILE = 16
@@ -109,6 +111,12 @@ LN2 = 0.6931471805599453
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
 #: memory does) for 8 bytes of spill (``python -m kernels_gpu.decode_inspect``).
 REGISTER_CAP = 168
+
+
+def register_cap(d: int, d_v: int) -> int | None:
+    """The ``max_registers`` the program is compiled with: :data:`REGISTER_CAP` for head sizes up to 128, else None
+    (the compiler's own choice)."""
+    return REGISTER_CAP if max(d, d_v) <= 128 else None
 
 
 def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
@@ -160,7 +168,6 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     V_OFF = TILE * RS                        # V's rows follow K's in a stage
     Q_LEN, S_LEN, O_LEN = 4 * KS, 4 * NT, 4 * NOV
     L_AREA, O_AREA = 16 * W, 32 * W          # merge area (floats): m of 16W rows, then ℓ, then Õ (OS per row)
-    PAGE = page
     CAUSAL = causal
     NEG_INF = float32(-math.inf)
     # The forward ladder's steps (chapter 14), for a tile of TILE keys: the MMA into an accumulator tile, and the
@@ -217,26 +224,19 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         return copy_rows_any
 
     copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW), make_copy_rows(CH_V, RSV, DVW)
+    rows = cache_rows(page, simulator)
 
     @dev
     def copy_tile(sm, dst, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh,
                   v_sn):
         """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``,
         16 bytes per ``cp.async``; keys at or past ``hi`` and the columns between d and D are zero-filled."""
-        if PAGE > 0:
-            # PagedAttention: the tile's keys lie in logical page j0 // PAGE, physical page table[b, j0 // PAGE]
-            # (clamped into the cache: device tables are not checked by the host).
-            p = j0 // PAGE
-            phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
-            k_first = phys * k_so + h * k_sh + (j0 - p * PAGE) * k_sn
-            v_first = phys * v_so + h * v_sh + (j0 - p * PAGE) * v_sn
-        else:
-            k_first = b * k_so + h * k_sh + j0 * k_sn
-            v_first = b * v_so + h * v_sh + j0 * v_sn
+        # the tile's first key in K and V; a paged tile lies in one page, so its rows follow at the row stride
+        k_first, v_first = rows(table, b, h, j0, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
         copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
         copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
 
-    cap = REGISTER_CAP if max(D, DV) <= 128 and not simulator else None
+    cap = None if simulator else register_cap(d, d_v)
 
     @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
     def decode_split_tc(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
