@@ -43,14 +43,21 @@ num_splits = 1 is 5-10× slower at batch 1, contexts ≥ 32k; paged within 3 % o
 backend at batch 1, within ±10 % at batch 32 and long contexts. Varlen: packed faster than padded by more than the
 padding fraction (the work saved grows with n², not n).
 
-**Measured** (H100 80GB HBM3, ``--quick``, ``benchmarks/results/nvidia-h100/decode.json``; copy rate 3007 GB/s):
-graph times at 4k, 16k, 64k reach 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1
-(the 80 % target at ≥ 16k: met at batch 32, missed at batch 1); num_splits = 1 is 5.8×, 10.5×, 18× slower at
-batch 1 (target ≥ 3×: met), 1.05-1.18× at batch 32; paged 1.036-1.063× contiguous (target within 10 %: met;
-predicted 3 %); against SDPA's best backend, cuDNN throughout, 0.47-0.66× at batch 1 and 0.79-0.88× at batch 32
-in graph time, 0.14-0.78× per Python call (target faster: missed; host time 0.19-1.1 ms a call against SDPA's
-0.06-0.12 ms). cuDNN exceeds the copy rate by 2-4 % at batch 32. Varlen (8 sequences, 55 % padding, 73 % of the
-padded causal work): packed 3.12× faster than padded, same output (target: met).
+**Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
+77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of
+:mod:`kernels_gpu.decode_tc` with its split rule of one program per SM and the merge launched early;
+``benchmarks/results/nvidia-h100/decode.json``, copy rate 3008 GB/s), graph times at 4k … 128k:
+
+* batch 1: 41 %, 55 %, 68 %, 77 %, 87 %, 91 % of the copy rate (the 80 % target from 16k: missed at 16k and 32k);
+  batch 8: 67-95 % (90-97 % from 16k: met); batch 32: 78-98 % (96-98 % from 16k: met);
+* num_splits = 1 is 7.4-8.5× slower at batch 1 from 32k (target ≥ 3×: met); paged 0.98-1.03× contiguous at
+  every shape but batch 8, 4k (0.88), bit for bit the same output (target within 10 %: met);
+* against SDPA's best backend (cuDNN; flash at batch 8, 64k): 0.94-1.00× at batch 1, 0.81-0.95× at batch 8,
+  0.79-0.94× at batch 32 in graph time (target faster: missed — cuDNN reads at up to 1.04× the copy rate, this
+  kernel at up to 0.98×);
+* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
+  output (target: met).
 
 The JSON holds the device, versions, date, settings, the copy rates, every record, per-configuration summaries and
 the decoding targets with the measured numbers. ``--quick`` runs contexts 4k, 16k, 64k at batch 1 and
@@ -504,6 +511,8 @@ def main(argv=None) -> int:
     from benchmarks.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
+
+    from kernels_gpu import driver_launch
     device = torch.cuda.get_device_name(0)
     out = args.out or default_results_path(device, "decode")
     batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
@@ -526,7 +535,8 @@ def main(argv=None) -> int:
                                                                "padded_work_fraction")})
     results = dict(schema="decode-1", device=device, versions=package_versions(), date=utc_now(),
                    command=" ".join(sys.argv), settings=dict(vars(args), H_q=H_Q, H_kv=H_KV, d=D, batches=batches,
-                                                             contexts=contexts),
+                                                             contexts=contexts,
+                                                             merge_launched_early=driver_launch.pdl_available()),
                    copy_GBps=dict(start=copy_start, end=copy_end, used=copy_used), decode=records,
                    decode_summary=rows, varlen=varlen, targets=targets, seconds=time.time() - started)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -93,16 +93,15 @@ from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
 from kernels_gpu import decode_tc, driver_launch
 from kernels_gpu import runtime as rt
+from kernels_gpu.tensorcore import ptx
 
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
            "DecodeTiling", "decode_tiling", "default_num_splits", "rounds_num_splits",
-           "SPLIT_FILL", "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
+           "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
            "split_kernel", "merge_kernel", "PROGRAMS", "DecodePlan"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: the share of the resident program slots the tensor-core program's split rule fills (:func:`default_num_splits`)
-SPLIT_FILL = 2 / 3
 #: a CUDA-core split program's fixed cost (its query load, the merge of its groups, its partial), in key blocks, for
 #: its split rule (:func:`rounds_num_splits`)
 SPLIT_OVERHEAD = 0.5
@@ -116,6 +115,8 @@ WORDS_IN_FLIGHT = 16
 LANE_FLOATS = 32
 #: warps per block in numba's simulator (which runs every thread as a Python thread); 4 on a GPU
 SIMULATOR_WARPS = 1
+#: warps of a tensor-core split program on a GPU (:mod:`kernels_gpu.decode_tc`)
+TC_WARPS = 4
 
 
 # -- the 16-byte load --------------------------------------------------------------------------------------------
@@ -585,11 +586,15 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
     ACC_SM = MERGE_WARPS * COLS
     VALS = U * WPL
     _, pack = _converters(storage, simulator)
+    griddep_wait = ptx.griddep_wait
     NEG_INF = float32(-math.inf)
     POS_INF = float32(math.inf)
 
     @cuda.jit
     def decode_merge(Opart, Lpart, Ow, L, rows, R, S):
+        # Launched early (programmatic dependent launch, :func:`kernels_gpu.driver_launch.pdl_available`): the split
+        # programs may still run — nothing they write is read before they have all finished.
+        griddep_wait()
         x = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -669,29 +674,32 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
 # -- the split rule --------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
-def default_num_splits(programs: int, n_max: int, block: int, slots: int) -> int:
-    """The tensor-core program's split count when the caller gives none: enough programs to fill
-    :data:`SPLIT_FILL` of the resident slots, no more (the CUDA-core program's rule is :func:`rounds_num_splits`).
+def default_num_splits(programs: int, n_max: int, block: int, sms: int) -> int:
+    """The tensor-core program's split count when the caller gives none: at most one program per SM (the
+    CUDA-core program's rule is :func:`rounds_num_splits`).
 
     ``programs`` = B · H_kv · row tiles (one program each without splitting); a sequence of n_max keys has
-    T = ceil(n_max / block) key blocks (pages); ``slots`` = the programs the GPU holds at once (SMs × resident
-    programs per SM: the occupancy calculator's answer; in the simulator 2 × 132, an H100's SMs).
+    T = ceil(n_max / block) key blocks (pages); ``sms`` = the GPU's streaming multiprocessors.
 
-    1. S = floor(SPLIT_FILL · slots / programs), at least 1 and at most T: splitting stops once the programs
-       fill that share of the slots. Measured (H200, tensor-core program, 3 programs per SM): two programs per SM
-       already stream the cache at the rate the GPU allows — batch 32 (256 programs) ran 523 µs at 1 split and
-       542 µs at 3 (the rule of the first version, which modelled rounds of programs and not the bandwidth they
-       share); more splits only add partials to write and merge.
+    1. S = floor(sms / programs), at least 1 and at most T: splitting stops before a second program would share
+       an SM. Measured on an H100 (graph replay, ``benchmarks/results/nvidia-h100/decode_split_sweep.json``),
+       batch 1 with 8 KV heads: 16 splits (128 programs, one per SM) against 32 (256, two on most SMs) took
+       33.9 against 35.2 µs at 16k keys, 56.7 against 59.6 at 32k, 101.8 against 104.0 at 64k; 22 splits (176
+       programs: one SM in three runs two, and the step waits for those) was slower than either; batch 8:
+       2 splits against 4, 1-2 % faster. Two programs on an SM do not stream twice as fast as one: the SMs with
+       a single program finished their split first (globaltimer stamps of every warp, 16k keys, 32 splits), so
+       the step ends with the doubled SMs' tail, and more programs only add partials to write and merge.
+       (The first version of this rule filled 2/3 of the resident slots, 3 per SM: 32 splits at batch 1.)
     2. Splits are whole blocks (:func:`fa2edu.inference.split_ranges`), so the longest split has ceil(T / S)
-       blocks: S is then lowered to the fewest splits with that same longest split (64 pages in 33 splits are as
-       slow as 32 splits of 2 pages, and write more partials).
+       blocks: S is then lowered to the fewest splits with that same longest split (64 pages in 17 splits are as
+       slow as 16 splits of 4 pages, and write more partials).
 
-    Examples for 8 KV heads, 256-key pages, 396 slots (132 SMs × 3): batch 1 at 16k, 64k and 128k keys → 32
-    splits; batch 8 at 16k → 4; batch 32 → 1."""
+    Examples for 8 KV heads, 256-key pages, 132 SMs: batch 1 at 4k to 128k keys → 16 splits; batch 8 → 2;
+    batch 32 → 1."""
     if n_max <= 0 or programs < 1:
         return 1
     T = -(-n_max // block)
-    S = max(1, min(T, int(SPLIT_FILL * slots) // programs))
+    S = max(1, min(T, sms // programs))
     return -(-T // -(-T // S))
 
 
@@ -907,13 +915,14 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
         table_flat = io.upload_index(np.clip(used, -2**31, 2**31 - 1), "block_table")
     out = io.Outputs(kind, getattr(q, "device", None))
     if tq.on_device:
-        (Qw, _, _), (Kw, k_strides, vec_k), (Vw, v_strides, vec_v) = (
+        (Qw, _, vec_q), (Kw, k_strides, vec_k), (Vw, v_strides, vec_v) = (
             _words_view(t, name) for t, name in ((tq, "q"), (tk, "k_cache"), (tv, "v_cache")))
         if tq.strides != (H_q * N_new * d, N_new * d, d, 1):
             raise ValueError(f"q must be C-contiguous on the device (it is small: .contiguous() is cheap), got "
                              f"strides {tq.strides}")
         vec = min(vec_k, vec_v)
         d_pad, dv_pad = d, d_v
+        tc_vec = min(vec, vec_q)                    # (the tensor-core program copies q's rows 16 bytes at a time)
     else:
         if not np.isfinite(_host_values(tq)).all():
             raise ValueError("q contains NaN or infinite values; attention inputs must be finite")
@@ -925,18 +934,18 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
         Qw, _ = _host_words(hq, storage, d_pad)
         Kw, k_strides = _host_words(io.host_bits(tk.host, storage), storage, d_pad)
         Vw, v_strides = _host_words(io.host_bits(tv.host, storage), storage, dv_pad)
-        vec = 4
+        vec = tc_vec = 4
     R = (H_q // H_kv) * N_new
     tiling = decode_tiling(storage, d_pad, dv_pad, R, vec)
     row_tiles = -(-R // tiling.rows)
     # The split program: tensor cores wherever they apply (16-bit storage, head sizes multiples of 8, 16-byte rows,
     # pages of whole tiles), unless the caller names one.
-    tc_ok = decode_tc.supports(storage, d_pad, dv_pad, page, vec)
+    tc_ok = decode_tc.supports(storage, d_pad, dv_pad, page, tc_vec)
     if kernel == "tensorcore" and not tc_ok:
         raise ValueError(f"kernel='tensorcore' needs float16 or bfloat16 storage, d and d_v multiples of 8 up to "
-                         f"256, 16-byte aligned cache rows and a page size that is a multiple of {decode_tc.TILE}; "
-                         f"got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows aligned to "
-                         f"{4 * vec} bytes")
+                         f"256, 16-byte aligned rows of q and the caches and a page size that is a multiple of "
+                         f"{decode_tc.TILE}; got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows "
+                         f"aligned to {4 * tc_vec} bytes")
     program = "tensorcore" if tc_ok and kernel != "cuda_core" else "cuda_core"
     if program == "tensorcore":
         row_tiles = -(-R // 16)                     # one 16-row MMA tile per program
@@ -956,16 +965,28 @@ def _slots(kernel, args, threads: int, shared: int = 0) -> int:
 def _split_program(c: _Call, simulator: bool) -> tuple:
     """(kernel, threads, dynamic shared bytes) of the call's split program."""
     if c.program == "tensorcore":
-        warps = SIMULATOR_WARPS if simulator else 4
+        warps = SIMULATOR_WARPS if simulator else TC_WARPS
         stages = decode_tc.STAGES
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
-def _split_rule(c: _Call):
-    """The split rule of the call's program."""
-    return default_num_splits if c.program == "tensorcore" else rounds_num_splits
+def _sms() -> int:
+    """Streaming multiprocessors of the current GPU (an H100's 132 in the simulator)."""
+    if rt.simulator_in_use():
+        return DECODE_SMS
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _split_count(c: _Call, kernel, probe, threads: int, shared: int) -> int:
+    """The split count of the call's program when the caller gives none: :func:`default_num_splits` (from the SM
+    count) for the tensor-core program, :func:`rounds_num_splits` (from the resident slots) for the CUDA-core one.
+    ``probe``: launch arguments of the right types (the occupancy is asked of the kernel compiled for them)."""
+    programs = c.B * c.H_kv * c.row_tiles
+    if c.program == "tensorcore":
+        return default_num_splits(programs, c.n_max, c.block, _sms())
+    return rounds_num_splits(programs, c.n_max, c.block, _slots(kernel, probe, threads, shared))
 
 
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
@@ -985,8 +1006,7 @@ def _run(c: _Call, partials_out: bool = False, plan_key=None):
     L_user, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
     S = c.num_splits
     if S is None:
-        probe = _split_args(c, 1, Ow, Lf, Lf, Lf)
-        S = _split_rule(c)(c.B * c.H_kv * c.row_tiles, c.n_max, c.block, _slots(kernel, probe, threads, shared))
+        S = _split_count(c, kernel, _split_args(c, 1, Ow, Lf, Lf, Lf), threads, shared)
     if partials_out and S < 2:
         raise ValueError("partials exist only with num_splits >= 2")
     if S > 1:
@@ -1001,13 +1021,15 @@ def _run(c: _Call, partials_out: bool = False, plan_key=None):
         Opart = Lpart = Lf                          # (not written: the single split writes O and L)
     args = _split_args(c, S, Ow, Lf, Opart, Lpart)
     grid = (S * c.row_tiles, c.H_kv, c.B)
-    launches = [(kernel, grid, threads, args, shared)]
+    launches = [(kernel, grid, threads, args, shared, False)]
     if S > 1:
+        # The merge as a programmatic dependent launch: its blocks may be scheduled while the split programs'
+        # last blocks still run, and wait (griddepcontrol.wait) before reading the partials.
         rows = c.B * c.H_kv * c.R
         launches.append((merge_kernel(c.storage, c.d_v, simulator), (rows,), 32 * MERGE_WARPS,
-                         (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)), 0))
-    for kernel_, grid_, threads_, args_, shared_ in launches:
-        io.launch(kernel_, grid_, threads_, c.stream, args_, shared_)
+                         (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)), 0, True))
+    for kernel_, grid_, threads_, args_, shared_, early in launches:
+        io.launch(kernel_, grid_, threads_, c.stream, args_, shared_, early)
     if plan_key is not None:
         _PLANS[plan_key] = DecodePlan(c, S, launches)
     O = c.out.finish(O_user, c.storage)
@@ -1054,8 +1076,8 @@ class DecodePlan:
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch
-        self.launches = [driver_launch.Prepared(kernel, grid, threads, args, shared)
-                         for kernel, grid, threads, args, shared in launches]
+        self.launches = [driver_launch.Prepared(kernel, grid, threads, args, shared, early)
+                         for kernel, grid, threads, args, shared, early in launches]
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.storage]
         self.o_shape, self.l_shape = (c.B, c.H_q, c.N_new, c.d_v), (c.B, c.H_q, c.N_new)
         self.partials = c.B * c.H_kv * S * c.R if S > 1 else 0          # partial rows (O_s, L_s)
@@ -1179,12 +1201,9 @@ def planned_splits(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=
     if call.num_splits is not None:
         return call.num_splits
     program, threads, shared = _split_program(call, rt.simulator_in_use())
-    # arguments of the launch's types (the occupancy is asked of the kernel compiled for them)
     _, Ow = call.out.empty((2,), call.storage, np.float32 if call.storage == "float32" else np.uint32)
     _, Lf = call.out.empty((1,), "float32")
-    probe = _split_args(call, 1, Ow, Lf, Lf, Lf)
-    return _split_rule(call)(call.B * call.H_kv * call.row_tiles, call.n_max, call.block,
-                             _slots(program, probe, threads, shared))
+    return _split_count(call, program, _split_args(call, 1, Ow, Lf, Lf, Lf), threads, shared)
 
 
 def decode_split_partials(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,

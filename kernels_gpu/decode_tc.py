@@ -86,6 +86,33 @@ splits do not add warps (48 splits: slower). What was tried, one change at a tim
 * the program that finishes a group's splits last merging them (an atomic counter per group, no merge launch):
   no gain (36.9 µs at 32 splits, 32.1 at 16): its tail read the partials a few splits per round trip, as slowly as
   the launch it replaced; taken out again.
+
+**Second round: the fixed costs of a program** (H100, 2026-11-26). Read off the SASS (``cuobjdump -sass`` of the
+ptxas output, no GPU needed): a warp issued ~1400 instructions before its first tile's copy — 32 scalar loads of
+the query fragments, each with 64-bit index arithmetic, behind five 64-bit divisions — and ~1000 between the two
+barriers of the epilogue, where every shared-memory store of Õ paid numba's negative-index test. Changes: the
+query tile now travels like a K tile (``cp.async`` into the warp's last stage, the first request the program
+makes, then ``ldmatrix`` into A-fragments); the divisions by ``row_tiles`` and ``N_new`` run only when they are
+not 1 and q's row offset needs none (b·H_q·N_new + h·R); the epilogue indexes with unsigned integers (``STS.64``,
+~120 instructions); the merge is a programmatic dependent launch (``griddepcontrol``, which the program triggers
+after its loop). Static SASS of the program at d = 128: 3808 → 2272 instructions; the first copy at instruction
+~200 instead of ~1400. Predicted: batch 1 at 16k keys 38.6 → 34-35.5 µs. Measured (``--quick``, one machine, the
+three in a row: ``decode_tc_prologue_ab_*.log``): batch 1 at 4k / 16k / 64k, 0.33 / 0.58 / 0.80 of the copy rate
+before, 0.37 / 0.62 / 0.83 after without the early merge, 0.40 / 0.63 / 0.84 with it (16k: 35.5 µs, within the
+prediction); batch 32 unchanged (0.95-0.98): the fixed costs weigh only where programs are short.
+
+Where the rest of a batch-1 step goes — ``globaltimer`` stamps of every warp (a traced copy of this program, 16k
+keys, 32 splits; ``decode_tc_trace.json``): the programs start within 0.2 µs of each other; a warp's query rows
+land after 2.1 µs (median) and its first tile after 4.7 µs (up to 12.7: all 1024 warps ask at once and the
+memory serves them in turn); the loops end between 20.4 and 28.8 µs; the split launch spans 28.6 µs against the
+22.4 µs its bytes take at the copy rate. The SMs that hold one program (8 of 132) end their loops at 20.4 µs
+(median), those that hold two at 25.1: the step waits for the doubled SMs. Hence the split rule of
+:func:`kernels_gpu.decode.default_num_splits`, at most one program per SM — measured over split counts
+(``decode_split_sweep.json``): batch 1, 16 splits (128 programs) against 32, 33.9 against 35.2 µs at 16k and 56.7
+against 59.6 at 32k; 22 splits (176 programs) slower than both. Eight warps per program, or three stages, with
+one program per SM: no gain (``decode_split_sweep_warps_stages.json``: within −1 to +4 % of four warps and two
+stages). The full grid after these changes is in ``benchmarks.decode``'s header: batch 1 at 16k and 32k reaches
+0.68 and 0.77 of the copy rate (target 0.8: still missed; cuDNN 0.71 and 0.81 in the same run).
 """
 
 from __future__ import annotations
@@ -93,7 +120,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from kernels_gpu.decode_io import cache_rows
 
@@ -121,8 +148,8 @@ def register_cap(d: int, d_v: int) -> int | None:
 
 def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
     """Whether the tensor-core program takes this call: 16-bit storage, head sizes multiples of 8 up to 256 (16-byte
-    chunks), rows 16-byte aligned (``vec`` = 4 words, from the caller's strides and address), and a page size
-    (paged caches) that is a multiple of :data:`TILE`, so that a tile never straddles two pages."""
+    chunks), rows of q and of the caches 16-byte aligned (``vec`` = 4 words, from the strides and addresses), and a
+    page size (paged caches) that is a multiple of :data:`TILE`, so that a tile never straddles two pages."""
     return (storage in ("float16", "bfloat16") and d % 8 == 0 and d_v % 8 == 0 and 8 <= d <= 256
             and 8 <= d_v <= 256 and vec == 4 and page % TILE == 0)
 
@@ -246,36 +273,39 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         lane = cuda.laneid
         g = lane // 4
         t = lane % 4
-        split = cuda.blockIdx.x // row_tiles
-        r0 = (cuda.blockIdx.x - split * row_tiles) * 16
+        split = int64(cuda.blockIdx.x)
+        r0 = int64(0)
+        if row_tiles > 1:                       # (one 16-row tile, the common case: no division)
+            split = cuda.blockIdx.x // row_tiles
+            r0 = (cuda.blockIdx.x - split * row_tiles) * 16
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
-        G = H_q // H_kv
+        # The flat row of the group's row 0 in q, O and L: (b·H_q + h·G)·N_new = b·H_q·N_new + h·R.
+        q_base = b * H_q * N_new + h * R
+        sm = cuda.shared.array(0, uint32)       # the stages, as 32-bit words ...
+        smf = cuda.shared.array(0, float32)     # ... and the same memory as floats, for the final merge
+        mine = warp * WARP_WORDS
+        q_stage = mine + (NS - 1) * STAGE       # the warp's last stage: no tile lands there before iteration 0
+
+        # Alg. 1 line 4, first half: the tile's 16 query rows r0 … r0 + 15 — consecutive rows of q (row r is query
+        # head h·G + r // N_new, new token r % N_new), those past R zero-filled — copied into the warp's last stage,
+        # the first thing the program asks of memory: one commit group, in flight with the split's first tiles.
+        copy_k_rows(sm, q_stage, Qw, (q_base + r0) * DW, DW, R - r0, lane)
+        ptx.cp_async_commit()
+
         # Sequence b's keys 0 … n − 1 (clamped to the cache) and this split's [lo, hi): whole key blocks, the cut of
         # fa2edu.inference.split_ranges.
         n = min(max(int64(seqlens[b]), int64(0)), capacity)
         T = (n + block - 1) // block
         lo = (split * T // S) * block
         hi = min(n, ((split + 1) * T // S) * block)
-        q_base = (b * H_q + h * G) * N_new      # flat row of the group's row 0 in q, O and L
-        sm = cuda.shared.array(0, uint32)       # the stages, as 32-bit words ...
-        smf = cuda.shared.array(0, float32)     # ... and the same memory as floats, for the final merge
-        mine = warp * WARP_WORDS
-
-        # Alg. 1 line 4: the tile's query rows as A-fragments (lane: rows g, g + 8; words t, t + 4 of each k-step).
-        qa = cuda.local.array(Q_LEN, uint32)
-        for kk in range(KS):
-            for x in range(4):
-                rr = r0 + g + 8 * (x % 2)
-                w = 8 * kk + t + 4 * (x // 2)
-                word = uint32(0)
-                if rr < R and w < DW:
-                    word = uint32(Qw[(q_base + rr) * DW + w])
-                qa[4 * kk + x] = word
         # Causal: row r is new token r % N_new, which sees keys up to n − N_new + r % N_new — the forward's
         # bottom-right rule "key ≤ row + diag" with row = the token and diag = n − N_new.
-        token0 = (r0 + g) % N_new
-        token1 = (r0 + g + 8) % N_new
+        token0 = int64(0)
+        token1 = int64(0)
+        if N_new > 1:                           # (one new token, the common case: no division)
+            token0 = (r0 + g) % N_new
+            token1 = (r0 + g + 8) % N_new
         diag = n - N_new
 
         # Alg. 1 line 5, per warp: Õ = 0, ℓ = 0, m = −∞.
@@ -297,6 +327,16 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 copy_tile(sm, mine + i * STAGE, Kw, Vw, table, lo + (warp + i * W) * TILE, hi, b, h, lane,
                           max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
             ptx.cp_async_commit()
+        # Line 4, second half: once the query rows have landed (the oldest group; the tiles' may still be in
+        # flight), ldmatrix makes them A-fragments (lane: rows g, g + 8; words t, t + 4 of each 16-wide k-step).
+        qa = cuda.local.array(Q_LEN, uint32)
+        wait_oldest()
+        ptx.syncwarp()
+        for kk in range(KS):
+            # lanes 8u … 8u+7 address rows 8(u % 2) + 0…7, words 8kk + 4(u // 2): the fragment's four 8 × 8 tiles
+            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3] = ldmatrix(
+                sm, q_stage + (lane % 16) * RS + 8 * kk + 4 * (lane // 16))
+        ptx.syncwarp()                          # every lane holds its fragments before iteration 0 refills the stage
         for i in range(count):
             j0 = lo + (warp + i * W) * TILE
             stage = mine + (i % NS) * STAGE
@@ -341,22 +381,26 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                     mma_into(o, 2 * p + 1, a0, a1, a2, a3, b2, b3)
             ptx.syncwarp()                      # every lane is done with this stage before it is refilled
         ptx.cp_async_wait_all()
+        # The merge launch (programmatic dependent launch) may be scheduled once every program is this far.
+        ptx.griddep_launch_dependents()
 
         # The warps' (m, ℓ, Õ) merged by the (m, ℓ) rule (FA1 Section 3.1) through shared memory, which the stages
         # no longer need once every warp is here. ℓ: the group's four partial sums first.
         for hh in range(2):
             total = l[hh] + shfl_xor(l[hh], 1)
             l[hh] = total + shfl_xor(total, 2)
+        # (Indices from here on are cast to unsigned: numba then skips the negative-index wraparound test that a
+        # signed index costs per access — it had made this epilogue ~1000 instructions per warp, ptxas/SASS.)
         cuda.syncthreads()
         for hh in range(2):
             row = warp * 16 + g + 8 * hh
             if r0 + g + 8 * hh < R:             # (rows past R are padding: nothing reads them)
                 if t == 0:
-                    smf[row] = NEG_INF if m[hh] == NEG_INF else m[hh] * scale2
-                    smf[L_AREA + row] = l[hh]
+                    smf[uint64(row)] = NEG_INF if m[hh] == NEG_INF else m[hh] * scale2
+                    smf[uint64(L_AREA + row)] = l[hh]
                 for nn in range(NOV):
                     for e in range(2):
-                        smf[O_AREA + row * OS + 8 * nn + 2 * t + e] = o[4 * nn + 2 * hh + e]
+                        smf[uint64(O_AREA + row * OS + 8 * nn + 2 * t + e)] = o[4 * nn + 2 * hh + e]
         cuda.syncthreads()
         # One thread per (row, word of output): M = max_w m_w, ℓ = Σ_w 2^(m_w − M) ℓ_w, O = Σ_w 2^(m_w − M) Õ_w / ℓ
         # (Alg. 1 lines 12-13; ℓ = 0: the split saw no key for this row, O = 0, L = +inf).
@@ -366,30 +410,30 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             w = e - rr * DVW
             M = NEG_INF
             for x in range(W):
-                M = max(M, smf[x * 16 + rr])
+                M = max(M, smf[uint64(x * 16 + rr)])
             M_use = float32(0.0) if M == NEG_INF else M
             lt = float32(0.0)
             a_lo = float32(0.0)
             a_hi = float32(0.0)
             for x in range(W):
-                wgt = ex2(smf[x * 16 + rr] - M_use)
-                lt += wgt * smf[L_AREA + x * 16 + rr]
-                a_lo += wgt * smf[O_AREA + (x * 16 + rr) * OS + 2 * w]
-                a_hi += wgt * smf[O_AREA + (x * 16 + rr) * OS + 2 * w + 1]
+                wgt = ex2(smf[uint64(x * 16 + rr)] - M_use)
+                lt += wgt * smf[uint64(L_AREA + x * 16 + rr)]
+                a_lo += wgt * smf[uint64(O_AREA + (x * 16 + rr) * OS + 2 * w)]
+                a_hi += wgt * smf[uint64(O_AREA + (x * 16 + rr) * OS + 2 * w + 1)]
             inv = float32(0.0) if lt == 0.0 else float32(1.0) / lt
             L_r = float32(math.inf) if lt == 0.0 else float32(LN2) * (M + math.log2(lt))
             r = r0 + rr
             if S == 1:
                 # Alg. 1 lines 14-15: the only split writes O and L.
-                Ow[(q_base + r) * DVW + w] = pack(a_lo * inv, a_hi * inv)
+                Ow[uint64((q_base + r) * DVW + w)] = pack(a_lo * inv, a_hi * inv)
                 if w == 0:
-                    L[q_base + r] = L_r
+                    L[uint64(q_base + r)] = L_r
             else:
                 # Flash-Decoding: this split's partial (O_s, L_s) in float32, for kernels_gpu.decode.merge_kernel.
                 part = ((b * H_kv + h) * S + split) * R + r
-                Opart[part * d_v + 2 * w] = a_lo * inv
-                Opart[part * d_v + 2 * w + 1] = a_hi * inv
+                Opart[uint64(part * d_v + 2 * w)] = a_lo * inv
+                Opart[uint64(part * d_v + 2 * w + 1)] = a_hi * inv
                 if w == 0:
-                    Lpart[part] = L_r
+                    Lpart[uint64(part)] = L_r
 
     return decode_split_tc

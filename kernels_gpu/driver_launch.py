@@ -29,6 +29,7 @@ through numba's ordinary launch instead (the GPU tests compare the two paths).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 
@@ -38,7 +39,7 @@ from numba import cuda
 from kernels_gpu import runtime as rt
 
 __all__ = ["Buffer", "Prepared", "enabled", "launch", "compiled_resources", "resident_blocks",
-           "raise_shared_limit", "current_stream", "MAX_DYNAMIC_BYTES"]
+           "raise_shared_limit", "current_stream", "pdl_available", "MAX_DYNAMIC_BYTES"]
 
 #: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
 MAX_DYNAMIC_BYTES = 227 * 1024
@@ -257,12 +258,41 @@ def _ordinary(a):
     return a.numba_array() if hasattr(a, "numba_array") else a
 
 
-def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0) -> None:
+def _config(grid, block, shared_bytes: int, early: bool):
+    """The launch configuration; ``early``: programmatic dependent launch, where this ``cuda.core`` has it."""
+    from cuda.core import LaunchConfig
+    if early and pdl_available():
+        return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes, programmatic_stream_serialization=True)
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_available() -> bool:
+    """Whether launches can be made *programmatically dependent* (PDL, sm_90 on): the launch attribute
+    ``programmatic_stream_serialization`` of ``cuda.core``'s ``LaunchConfig``, on a device of compute capability 9
+    or more, and ``FA2EDU_PDL`` not ``0``. Such a launch may start while the previous kernel on its stream still
+    runs — once every block of that kernel has executed ``griddepcontrol.launch_dependents`` or exited — and its
+    kernel must execute ``griddepcontrol.wait`` before it reads what the previous kernel wrote
+    (:func:`kernels_gpu.tensorcore.ptx.griddep_wait`). What it saves is the gap between two kernels: the second one's
+    launch, block scheduling and prologue overlap the first one's last blocks."""
+    if not enabled() or os.environ.get("FA2EDU_PDL", "1") == "0":
+        return False
+    try:
+        from cuda.core import LaunchConfig
+        LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)
+    except TypeError:
+        return False
+    return cuda.get_current_device().compute_capability >= (9, 0)
+
+
+def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0, early: bool = False) -> None:
     """Launch ``kernel`` (a ``cuda.jit`` dispatcher) on ``grid`` × ``block`` threads with ``shared_bytes`` of
     dynamic shared memory on the stream whose raw handle is ``stream`` (0: numba's default stream).
 
     ``args``: :class:`Buffer` s and like objects, numba device arrays, NumPy int32/int64/float32 scalars, bools —
-    the kernel's parameters in order. The shared-memory limit is raised (once) above 48 KiB."""
+    the kernel's parameters in order. The shared-memory limit is raised (once) above 48 KiB. ``early``: a
+    programmatic dependent launch where :func:`pdl_available` (the kernel must begin its reads of the previous
+    kernel's results with ``griddepcontrol.wait``); an ordinary launch otherwise."""
     grid, block = _dim3(grid), _dim3(block)
     shared_bytes = int(shared_bytes)
     raise_shared_limit(kernel, args, shared_bytes)
@@ -271,7 +301,6 @@ def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0)
         on = 0 if rt.simulator_in_use() or not stream else cuda.external_stream(stream)
         kernel[grid, block, on, shared_bytes](*values)
         return
-    from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
     argtypes = _argument_types(args)
     cufunc, _ = _compiled(kernel, argtypes)
@@ -285,8 +314,7 @@ def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0)
             params.append(bool(a))
         else:
             params.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
-    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-    core_launch(_core_stream(stream), config, cufunc.kernel, *params)
+    core_launch(_core_stream(stream), _config(grid, block, shared_bytes, early), cufunc.kernel, *params)
 
 
 def _core_stream(handle: int):
@@ -303,14 +331,13 @@ class Prepared:
     arguments of a first call (``args``, as for :func:`launch`). A call, ``prepared(stream, *addresses)``, puts one
     device address per array argument (in their order) into a copy of the packed parameters and launches: a few
     microseconds of Python where :func:`launch` spends tens. The arrays must have the shapes, dtypes and strides
-    of the first call's — the caller's cache key guarantees it."""
+    of the first call's — the caller's cache key guarantees it. ``early``: as for :func:`launch`."""
 
     __slots__ = ("kernel", "config", "template", "slots", "core_launch")
 
-    def __init__(self, kernel, grid, block, args: tuple, shared_bytes: int = 0):
+    def __init__(self, kernel, grid, block, args: tuple, shared_bytes: int = 0, early: bool = False):
         if not enabled():
             raise RuntimeError("a Prepared launch needs the driver-level launch (a GPU, FA2EDU_LEAN_LAUNCH not 0)")
-        from cuda.core import LaunchConfig
         from cuda.core import launch as core_launch
         raise_shared_limit(kernel, args, shared_bytes)
         cufunc, _ = _compiled(kernel, _argument_types(args))
@@ -327,7 +354,7 @@ class Prepared:
             else:
                 template.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
         self.kernel = cufunc.kernel
-        self.config = LaunchConfig(grid=_dim3(grid), block=_dim3(block), shmem_size=int(shared_bytes))
+        self.config = _config(_dim3(grid), _dim3(block), int(shared_bytes), early)
         self.template, self.slots, self.core_launch = template, tuple(slots), core_launch
 
     def __call__(self, stream: int, *addresses: int) -> None:

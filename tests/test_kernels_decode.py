@@ -309,25 +309,26 @@ def test_merge_launch_is_fa2edus_merge_rule_with_empty_splits():
 
 # -- the rules -------------------------------------------------------------------------------------------------------
 
-def test_default_num_splits_fills_two_thirds_of_the_slots_with_whole_blocks():
-    slots = 3 * 132                                       # an H100/H200, 3 resident programs per SM
-    assert decode.default_num_splits(8, 16384, 256, slots) == 32      # batch 1 · 8 KV heads: 2 pages a split
-    assert decode.default_num_splits(8, 65536, 256, slots) == 32      # 8 pages a split
-    assert decode.default_num_splits(8, 32768, 256, slots) == 32      # 128 pages: 33 splits would still need 4
-    assert decode.default_num_splits(64, 16384, 256, slots) == 4      # batch 8: 256 programs
-    assert decode.default_num_splits(256, 65536, 256, slots) == 1     # batch 32: the slots are already filled
-    assert decode.default_num_splits(8, 4096, 256, slots) == 16       # every page a split
-    assert decode.default_num_splits(8, 100, 256, slots) == 1         # one key block: nothing to split
-    assert decode.default_num_splits(8, 0, 256, slots) == 1
-    # the rule's two properties, over a grid
-    for programs in (1, 3, 8, 24, 64, 256, 1000):
+def test_default_num_splits_puts_at_most_one_program_on_an_sm_with_whole_blocks():
+    sms = 132                                             # an H100/H200
+    assert decode.default_num_splits(8, 16384, 256, sms) == 16        # batch 1 · 8 KV heads: 4 pages a split
+    assert decode.default_num_splits(8, 131072, 256, sms) == 16       # 32 pages a split
+    assert decode.default_num_splits(8, 4096, 256, sms) == 16         # every page a split
+    assert decode.default_num_splits(8, 3000, 256, sms) == 12         # 12 pages: no more splits than pages
+    assert decode.default_num_splits(8, 5000, 256, sms) == 10         # 20 pages: 16 splits would still need 2
+    assert decode.default_num_splits(64, 16384, 256, sms) == 2        # batch 8: 128 programs
+    assert decode.default_num_splits(256, 65536, 256, sms) == 1       # batch 32: the SMs are already filled
+    assert decode.default_num_splits(8, 100, 256, sms) == 1           # one key block: nothing to split
+    assert decode.default_num_splits(8, 0, 256, sms) == 1
+    # the rule's properties, over a grid
+    for programs in (1, 3, 8, 24, 64, 132, 256, 1000):
         for n, block in ((100, 16), (5000, 16), (16384, 256), (131072, 256)):
             T = -(-n // block)
-            S = decode.default_num_splits(programs, n, block, slots)
+            S = decode.default_num_splits(programs, n, block, sms)
             assert 1 <= S <= T
-            assert S == 1 or programs * S <= decode.SPLIT_FILL * slots          # within the fill
+            assert S == 1 or programs * S <= sms                              # one program per SM at most
             assert S == 1 or -(-T // (S - 1)) > -(-T // S)                    # one fewer split: a longer one
-            target = max(1, min(T, int(decode.SPLIT_FILL * slots) // programs))
+            target = max(1, min(T, sms // programs))
             assert -(-T // S) == -(-T // target)                              # as long as the fill's count
 
 

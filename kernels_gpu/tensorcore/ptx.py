@@ -37,6 +37,12 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``cvt_tf32``               ``cvt.rna.tf32.f32``: a float rounded to tf32    9.7.9.21 (cvt)
                                (10 mantissa bits; nearest, ties away from
                                zero), as the 32 bits the mma takes
+    ``griddep_wait``,          ``griddepcontrol.wait``: wait until the grid     9.7.13 (griddepcontrol)
+    ``griddep_launch_          this one depends on has completed and its
+    dependents``               writes are visible; ``griddepcontrol.launch_
+                               dependents``: this block lets the dependent
+                               grid start early (programmatic dependent
+                               launch; both are no-ops in a launch without it)
     =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
@@ -65,7 +71,8 @@ __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async_commit",
     "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "pack_f16x2", "pack_bf16x2", "unpack_f16x2",
     "unpack_bf16x2", "ex2",
-    "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round",
+    "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
+    "griddep_launch_dependents",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -331,6 +338,11 @@ def _syncwarp_twin():
     _collective(None, lambda values: values)
 
 
+def _griddep_twin():
+    """Simulator twin of ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``: nothing to do — the
+    simulator runs one launch after another, so the grid a launch depends on has always completed."""
+
+
 def _shfl_xor_twin(value, mask):
     """Simulator twin of ``shfl.sync.bfly.b32`` over the full warp (every lane passes the same ``mask``)."""
     m = int(mask)
@@ -494,7 +506,9 @@ def _build_gpu() -> dict:
                 cp_async_wait_two=make_simple("cp.async.wait_group 2;"),
                 pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
-                mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32)
+                mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32,
+                griddep_wait=make_simple("griddepcontrol.wait;"),
+                griddep_launch_dependents=make_simple("griddepcontrol.launch_dependents;"))
 
 
 def _build_twins() -> dict:
@@ -505,7 +519,8 @@ def _build_twins() -> dict:
                 pack_f16x2=_pack_twin("float16"),
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
-                syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin)
+                syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin,
+                griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())

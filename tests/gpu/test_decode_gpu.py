@@ -13,7 +13,9 @@ What it proves:
   more splits than pages, float32, float16 and bfloat16 storage, a strided cache read in place: O and L per
   sequence within the rule;
 * the driver-level launch (the default) and numba's ordinary launch give bit-identical results; a call is
-  bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result;
+  bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result; the
+  merge launched early (programmatic dependent launch) gives the bits of an ordinary launch; a q that is not
+  16-byte aligned runs the CUDA-core program;
 * device index arrays: ``validate=True`` refuses a bad block table; without it a bad one is clamped into the cache
   (never a fault);
 * packed varlen batches with long-tailed lengths (empty sequences included), causal or not, GQA, three dtypes.
@@ -270,6 +272,51 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(O_g, O_eager) and torch.equal(L_g, L_eager)
+
+
+def test_merge_launched_early_equals_an_ordinary_launch(monkeypatch, request):
+    """The merge as a programmatic dependent launch (where the device and cuda.core have it: it may start while the
+    split programs still run) gives the bits of an ordinary launch. Two caches alternate, so partials left in
+    reused memory by the previous call belong to the other problem: a merge that read them before the split
+    programs were done would give a different answer."""
+    from kernels_gpu import decode, driver_launch
+    request.addfinalizer(driver_launch.pdl_available.cache_clear)
+    cases = [make_cache(20 + i, B=1, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=32, lengths=["full"],
+                        dtype="float16") for i in range(2)]
+
+    def call(c):
+        return kernels_gpu.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"],
+                                            c["block_table"], num_splits=32)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    early = [call(cases[i % 2]) for i in range(40)]
+    monkeypatch.setenv("FA2EDU_PDL", "0")
+    driver_launch.pdl_available.cache_clear()
+    assert not driver_launch.pdl_available()
+    monkeypatch.setattr(decode, "_PLANS", {})
+    ordinary = [call(c) for c in cases]
+    torch.cuda.synchronize()
+    for i, (O, L) in enumerate(early):
+        assert torch.equal(O, ordinary[i % 2].O) and torch.equal(L, ordinary[i % 2].L), f"call {i}"
+    check_decode(cases[0], *ordinary[0], "float16")
+
+
+def test_q_not_16_byte_aligned_runs_the_cuda_core_program():
+    """The tensor-core program copies q's rows 16 bytes at a time: a q 4 bytes off (a view into a larger buffer)
+    runs the CUDA-core program, correctly, and naming the tensor-core one is an error that says why."""
+    from kernels_gpu import decode
+    case = make_cache(9, B=2, H_kv=2, G=4, N_new=1, d=64, page=16, max_pages=8, lengths=[100, 37],
+                      dtype="bfloat16")
+    buf = torch.empty(case["q"].numel() + 2, dtype=torch.bfloat16, device="cuda")
+    q = buf[2:].view(case["q"].shape)
+    q.copy_(case["q"])
+    assert q.data_ptr() % 16 == 4
+    args = (q, case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
+    assert decode._prepare(*args, True, None, None, None, None).program == "cuda_core"
+    O, L = kernels_gpu.decode_attention(*args)
+    torch.cuda.synchronize()
+    check_decode(case, O, L, "bfloat16")
+    with pytest.raises(ValueError, match="16-byte aligned rows of q"):
+        kernels_gpu.decode_attention(*args, kernel="tensorcore")
 
 
 def test_device_index_arrays_validate_or_clamp():
