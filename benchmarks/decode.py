@@ -45,18 +45,18 @@ padding fraction (the work saved grows with n², not n).
 
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
-0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of
-:mod:`kernels_gpu.decode_tc` with its split rule of one program per SM and the merge launched early;
-``benchmarks/results/nvidia-h100/decode.json``, copy rate 3008 GB/s), graph times at 4k … 128k:
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of :mod:`kernels_gpu.decode_tc` with
+its split rule of one program per SM, the merge launched early and the L2 prefetch hint on its copies;
+``benchmarks/results/nvidia-h100/decode.json``, copy rate 3013 GB/s), graph times at 4k … 128k:
 
-* batch 1: 41 %, 55 %, 68 %, 77 %, 87 %, 91 % of the copy rate (the 80 % target from 16k: missed at 16k and 32k);
-  batch 8: 67-95 % (90-97 % from 16k: met); batch 32: 78-98 % (96-98 % from 16k: met);
-* num_splits = 1 is 7.4-8.5× slower at batch 1 from 32k (target ≥ 3×: met); paged 0.98-1.03× contiguous at
-  every shape but batch 8, 4k (0.88), bit for bit the same output (target within 10 %: met);
-* against SDPA's best backend (cuDNN; flash at batch 8, 64k): 0.94-1.00× at batch 1, 0.81-0.95× at batch 8,
-  0.79-0.94× at batch 32 in graph time (target faster: missed — cuDNN reads at up to 1.04× the copy rate, this
-  kernel at up to 0.98×);
-* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
+* batch 1: 41 %, 54 %, 66 %, 78 %, 88 %, 93 % of the copy rate (the 80 % target from 16k: missed at 16k and 32k);
+  batch 8: 73-99 % (92-99 % from 16k: met); batch 32: 79-100 % (97-100 % from 16k: met);
+* num_splits = 1 is 7.7-8.9× slower at batch 1 from 32k (target ≥ 3×: met); paged 0.99-1.04× contiguous, bit
+  for bit the same output (target within 10 %: met);
+* against SDPA's best backend (cuDNN throughout): 0.95-1.19× at batch 1 (faster at 4k and 32k), 0.90-0.96× at
+  batch 8, 0.80-0.97× at batch 32 in graph time (target faster everywhere: missed — at batch 32 cuDNN reads at
+  1.02-1.03× the copy rate from 16k keys, this kernel at 0.97-1.00×);
+* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.7× faster than padded, same
   output (target: met).
 
 The JSON holds the device, versions, date, settings, the copy rates, every record, per-configuration summaries and

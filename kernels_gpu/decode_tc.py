@@ -111,8 +111,19 @@ memory serves them in turn); the loops end between 20.4 and 28.8 µs; the split 
 (``decode_split_sweep.json``): batch 1, 16 splits (128 programs) against 32, 33.9 against 35.2 µs at 16k and 56.7
 against 59.6 at 32k; 22 splits (176 programs) slower than both. Eight warps per program, or three stages, with
 one program per SM: no gain (``decode_split_sweep_warps_stages.json``: within −1 to +4 % of four warps and two
-stages). The full grid after these changes is in ``benchmarks.decode``'s header: batch 1 at 16k and 32k reaches
-0.68 and 0.77 of the copy rate (target 0.8: still missed; cuDNN 0.71 and 0.81 in the same run).
+stages).
+
+What the memory sees (Nsight Compute, ``--clock-control none``, one step each: ``decode_tc_ncu_dram_vs_cudnn.txt``):
+at batch 32 and 16k keys this program and cuDNN's read the same 2.15 GB from DRAM — nothing is fetched twice — but
+cuDNN's kernel keeps DRAM at 91.9 % of its peak for 698 µs and this one at 86.4 % for 742 µs, with 1.33× as many
+L2 read sectors (134 M against 101 M) of which 34 % hit (cuDNN's: 0.01 %): this program's 16-byte copies reach the
+L2 as more, smaller requests. Telling the L2 to fetch whole 128-byte lines (``cp.async … .L2::128B``) made every
+shape 0.6-2.1 % faster (``decode_tc_l2_prefetch_ab.json``; ``.L2::256B``: a little less), and the copies now
+carry it. The full grid after these changes is in ``benchmarks.decode``'s header: batch 1 at 16k and 32k reaches
+0.66 and 0.78 of the copy rate (target 0.8: still missed; cuDNN 0.69 and 0.73 in the same run), batch 32 at 16k
+and more 0.97-1.00 (cuDNN 1.02-1.03). What is left: bulk copies (``cp.async.bulk`` with an mbarrier: one request
+per row instead of 16 per lane group) for the remaining few percent of the stream, and a batch-1 step that does
+not pay a second launch for its merge.
 """
 
 from __future__ import annotations
@@ -205,6 +216,9 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
     wait_oldest = ptx.cp_async_wait_one if NS == 2 else ptx.cp_async_wait_two   # all but the NS − 1 newest
+    # 16-byte copies with the L2 told to fetch whole 128-byte lines (1.5-2 % faster than without the hint, batch 1
+    # to 32: ``decode_tc_l2_prefetch_ab.json``)
+    copy16 = ptx.cp_async16_l2_128
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
 
     def make_copy_rows(CH: int, RSX: int, DWX: int):
@@ -230,12 +244,12 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                     # A whole tile of whole rows (every tile but a split's last): no bounds to test, no address to
                     # select — the copy is address arithmetic and the copies alone.
                     for k in range(STEPS):
-                        ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn, 16)
+                        copy16(sm, to + k * RP * RSX, X, src + k * RP * sn, 16)
                 else:
                     col_ok = 4 * c < DWX
                     for k in range(STEPS):
                         ok = col_ok and r0 + k * RP < left
-                        ptx.cp_async16(sm, to + k * RP * RSX, X, src + k * RP * sn if ok else first,
+                        copy16(sm, to + k * RP * RSX, X, src + k * RP * sn if ok else first,
                                        16 if ok else 0)
             return copy_rows
 
@@ -246,7 +260,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 r = e // CH
                 c = e - r * CH
                 ok = r < left and 4 * c < DWX
-                ptx.cp_async16(sm, dst + r * RSX + 4 * c, X, first + r * sn + 4 * c if ok else first,
+                copy16(sm, dst + r * RSX + 4 * c, X, first + r * sn + 4 * c if ok else first,
                                16 if ok else 0)
         return copy_rows_any
 
