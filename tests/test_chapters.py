@@ -4,7 +4,7 @@ Each chapter is a MyST Markdown notebook paired by jupytext (``chapters/NN_slug.
 jupytext, executes it with nbclient in a new ``python3`` kernel whose working directory is ``chapters/``, with
 ``MPLBACKEND=Agg`` (no display) and ``NUMBA_ENABLE_CUDASIM=1`` (numba's CUDA simulator: no GPU in CI). A chapter's
 claims are assertions in its code cells, so executing it checks them; a cell that raises fails the test with the
-cell's source and traceback.
+cell's source and traceback. What the cells print must fit the page: no printed line wider than 96 characters.
 
 A second, cheap test checks the format every chapter shares: the jupytext header, no stored outputs, and 2–4
 exercises, each with a cell to try it in, a folded hint, and a worked solution whose code and output are folded
@@ -30,6 +30,8 @@ IDS = [path.stem for path in CHAPTER_FILES]
 
 #: Seconds one cell may run before the chapter fails (a chapter should take well under a minute in all).
 CELL_TIMEOUT_S = 180
+#: The widest line a cell may print (the built book's code width).
+PRINT_WIDTH = 96
 
 
 @pytest.mark.parametrize("path", CHAPTER_FILES, ids=IDS)
@@ -54,6 +56,11 @@ def test_chapter_executes(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every code cell ran (nbclient numbers them as it executes).
     assert all(cell.get("execution_count") for cell in code_cells if cell.source.strip()), \
         f"{path.name}: some code cells were not executed"
+    # What the cells print fits the built book's page.
+    long = [(line[:60] + "…", len(line)) for cell in code_cells for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream" and out.get("name") == "stdout"
+            for line in out.get("text", "").splitlines() if len(line) > PRINT_WIDTH]
+    assert not long, f"{path.name}: printed lines wider than {PRINT_WIDTH} characters: {long}"
 
 
 _HEADER = re.compile(r"\A---\n(?P<yaml>.*?)\n---\n", re.S)
