@@ -45,8 +45,9 @@ padding fraction (the work saved grows with n², not n).
 
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
-0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of :mod:`kernels_gpu.decode_tc` with
-its split rule of one program per SM, the merge launched early and the L2 prefetch hint on its copies;
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of
+:mod:`kernels_gpu.decode_tc` with its split rule of one program per SM, the merge launched early and the L2
+prefetch hint on its copies;
 ``benchmarks/results/nvidia-h100/decode.json``, copy rate 3013 GB/s), graph times at 4k … 128k:
 
 * batch 1: 41 %, 54 %, 66 %, 78 %, 88 %, 93 % of the copy rate (the 80 % target from 16k: missed at 16k and 32k);

@@ -5,7 +5,8 @@ toolkit's ptxas only)::
 
 Prints, per kernel and configuration: registers, spill bytes, shared memory, and counts of the instructions the
 design relies on (16-byte global loads, warp shuffles, local-memory loads: 0 means every per-thread array stayed in
-registers). The first thing to read before a GPU run (GPU.md, "Method").
+registers); with ``cuobjdump`` on the PATH also the machine code's instruction count and the position of the first
+``cp.async`` copy. The first thing to read before a GPU run (GPU.md, "Method").
 """
 
 from __future__ import annotations
@@ -38,14 +39,30 @@ def _ptxas(ptx: str, max_registers: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        out = subprocess.run([exe, "-arch=sm_90", "-v", *cap, str(src), "-o", str(Path(tmp) / "k.cubin")],
+        cubin = Path(tmp) / "k.cubin"
+        out = subprocess.run([exe, "-arch=sm_90", "-v", *cap, str(src), "-o", str(cubin)],
                              capture_output=True, text=True, check=True).stderr
+        sass = _sass_counts(cubin)
     nums = {key: int(m.group(1)) if (m := re.search(pat, out)) else None for key, pat in
             (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
              ("spill_loads", r"(\d+) bytes spill loads"), ("static_smem", r"(\d+) bytes smem"))}
     nums.update(ldg128=len(re.findall(r"ld\.global\.nc\.v4", ptx)), shfl=ptx.count("shfl.sync"),
-                local_ld=len(re.findall(r"ld\.local", ptx)), lds128=len(re.findall(r"ld\.shared\.v4", ptx)))
+                local_ld=len(re.findall(r"ld\.local", ptx)), lds128=len(re.findall(r"ld\.shared\.v4", ptx)),
+                **sass)
     return nums
+
+
+def _sass_counts(cubin: Path) -> dict:
+    """From the machine code (``cuobjdump -sass``, where the toolkit or the ``nvidia-cuda-cuobjdump`` wheel puts it
+    on the PATH; else nothing): ``sass`` = the kernel's static instruction count, ``sass_first_copy`` = how many
+    instructions precede its first global → shared copy (``LDGSTS``), None if it has none."""
+    exe = shutil.which("cuobjdump")
+    if exe is None:
+        return {}
+    text = subprocess.run([exe, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+    first = next((i for i, op in enumerate(ops) if op.startswith("LDGSTS")), None)
+    return dict(sass=len(ops), sass_first_copy=first)
 
 
 def split_report(storage: str = "float16", d: int = 128, R: int = 4, page: int = 256, causal: bool = True,

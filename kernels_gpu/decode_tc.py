@@ -88,25 +88,28 @@ splits do not add warps (48 splits: slower). What was tried, one change at a tim
   the launch it replaced; taken out again.
 
 **Second round: the fixed costs of a program** (H100, 2026-11-26). Read off the SASS (``cuobjdump -sass`` of the
-ptxas output, no GPU needed): a warp issued ~1400 instructions before its first tile's copy — 32 scalar loads of
-the query fragments, each with 64-bit index arithmetic, behind five 64-bit divisions — and ~1000 between the two
-barriers of the epilogue, where every shared-memory store of Õ paid numba's negative-index test. Changes: the
+ptxas output, no GPU needed): a warp issued ~1500 instructions before its first copy — 32 scalar loads of the
+query fragments, each with 64-bit index arithmetic, behind five 64-bit divisions — and in the epilogue every
+shared-memory store of Õ paid numba's negative-index test. Changes: the
 query tile now travels like a K tile (``cp.async`` into the warp's last stage, the first request the program
 makes, then ``ldmatrix`` into A-fragments); the divisions by ``row_tiles`` and ``N_new`` run only when they are
-not 1 and q's row offset needs none (b·H_q·N_new + h·R); the epilogue indexes with unsigned integers (``STS.64``,
-~120 instructions); the merge is a programmatic dependent launch (``griddepcontrol``, which the program triggers
-after its loop). Static SASS of the program at d = 128: 3808 → 2272 instructions; the first copy at instruction
-~200 instead of ~1400. Predicted: batch 1 at 16k keys 38.6 → 34-35.5 µs. Measured (``--quick``, one machine, the
-three in a row: ``decode_tc_prologue_ab_*.log``): batch 1 at 4k / 16k / 64k, 0.33 / 0.58 / 0.80 of the copy rate
-before, 0.37 / 0.62 / 0.83 after without the early merge, 0.40 / 0.63 / 0.84 with it (16k: 35.5 µs, within the
-prediction); batch 32 unchanged (0.95-0.98): the fixed costs weigh only where programs are short.
+not 1 and q's row offset needs none (b·H_q·N_new + h·R); the epilogue indexes with unsigned integers (its stores
+become ``STS.64``); the merge is a programmatic dependent launch (``griddepcontrol``, which the program triggers
+after its loop). The machine code (float16, d = 128, causal, 256-key pages; ``decode_tc_sass.json``, from
+:mod:`kernels_gpu.decode_inspect`): 4048 → 2480 instructions, 1518 → 203 of them before the first copy.
+Predicted: batch 1 at 16k keys 38.6 → 34-35.5 µs. Measured (``--quick``, one machine, the three in a row:
+``decode_tc_prologue_ab_*.json`` and ``.log``): batch 1 at 4k / 16k / 64k, 0.33 / 0.58 / 0.80 of the copy rate
+before, 0.37 / 0.62 / 0.83 after without the early merge, 0.40 / 0.63 / 0.84 with it (16k: 38.1 → 35.2 µs, within
+the prediction); batch 32 unchanged (0.95-0.98): the fixed costs weigh only where programs are short.
 
 Where the rest of a batch-1 step goes — ``globaltimer`` stamps of every warp (a traced copy of this program, 16k
-keys, 32 splits; ``decode_tc_trace.json``): the programs start within 0.2 µs of each other; a warp's query rows
-land after 2.1 µs (median) and its first tile after 4.7 µs (up to 12.7: all 1024 warps ask at once and the
-memory serves them in turn); the loops end between 20.4 and 28.8 µs; the split launch spans 28.6 µs against the
-22.4 µs its bytes take at the copy rate. The SMs that hold one program (8 of 132) end their loops at 20.4 µs
-(median), those that hold two at 25.1: the step waits for the doubled SMs. Hence the split rule of
+keys, 32 splits; ``decode_tc_trace.json``, the shortest of 5 launches): the programs start within 0.2 µs of each
+other; a warp's query rows land after 2.1 µs (median) and its first tile after 4.7 µs (up to 12.2: all 1024 warps
+ask at once and the memory serves them in turn); the loops end at 24.5 µs (median), the last at 27.6; the split
+launch spans 28.6 µs against the 22.4 µs its bytes take at the copy rate. In one launch's stamps of every warp
+(``decode_tc_trace_16k_S32.npy``: start, query rows, first tile, loop end, end in ns, SM, tiles) the SMs that hold
+one program (8 of 132) end their loops at 20.4 µs (median), those that hold two at 25.1: the step waits for the
+doubled SMs. Hence the split rule of
 :func:`kernels_gpu.decode.default_num_splits`, at most one program per SM — measured over split counts
 (``decode_split_sweep.json``): batch 1, 16 splits (128 programs) against 32, 33.9 against 35.2 µs at 16k and 56.7
 against 59.6 at 32k; 22 splits (176 programs) slower than both. Eight warps per program, or three stages, with
@@ -216,8 +219,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
     wait_oldest = ptx.cp_async_wait_one if NS == 2 else ptx.cp_async_wait_two   # all but the NS − 1 newest
-    # 16-byte copies with the L2 told to fetch whole 128-byte lines (1.5-2 % faster than without the hint, batch 1
-    # to 32: ``decode_tc_l2_prefetch_ab.json``)
+    # 16-byte copies with the L2 told to fetch whole 128-byte lines (0.6-2.1 % faster than without the hint, batch
+    # 1 to 32: ``decode_tc_l2_prefetch_ab.json``)
     copy16 = ptx.cp_async16_l2_128
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
 
@@ -404,7 +407,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             total = l[hh] + shfl_xor(l[hh], 1)
             l[hh] = total + shfl_xor(total, 2)
         # (Indices from here on are cast to unsigned: numba then skips the negative-index wraparound test that a
-        # signed index costs per access — it had made this epilogue ~1000 instructions per warp, ptxas/SASS.)
+        # signed index costs per access — most of this epilogue's instructions before, SASS.)
         cuda.syncthreads()
         for hh in range(2):
             row = warp * 16 + g + 8 * hh

@@ -16,9 +16,9 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``cp_async16``             ``cp.async.cg.shared.global`` 16 bytes, global →   9.7.9.25.3 (cp.async)
                                shared without passing through registers; a
                                source size of 0 fills the 16 bytes with zeros
-    ``cp_async16_l2_128``,     the same with the ``.L2::128B`` / ``.L2::256B``
-    ``cp_async16_l2_256``      prefetch-size hint: the L2 fetches the whole
-                               128 (256) bytes around the copied 16
+    ``cp_async16_l2_128``      the same with the ``.L2::128B`` prefetch-size
+                               hint: the L2 fetches the whole 128-byte line
+                               around the copied 16 bytes
     ``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
     ``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
     ``cp_async_wait_one``,     groups of this thread are still in flight
@@ -72,7 +72,7 @@ from kernels_gpu.tensorcore import fragments as frag
 
 __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async16_l2_128",
-    "cp_async16_l2_256", "cp_async_commit",
+    "cp_async_commit",
     "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "pack_f16x2", "pack_bf16x2", "unpack_f16x2",
     "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
@@ -507,7 +507,7 @@ def _build_gpu() -> dict:
 
     return dict(syncwarp=syncwarp, mma_f16=make_mma("f16"), mma_bf16=make_mma("bf16"), ldmatrix_x4=make_ldmatrix(False),
                 ldmatrix_x4_trans=make_ldmatrix(True), cp_async16=make_cp_async16(),
-                cp_async16_l2_128=make_cp_async16(".L2::128B"), cp_async16_l2_256=make_cp_async16(".L2::256B"),
+                cp_async16_l2_128=make_cp_async16(".L2::128B"),
                 cp_async_commit=make_simple("cp.async.commit_group;"),
                 cp_async_wait_all=make_simple("cp.async.wait_group 0;"),
                 cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
@@ -522,7 +522,7 @@ def _build_gpu() -> dict:
 def _build_twins() -> dict:
     return dict(mma_f16=_mma_twin("float16"), mma_bf16=_mma_twin("bfloat16"), ldmatrix_x4=_ldmatrix_twin(False),
                 ldmatrix_x4_trans=_ldmatrix_twin(True), cp_async16=_cp_async16_twin,
-                cp_async16_l2_128=_cp_async16_twin, cp_async16_l2_256=_cp_async16_twin,
+                cp_async16_l2_128=_cp_async16_twin,
                 cp_async_commit=_cp_async_commit_twin, cp_async_wait_all=_cp_async_wait_all_twin,
                 cp_async_wait_one=_cp_async_wait_one_twin, cp_async_wait_two=_cp_async_wait_two_twin,
                 pack_f16x2=_pack_twin("float16"),
