@@ -968,7 +968,8 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
     if c.program == "tensorcore":
         warps = SIMULATOR_WARPS if simulator else TC_WARPS
         stages = decode_tc.STAGES
-        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages),
+        return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
+                                          decode_tc.COPY),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 

@@ -119,6 +119,16 @@ def main(argv=None) -> int:
     ok &= decode_case(torch.float32, paged=True, N_new=1, num_splits=None, seed=2)
     ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=5, kernel="cuda_core")
     ok &= decode_case(torch.float16, paged=False, N_new=3, num_splits=None, seed=6)
+    # the tensor-core program with whole tiles by bulk copies and mbarriers (decode_tc.COPY, not the default)
+    from kernels_gpu import decode, decode_tc
+    copy, decode_tc.COPY = decode_tc.COPY, "bulk"
+    decode._PLANS.clear()
+    try:
+        ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=7)
+        ok &= decode_case(torch.bfloat16, paged=False, N_new=2, num_splits=None, seed=8)
+    finally:
+        decode_tc.COPY = copy
+        decode._PLANS.clear()
     ok &= varlen_case(torch.float16, causal=True, seed=3)
     ok &= varlen_case(torch.float32, causal=False, seed=4)
     print("all ok" if ok else "SOME RESULTS WRONG", flush=True)

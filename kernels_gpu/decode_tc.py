@@ -124,9 +124,31 @@ L2 as more, smaller requests. Telling the L2 to fetch whole 128-byte lines (``cp
 shape 0.6-2.1 % faster (``decode_tc_l2_prefetch_ab.json``; ``.L2::256B``: a little less), and the copies now
 carry it. The full grid after these changes is in ``benchmarks.decode``'s header: batch 1 at 16k and 32k reaches
 0.66 and 0.78 of the copy rate (target 0.8: still missed; cuDNN 0.69 and 0.73 in the same run), batch 32 at 16k
-and more 0.97-1.00 (cuDNN 1.02-1.03). What is left: bulk copies (``cp.async.bulk`` with an mbarrier: one request
-per row instead of 16 per lane group) for the remaining few percent of the stream, and a batch-1 step that does
-not pay a second launch for its merge.
+and more 0.97-1.00 (cuDNN 1.02-1.03). (Those runs timed graphs of a single call at batch 1 from 32k keys, which
+adds the graph's launch latency; with at least four calls per graph, the harness since: 0.71 and 0.82 — the
+32k target met —, cuDNN 0.73 and 0.86.)
+
+**Bulk copies, tried** (H100, 2026-11-26; :data:`COPY` = "bulk", kept as a choice, not the default). Whole tiles
+by the copy engine: lane r asks for K's row r, lane 16 + r for V's, one ``cp.async.bulk`` of 256 bytes each (the
+padded shared-memory rows rule out one copy per tile), completing on an mbarrier per stage that lane 0 arms with
+the tile's 8 KB (``ptx.bulk_copy``, ``mbar_*``; the split's partial last tile and the query rows keep
+``cp.async``, which fills zeros). Prediction: one request per row instead of 16 lane-sized ones brings the DRAM
+rate toward cuDNN's — batch 32, 16k keys 1-6 % faster — and batch 1 within ±3 %. Measured
+(``python -m benchmarks.decode_variants``, graph replay, median of 5 rounds in turn with cuDNN:
+``decode_tc_bulk_ab.json``), bulk against ``cp.async``: batch 1, 16k 39.5 against 33.1 µs, 64k 124.2 against
+100.0; batch 8, 32k 474.3 against 371.4; batch 32, 4k 194.0 against 190.8, 16k 753.2 against 734.0 — slower at
+every shape (prediction failed). Why, from the machine code and Nsight Compute (``decode_tc_ncu_sections_b32_16k
+.txt``, one call each at batch 32, 16k): a bulk copy takes its operands from uniform registers, so 16 lanes with 16
+different rows become a loop the compiler writes around the copy (``ELECT``, four ``R2UR``, ``UBLKCP``, a branch:
+SASS of ``decode_inspect``), twice per tile — the warps issue 1.7× as often (0.24 against 0.14 instructions per
+scheduler and cycle) for a lower DRAM rate (85.8 % of peak against 88.4 %; cuDNN 92.1 %). Where a program holds
+an SM alone (batch 1 and 8: four warps per SM) the loop is on every tile's critical path and costs 19-28 %.
+The same profile puts this program's L2 hit rate at 48 % (cuDNN's: 1 %) for the same DRAM bytes — likely the lines
+its ``.L2::128B`` hint fetches whole, found there by the next requests (not separated by a counter yet) — and counts
+265 k local-memory requests from ptxas's 8 bytes of spill, small beside 67 M sectors of K and V. What is left of the
+gap to cuDNN's 92 % of peak at batch 32 is not in the number of copy instructions; one bulk copy per tile (an
+unpadded tile, or a tensor map with a swizzle so ``ldmatrix`` stays free of bank conflicts) is the next thing to
+try.
 """
 
 from __future__ import annotations
@@ -147,6 +169,10 @@ __all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout", "reg
 TILE = 16
 #: shared-memory stages per warp (the tile being computed and the next one on its way)
 STAGES = 2
+#: how whole tiles travel: "bulk" (one ``cp.async.bulk`` per row by the copy engine, completion on an mbarrier per
+#: stage) or "cp.async" (16 bytes per lane and instruction, completion by commit groups). A split's last, partial
+#: tile, the query rows and head sizes that are not multiples of 16 always take ``cp.async`` (zero fill).
+COPY = "cp.async"
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
@@ -171,14 +197,15 @@ def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
 def layout(d: int, d_v: int, warps: int, stages: int = STAGES) -> dict:
     """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
     8 different bank groups), ``stages`` stages per warp; after the loop the same memory holds the warps' (m, ℓ,
-    Õ)."""
+    Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk copies)."""
     D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
     RS, RSV = D // 2 + 4, DV // 2 + 4
     stage = TILE * (RS + RSV)
     OS = DV + 4                                          # floats per Õ row in the merge area
     merge = 2 * 16 * warps + 16 * warps * OS
-    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=stages * stage, OS=OS,
-                words=max(warps * stages * stage, merge))
+    bars = -(-max(warps * stages * stage, merge) // 4) * 4       # 16-byte aligned
+    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=stages * stage, OS=OS, BARS=bars,
+                words=bars + 2 * stages * warps)
 
 
 def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES) -> int:
@@ -188,18 +215,22 @@ def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
-                    stages: int = STAGES):
+                    stages: int = STAGES, copy: str = COPY):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
-    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch
-    arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads;
-    :func:`shared_bytes` of dynamic shared memory."""
+    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed), how
+    whole tiles are copied (:data:`COPY`). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays;
+    the same launch arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps
+    threads; :func:`shared_bytes` of dynamic shared memory."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3, got {stages}")
+    if copy not in ("bulk", "cp.async"):
+        raise ValueError(f"copy must be 'bulk' or 'cp.async', got {copy!r}")
     W = warps
     THREADS = 32 * W
     NS = stages
     lay = layout(d, d_v, W, NS)
-    D, DV, RS, RSV, STAGE, WARP_WORDS, OS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS", "OS"))
+    D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS",
+                                                                    "OS", "BARS"))
     DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)
     CH_K, CH_V = D // 8, DV // 8             # 16-byte chunks of a padded row
     KS = D // 16                             # 16-wide k-steps of S = Q Kᵀ
@@ -211,6 +242,11 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     L_AREA, O_AREA = 16 * W, 32 * W          # merge area (floats): m of 16W rows, then ℓ, then Õ (OS per row)
     CAUSAL = causal
     NEG_INF = float32(-math.inf)
+    # Whole tiles by the copy engine: lane r < 16 asks for K's row r, lane 16 + r for V's (TILE = 16 rows each),
+    # one bulk copy of the row's d (d_v) values; the stage's mbarrier completes when all TILE·(d + d_v) values
+    # have landed. Only where every chunk of a row is data (the padding columns are never written).
+    BULK = copy == "bulk" and D == d and DV == d_v and TILE == 16
+    TILE_BYTES = TILE * (d + d_v) * 2
     # The forward ladder's steps (chapter 14), for a tile of TILE keys: the MMA into an accumulator tile, and the
     # online softmax of one of a lane's two rows — sized by d_v, the width of the Õ it rescales.
     st = make_steps(Config(d=d_v, warps=W, B_c=TILE, dtype=storage, causal=causal, simulated=simulator))
@@ -271,14 +307,24 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     rows = cache_rows(page, simulator)
 
     @dev
-    def copy_tile(sm, dst, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh,
-                  v_sn):
-        """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``,
-        16 bytes per ``cp.async``; keys at or past ``hi`` and the columns between d and D are zero-filled."""
+    def copy_tile(sm, dst, bar, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so,
+                  v_sh, v_sn):
+        """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``.
+        A whole tile (BULK): one bulk copy per row, completing on the mbarrier at word ``bar``; otherwise 16 bytes
+        per ``cp.async``, keys at or past ``hi`` and the columns between d and D zero-filled."""
         # the tile's first key in K and V; a paged tile lies in one page, so its rows follow at the row stride
         k_first, v_first = rows(table, b, h, j0, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
-        copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
-        copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
+        if BULK and hi - j0 >= TILE:
+            if lane == 0:                       # one arrival, and the tile's bytes to come
+                ptx.mbar_arrive_expect_tx(sm, bar, TILE_BYTES)
+            if lane < TILE:
+                ptx.bulk_copy(sm, dst + lane * RS, Kw, k_first + lane * k_sn, 2 * d, bar)
+            else:
+                ptx.bulk_copy(sm, dst + V_OFF + (lane - TILE) * RSV, Vw, v_first + (lane - TILE) * v_sn, 2 * d_v,
+                              bar)
+        else:
+            copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
+            copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
 
     cap = None if simulator else register_cap(d, d_v)
 
@@ -303,6 +349,13 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         smf = cuda.shared.array(0, float32)     # ... and the same memory as floats, for the final merge
         mine = warp * WARP_WORDS
         q_stage = mine + (NS - 1) * STAGE       # the warp's last stage: no tile lands there before iteration 0
+        bars = BARS + warp * 2 * NS             # the warp's mbarriers, one per stage (8 bytes each)
+        if BULK:
+            if lane == 0:
+                for i in range(NS):
+                    ptx.mbar_init(sm, bars + 2 * i, 1)
+                ptx.fence_mbarrier_init()
+            ptx.syncwarp()
 
         # Alg. 1 line 4, first half: the tile's 16 query rows r0 … r0 + 15 — consecutive rows of q (row r is query
         # head h·G + r // N_new, new token r % N_new), those past R zero-filled — copied into the warp's last stage,
@@ -341,8 +394,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         # Line 7 for the warp's first NS − 1 tiles, one commit group each.
         for i in range(NS - 1):
             if i < count:
-                copy_tile(sm, mine + i * STAGE, Kw, Vw, table, lo + (warp + i * W) * TILE, hi, b, h, lane,
-                          max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
+                copy_tile(sm, mine + i * STAGE, bars + 2 * i, Kw, Vw, table, lo + (warp + i * W) * TILE, hi, b, h,
+                          lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
             ptx.cp_async_commit()
         # Line 4, second half: once the query rows have landed (the oldest group; the tiles' may still be in
         # flight), ldmatrix makes them A-fragments (lane: rows g, g + 8; words t, t + 4 of each 16-wide k-step).
@@ -354,16 +407,24 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3] = ldmatrix(
                 sm, q_stage + (lane % 16) * RS + 8 * kk + 4 * (lane // 16))
         ptx.syncwarp()                          # every lane holds its fragments before iteration 0 refills the stage
+        if BULK:
+            ptx.fence_proxy_async()             # (the stage's cp.async writes ordered before the bulk copies')
         for i in range(count):
             j0 = lo + (warp + i * W) * TILE
             stage = mine + (i % NS) * STAGE
             # Line 7 for the warp's tile i + NS − 1, started now: it lands while tiles i … are computed (its stage
             # held tile i − 1, which every lane finished with at the last syncwarp).
             if i + NS - 1 < count:
-                copy_tile(sm, mine + ((i + NS - 1) % NS) * STAGE, Kw, Vw, table, j0 + (NS - 1) * W * TILE, hi, b,
+                nxt = (i + NS - 1) % NS
+                copy_tile(sm, mine + nxt * STAGE, bars + 2 * nxt, Kw, Vw, table, j0 + (NS - 1) * W * TILE, hi, b,
                           h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
             ptx.cp_async_commit()               # (an empty group at the end: the count stays regular)
-            wait_oldest()                       # this lane's copies of tile i have landed ...
+            wait_oldest()                       # this lane's cp.async copies of tile i have landed ...
+            if BULK and hi - j0 >= TILE:
+                # ... or, a bulk-copied tile, the stage's barrier has completed its (i // NS)-th phase: every tile
+                # before a split's last is whole, so a stage's bulk tiles are its first uses
+                while ptx.mbar_try_wait(sm, bars + 2 * (i % NS), (i // NS) % 2) == 0:
+                    pass
             ptx.syncwarp()                      # ... and the other lanes' too
 
             # Line 8: S = Q Kᵀ, the warp's 16 rows × TILE keys.

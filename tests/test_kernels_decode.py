@@ -206,6 +206,28 @@ def test_tensorcore_program_matches_oracle(name):
     check_against_oracle(case, O, L, storage="float16")
 
 
+@pytest.mark.parametrize("name", ["paged16-gqa4-S3", "contig-new3-dv32-S1"])
+def test_tensorcore_program_bulk_copies(name, monkeypatch):
+    """decode_tc.COPY = "bulk": whole tiles by cp.async.bulk (a row per lane, an mbarrier per stage), the split's
+    partial last tile and the query rows by cp.async; the same answer as the oracle, and bulk copies were made."""
+    from kernels_gpu import decode_tc
+    from kernels_gpu.tensorcore import ptx
+    monkeypatch.setattr(decode_tc, "COPY", "bulk")
+    monkeypatch.setattr(decode, "_PLANS", {})
+    rows = []
+    bulk = ptx.bulk_copy
+
+    def counted(sm, s_index, gmem, g_index, nbytes, bar):
+        rows.append(int(nbytes))
+        bulk(sm, s_index, gmem, g_index, nbytes, bar)
+    monkeypatch.setattr(ptx, "bulk_copy", counted)
+    spec, kw = TC_CASES[name]
+    case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
+    O, L = run_decode(case, kernel="tensorcore", **kw)
+    check_against_oracle(case, O, L, storage="float16")
+    assert rows and set(rows) <= {2 * spec["d"], 2 * spec["d_v"]}
+
+
 def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
     """Two warps (split-K inside the program, the warps' merge through shared memory), three stages per warp
     (cp.async.wait_group 2), bfloat16 tensors; the partials equal the oracle on their blocks'

@@ -111,6 +111,44 @@ def test_cp_async_twin_lands_only_after_wait():
     assert sm.tolist() == [9, 10, 11, 12]
 
 
+def test_bulk_copy_and_mbarrier_twins():
+    got, expected = selftest.check_bulk_copy()
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_mbarrier_twin_phases_like_the_hardware(monkeypatch):
+    """Bytes may land before they are announced (the count goes below zero); a phase completes only when its
+    arrivals are in and its bytes have landed; try_wait reports the phase of the given parity; a phase that can
+    never complete is reported, not waited on forever."""
+    import threading
+    import types
+
+    monkeypatch.setattr(ptx, "_MBAR_SPIN_LIMIT", 100)
+    manager = types.SimpleNamespace()
+    thread = threading.current_thread()
+    thread._manager = manager                     # what a simulated CUDA thread carries
+    try:
+        sm = np.zeros(16, dtype=np.uint32)
+        src = np.arange(1, 9, dtype=np.uint32)
+        ptx.mbar_init(sm, 8, 1)
+        ptx.bulk_copy(sm, 0, src, 0, 16, 8)
+        assert ptx.mbar_try_wait(sm, 8, 0) == 0 and sm[:4].tolist() == [1, 2, 3, 4]   # landed, not announced
+        ptx.mbar_arrive_expect_tx(sm, 8, 32)      # 32 announced, 16 in: still open
+        assert ptx.mbar_try_wait(sm, 8, 0) == 0
+        ptx.bulk_copy(sm, 4, src, 4, 16, 8)
+        assert ptx.mbar_try_wait(sm, 8, 0) == 1 and sm[4:8].tolist() == [5, 6, 7, 8]
+        assert ptx.mbar_try_wait(sm, 8, 1) == 0   # the next phase (parity 1) has not completed
+        with pytest.raises(RuntimeError, match="never completes"):
+            while ptx.mbar_try_wait(sm, 8, 1) == 0:
+                pass
+        with pytest.raises(RuntimeError, match="8-byte aligned"):
+            ptx.mbar_init(sm, 3, 1)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            ptx.bulk_copy(sm, 0, src, 0, 8, 8)
+    finally:
+        del thread._manager
+
+
 def test_shfl_and_ex2_twins():
     (shuffled, powers), (exp_shuffled, exp_powers) = selftest.check_shfl_ex2()
     np.testing.assert_array_equal(shuffled, exp_shuffled)

@@ -40,6 +40,23 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``cvt_tf32``               ``cvt.rna.tf32.f32``: a float rounded to tf32    9.7.9.21 (cvt)
                                (10 mantissa bits; nearest, ties away from
                                zero), as the 32 bits the mma takes
+    ``bulk_copy``              ``cp.async.bulk.shared::cluster.global.mbarrier  cp.async.bulk (PTX ISA
+                               ::complete_tx::bytes``: one contiguous run of a    8.0, sm_90)
+                               multiple of 16 bytes, global → shared, by the
+                               copy engine; the bytes count down the mbarrier's
+                               transaction count as they land
+    ``mbar_init``,             ``mbarrier.init.shared::cta.b64``, ``mbarrier.   mbarrier: .init,
+    ``mbar_arrive_expect_tx``, arrive.expect_tx.shared::cta.b64`` (one arrival,  .arrive (expect-tx),
+    ``mbar_try_wait``          and that many bytes to come), ``mbarrier.try_     .try_wait.parity
+                               wait.parity.shared::cta.b64`` (1 once the phase
+                               of that parity has completed, else 0): a phase
+                               completes when its arrivals are in and its bytes
+                               have landed
+    ``fence_mbarrier_init``,   ``fence.mbarrier_init.release.cluster`` (the     membar/fence
+    ``fence_proxy_async``      barriers' initialisation visible before their
+                               first use); ``fence.proxy.async.shared::cta``
+                               (shared memory written by ordinary stores or
+                               cp.async ordered before later bulk copies)
     ``griddep_wait``,          ``griddepcontrol.wait``: wait until the grid     9.7.13 (griddepcontrol)
     ``griddep_launch_          this one depends on has completed and its
     dependents``               writes are visible; ``griddepcontrol.launch_
@@ -53,7 +70,9 @@ that emulates the instruction exactly, so the same kernel source runs in numba's
 (mma, ldmatrix, shfl) make the 32 lanes of the warp meet at a barrier, exchange their registers, and each lane
 takes what the fragment tables say it gets (:mod:`~kernels_gpu.tensorcore.fragments`). ``cp.async`` is emulated as
 *asynchronous*: a copy lands only when a ``cp_async_wait_*`` says its group may have completed, so a kernel that
-reads a tile before waiting for it reads stale data in the simulator too. The mma twin rounds once, after an exact
+reads a tile before waiting for it reads stale data in the simulator too. Bulk copies likewise land only when a
+lane tries to wait on their mbarrier, whose phases the twin keeps as the hardware does (arrivals and a transaction
+count, which may go below zero when bytes land before they are announced). The mma twin rounds once, after an exact
 sum; the hardware's internal accumulation may differ in the last bits of float32 (the GPU tests bound it).
 
 Every warp-level function must be called by all 32 lanes of the warp, together (as on the hardware: the ``.sync``
@@ -76,7 +95,8 @@ __all__ = [
     "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "pack_f16x2", "pack_bf16x2", "unpack_f16x2",
     "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
-    "griddep_launch_dependents",
+    "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
+    "fence_mbarrier_init", "fence_proxy_async",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -347,6 +367,95 @@ def _griddep_twin():
     simulator runs one launch after another, so the grid a launch depends on has always completed."""
 
 
+def _mbarriers() -> dict:
+    """The simulated mbarriers of the calling thread's block, by shared-memory word index (kept on the block manager,
+    as the warps are; ``mbar_init`` resets one at the start of every block)."""
+    manager = getattr(threading.current_thread(), "_manager", None)
+    if manager is None:
+        raise RuntimeError("an mbarrier twin was called outside a simulated CUDA kernel")
+    with _STATE_LOCK:
+        return manager.__dict__.setdefault("_fa2edu_mbarriers", {})
+
+
+#: try_wait calls on one incomplete phase before the twin reports a barrier that can never complete
+_MBAR_SPIN_LIMIT = 1_000_000
+
+
+def _mbar_complete_if_done(bar: dict) -> None:
+    if bar["pending"] == 0 and bar["tx"] == 0:
+        bar["completed"] += 1
+        bar["pending"] = bar["count"]
+        bar["spins"] = 0
+
+
+def _mbar_init_twin(smem, index, count):
+    """Simulator twin of ``mbarrier.init``: phase 0, ``count`` arrivals expected, no bytes, no queued copies."""
+    i = int(index)
+    if i % 2:
+        raise RuntimeError("mbar_init: an mbarrier is 8 bytes and must be 8-byte aligned (an even word index)")
+    bars = _mbarriers()
+    with _STATE_LOCK:
+        bars[i] = dict(count=int(count), pending=int(count), tx=0, completed=0, queue=[], spins=0)
+
+
+def _mbar_bar(index) -> dict:
+    bar = _mbarriers().get(int(index))
+    if bar is None:
+        raise RuntimeError(f"mbarrier at word {int(index)} used before mbar_init")
+    return bar
+
+
+def _mbar_arrive_expect_tx_twin(smem, index, nbytes):
+    """Simulator twin of ``mbarrier.arrive.expect_tx``: ``nbytes`` more to come in this phase, and one arrival."""
+    bar = _mbar_bar(index)
+    with _STATE_LOCK:
+        bar["tx"] += int(nbytes)
+        bar["pending"] -= 1
+        _mbar_complete_if_done(bar)
+
+
+def _bulk_copy_twin(smem, s_index, gmem, g_index, nbytes, bar_index):
+    """Simulator twin of ``cp.async.bulk … mbarrier::complete_tx::bytes``: ``nbytes`` (a multiple of 16) from word
+    ``g_index`` of ``gmem`` to word ``s_index`` of ``smem``, queued on the mbarrier at word ``bar_index``: it lands
+    (and counts down the barrier's bytes) when a lane next tries to wait on that barrier."""
+    s, g, n = int(s_index), int(g_index), int(nbytes)
+    if n <= 0 or n % 16:
+        raise ValueError(f"bulk_copy: the size must be a positive multiple of 16 bytes, got {n}")
+    if s % 4 or g % 4:
+        raise RuntimeError("bulk_copy: source and destination must be 16-byte aligned")
+    flat = np.asarray(getattr(gmem, "_ary", gmem)).reshape(-1)
+    if g + n // 4 > flat.size:
+        raise IndexError(f"bulk_copy: words {g} … {g + n // 4 - 1} are past the source's {flat.size}")
+    data = np.array(flat[g:g + n // 4], copy=True)
+    bar = _mbar_bar(bar_index)
+    with _STATE_LOCK:
+        bar["queue"].append((smem, s, data))
+
+
+def _mbar_try_wait_twin(smem, index, parity):
+    """Simulator twin of ``mbarrier.try_wait.parity``: the queued bulk copies land; 1 if the phase of parity
+    ``parity`` has completed (the current phase has the other parity), else 0."""
+    bar = _mbar_bar(index)
+    with _STATE_LOCK:
+        for dst, s, data in bar["queue"]:
+            dst.reshape(-1)[s:s + data.size] = data
+            bar["tx"] -= 4 * data.size
+        bar["queue"].clear()
+        _mbar_complete_if_done(bar)
+        done = (bar["completed"] & 1) != (int(parity) & 1)
+        if not done:
+            bar["spins"] += 1
+            if bar["spins"] > _MBAR_SPIN_LIMIT:
+                raise RuntimeError(f"mbarrier at word {int(index)}: phase {bar['completed']} never completes "
+                                   f"({bar['pending']} arrivals and {bar['tx']} bytes outstanding)")
+    return np.uint32(1 if done else 0)
+
+
+def _fence_twin():
+    """Simulator twin of ``fence.mbarrier_init`` and ``fence.proxy.async``: the simulator has one proxy and its
+    stores are visible at once."""
+
+
 def _shfl_xor_twin(value, mask):
     """Simulator twin of ``shfl.sync.bfly.b32`` over the full warp (every lane passes the same ``mask``)."""
     m = int(mask)
@@ -439,6 +548,49 @@ def _build_gpu() -> dict:
             return sig, codegen
         return cp_async16
 
+    @intrinsic
+    def bulk_copy(typingctx, smem, s_index, gmem, g_index, nbytes, bar_index):
+        sig = types.void(smem, s_index, gmem, g_index, nbytes, bar_index)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            dst = shared_address(context, builder, a[0], args[0], args[1], a[1])
+            src = global_address(context, builder, a[2], args[2], args[3], a[3])
+            n = context.cast(builder, args[4], a[4], types.uint32)
+            bar = shared_address(context, builder, a[0], args[0], args[5], a[5])
+            asm(builder, ir.VoidType(), [dst, src, n, bar],
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                "r,l,r,r,~{memory}")
+            return context.get_dummy_value()
+        return sig, codegen
+
+    def make_mbar_op(text):
+        @intrinsic
+        def op(typingctx, smem, index, value):
+            sig = types.void(smem, index, value)
+
+            def codegen(context, builder, signature, args):
+                a = signature.args
+                bar = shared_address(context, builder, a[0], args[0], args[1], a[1])
+                v = context.cast(builder, args[2], a[2], types.uint32)
+                asm(builder, ir.VoidType(), [bar, v], text, "r,r,~{memory}")
+                return context.get_dummy_value()
+            return sig, codegen
+        return op
+
+    @intrinsic
+    def mbar_try_wait(typingctx, smem, index, parity):
+        sig = types.uint32(smem, index, parity)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            bar = shared_address(context, builder, a[0], args[0], args[1], a[1])
+            p = context.cast(builder, args[2], a[2], types.uint32)
+            text = ("{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
+                    "selp.u32 $0, 1, 0, done; }")
+            return asm(builder, i32, [bar, p], text, "=r,r,r,~{memory}")
+        return sig, codegen
+
     def make_simple(text):
         @intrinsic
         def op(typingctx):
@@ -516,7 +668,12 @@ def _build_gpu() -> dict:
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
                 mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32,
                 griddep_wait=make_simple("griddepcontrol.wait;"),
-                griddep_launch_dependents=make_simple("griddepcontrol.launch_dependents;"))
+                griddep_launch_dependents=make_simple("griddepcontrol.launch_dependents;"),
+                bulk_copy=bulk_copy, mbar_init=make_mbar_op("mbarrier.init.shared::cta.b64 [$0], $1;"),
+                mbar_arrive_expect_tx=make_mbar_op("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"),
+                mbar_try_wait=mbar_try_wait,
+                fence_mbarrier_init=make_simple("fence.mbarrier_init.release.cluster;"),
+                fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"))
 
 
 def _build_twins() -> dict:
@@ -529,7 +686,9 @@ def _build_twins() -> dict:
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
                 syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin,
-                griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin)
+                griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin,
+                bulk_copy=_bulk_copy_twin, mbar_init=_mbar_init_twin, mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
+                mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())

@@ -16,8 +16,8 @@ from numba import cuda, uint32
 from kernels_gpu.tensorcore import fragments as frag
 from kernels_gpu.tensorcore import ptx
 
-__all__ = ["check_mma", "check_ldmatrix", "check_pack", "check_cp_async", "check_shfl_ex2", "check_mma_tf32",
-           "check_cvt_tf32"]
+__all__ = ["check_mma", "check_ldmatrix", "check_pack", "check_cp_async", "check_bulk_copy", "check_shfl_ex2",
+           "check_mma_tf32", "check_cvt_tf32"]
 
 
 def _words(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -139,6 +139,46 @@ def check_cp_async(seed: int = 0):
     for t in range(64):
         if t % 2:
             expected[4 * (t ^ 1):4 * (t ^ 1) + 4] = src[4 * t:4 * t + 4]
+    return after.copy_to_host(), expected
+
+
+@cuda.jit
+def _bulk_copy_kernel(src, after):
+    lane = cuda.threadIdx.x
+    sm = cuda.shared.array(264, uint32)         # 256 words of rows, then one mbarrier (words 256, 257)
+    if lane == 0:
+        ptx.mbar_init(sm, 256, 1)
+        ptx.fence_mbarrier_init()
+    ptx.syncwarp()
+    for phase in range(2):
+        # Phase p: lane t copies the 8-word row (p·32 + t) % 64 of src into row t ^ 3 — 32 bytes per bulk copy, the
+        # barrier expecting all 1024 bytes (the arrival may come after some bytes have landed: the count goes
+        # below zero and the phase still completes only with both in).
+        ptx.bulk_copy(sm, 8 * (lane ^ 3), src, 8 * ((phase * 32 + lane) % 64), 32, 256)
+        if lane == 0:
+            ptx.mbar_arrive_expect_tx(sm, 256, 1024)
+        while ptx.mbar_try_wait(sm, 256, phase) == 0:
+            pass
+        for k in range(8):
+            after[phase, 8 * lane + k] = sm[8 * lane + k]
+        ptx.syncwarp()                          # every lane has read this phase's rows before the next overwrite
+        if lane == 0:
+            ptx.fence_proxy_async()
+        ptx.syncwarp()
+
+
+def check_bulk_copy(seed: int = 0):
+    """``cp.async.bulk`` of 32-byte rows completing on an mbarrier, two phases (parity 0, then 1): (got,
+    expected), (2, 256) uint32."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    after = cuda.to_device(np.zeros((2, 256), dtype=np.uint32))
+    _bulk_copy_kernel[1, 32](cuda.to_device(src), after)
+    expected = np.zeros((2, 256), dtype=np.uint32)
+    for phase in range(2):
+        for t in range(32):
+            row = (phase * 32 + t) % 64
+            expected[phase, 8 * (t ^ 3):8 * (t ^ 3) + 8] = src[8 * row:8 * row + 8]
     return after.copy_to_host(), expected
 
 

@@ -58,6 +58,11 @@ def test_cp_async_instruction():
     np.testing.assert_array_equal(got, expected)
 
 
+def test_bulk_copy_instruction():
+    got, expected = selftest.check_bulk_copy(seed=7)
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_shfl_and_ex2_instructions():
     (shuffled, powers), (exp_shuffled, exp_powers) = selftest.check_shfl_ex2(seed=6)
     np.testing.assert_array_equal(shuffled, exp_shuffled)
