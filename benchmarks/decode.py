@@ -62,9 +62,10 @@ prefetch hint on its copies; graphs of at least 4 calls, 2 rounds;
 * varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
   output (target: met).
 
-The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k, batch 8
-and 32 from 4k-16k) and timed each implementation once, right after the one before: their batch-1 32k figure
-(0.75-0.78) carried the graph's launch latency, and their batch-32 4k figure (0.79) a slow first timing. The
+The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k keys, batch 8
+and 32 at every context) and timed each implementation once, the first of a shape right after the previous shape's
+SDPA math backend: their batch-1 32k figure (0.75-0.78) carried the graph's launch latency, and their batch-32 4k
+figure (0.79) a slow timing after that backend. The
 harness now captures at least :data:`GRAPH_CALLS` calls per graph and times in rounds, SDPA's math backend last
 (``decode_sets_{1,2,4}.json`` from :mod:`benchmarks.decode_variants`; the comments at the constants).
 
@@ -402,20 +403,16 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
                 except Exception as exc:  # noqa: BLE001 (no graph: the call times stand alone)
                     rec.update(graph_error=f"{type(exc).__name__}: {str(exc)[:300]}")
                     torch.cuda.synchronize()
-        for rec, _ in timed:
+        if "sdpa_math" in impls:
+            time_calls_of("sdpa_math")
+        for rec in records[first:]:
+            if rec.get("status") != "ok":
+                continue
             rec["ms_graph"] = min(rec["ms_graph_rounds"]) if rec.get("ms_graph_rounds") else None
             for mode in ("call", "graph"):
                 ms = rec.get(f"ms_{mode}")
                 rec[f"GBps_{mode}"] = nbytes / (ms * 1e-3) / 1e9 if ms else None
                 rec[f"copy_fraction_{mode}"] = rec[f"GBps_{mode}"] / copy_GBps if ms else None
-        if "sdpa_math" in impls:
-            time_calls_of("sdpa_math")
-            math_rec = records[-1]
-            if math_rec.get("status") == "ok":
-                ms = math_rec["ms_call"]
-                math_rec.update(ms_graph=None, GBps_call=nbytes / (ms * 1e-3) / 1e9, GBps_graph=None,
-                                copy_fraction_call=nbytes / (ms * 1e-3) / 1e9 / copy_GBps,
-                                copy_fraction_graph=None)
         # correct first: every output against the best available SDPA output, paged against contiguous
         for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"):
             if name in outputs:
