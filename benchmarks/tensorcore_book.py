@@ -59,6 +59,8 @@ __all__ = [
     "blocks_by_registers", "TileRow", "tile_sweep", "LaunchRow", "launch_overhead",
     "SanitizerReport", "sanitizer_report", "gpu_test_counts", "gpu_test_progress",
     "BACKWARD_RUN", "VARIANTS_RUN", "BACKWARD_RUNGS", "BACKWARD_LATEST", "TARGET_BWD_TFLOPS", "TARGET_BWD_RATIO",
+    "BACKWARD_LADDER_RUNGS", "BACKWARD_RUN_RUNG", "BACKWARD_ORDER_RUN", "BACKWARD_KERNEL_RUNS", "KernelTimeRow",
+    "backward_kernel_times",
     "TARGET_BWD_MIN_N", "load_results", "BackwardRow", "backward_table", "PartitionRow", "partitioning_table",
     "precision_label", "PrecisionRow", "precision_table",
 ]
@@ -807,9 +809,18 @@ BACKWARD_LADDER_RUN = "tensorcore_backward_ladder.json"
 #: ``python -m benchmarks.tensorcore_variants``: split-Q against split-K (with shared-memory bytes), and TF32
 #: against the float32 forwards (with errors against float64)
 VARIANTS_RUN = "tensorcore_variants.json"
-#: the backward rungs, in ladder order, and the fastest (``kernels_gpu.tensorcore.flash2_backward``)
-BACKWARD_RUNGS = ("v1", "v2", "v3")
-BACKWARD_LATEST = "v3"
+#: ``python -m benchmarks.tensorcore_backward --impls v3,v4,sdpa_flash --dtypes bfloat16``: v4 (causal: the
+#: longest blocks first) beside v3 and SDPA flash, causal and not, planned launch
+BACKWARD_ORDER_RUN = "tensorcore_backward_v4.json"
+#: ``python -m benchmarks.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
+#: (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
+BACKWARD_KERNEL_RUNS = ("tensorcore_backward_tiles_v4.json", "tensorcore_backward_tiles_v5.json")
+#: the backward rungs, in ladder order; those the ladder run timed; the one the full-grid run timed; the fastest
+#: (``kernels_gpu.tensorcore.flash2_backward``)
+BACKWARD_RUNGS = ("v1", "v2", "v3", "v4", "v5")
+BACKWARD_LADDER_RUNGS = ("v1", "v2", "v3")
+BACKWARD_RUN_RUNG = "v3"
+BACKWARD_LATEST = "v5"
 #: the project's backward targets: TFLOP/s (backward = 2.5 × forward FLOPs) and a fraction of SDPA flash's
 #: backward of the same run, both at N ≥ TARGET_BWD_MIN_N
 TARGET_BWD_TFLOPS = 90.0
@@ -868,6 +879,43 @@ def backward_table(name: str = BACKWARD_RUN, folder=None, dtype: str = "float16"
             meets = rec["tflops"] >= TARGET_BWD_TFLOPS and rec["tflops"] / sdpa >= TARGET_BWD_RATIO
         rows.append(BackwardRow(rec["impl"], rec["d"], rec["N"], rec["tflops"], rec["tflops"] / sdpa,
                                 max(rec["rel_error"].values()), meets))
+    return rows
+
+
+class KernelTimeRow(NamedTuple):
+    """One tile shape of one backward rung at the training shape of :data:`BACKWARD_KERNEL_RUNS`: each kernel's
+    own GPU ms per call (PyTorch's profiler), the whole call's ms (CUDA events), the registers ptxas gave each
+    kernel, and cuDNN's backward of the same run (ms, events)."""
+
+    rung: str
+    d: int
+    warps: int
+    B_r: int
+    key_block_ms: float
+    dq_ms: float
+    call_ms: float
+    registers: tuple
+    cudnn_ms: float
+
+
+def backward_kernel_times(names=BACKWARD_KERNEL_RUNS, folder=None) -> list[KernelTimeRow]:
+    """The rows of the kernel-time runs (``benchmarks.tensorcore_backward_tiles``), in file order; a run's
+    shape must be the others' (its header's batch, heads, N, dtype, causal)."""
+    rows, shape = [], None
+    for name in names:
+        payload = json.loads(((Path(folder) if folder is not None else FOLDER) / name).read_text())
+        head = payload["header"]
+        this = tuple(head[k] for k in ("batch", "heads", "N", "dtype", "causal"))
+        if shape is not None and this != shape:
+            raise ValueError(f"{name}: shape {this}, the other runs' {shape}")
+        shape = this
+        cudnn = {r["d"]: r["ms"] for r in payload["records"] if r["impl"] == "sdpa_cudnn"}
+        for r in payload["records"]:
+            if r["impl"] == "sdpa_cudnn" or r.get("status") != "ok":
+                continue
+            rows.append(KernelTimeRow(r["impl"], r["d"], r["warps"], r["B_r"], r["kernels"]["key_block"],
+                                      r["kernels"]["dq"], r["ms"], (r["key_block_registers"], r["dq_registers"]),
+                                      cudnn[r["d"]]))
     return rows
 
 

@@ -413,8 +413,9 @@ def test_gpu_test_counts_reads_the_committed_log():
 # -- the backward, split-K against split-Q, TF32 --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, impls, grid", [
-    (tcb.BACKWARD_RUN, {tcb.BACKWARD_LATEST}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)]),
-    (tcb.BACKWARD_LADDER_RUN, set(tcb.BACKWARD_RUNGS), [("float16", False)])])
+    (tcb.BACKWARD_RUN, {tcb.BACKWARD_RUN_RUNG}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)]),
+    (tcb.BACKWARD_LADDER_RUN, set(tcb.BACKWARD_LADDER_RUNGS), [("float16", False)]),
+    (tcb.BACKWARD_ORDER_RUN, {"v3", "v4"}, [("bfloat16", False), ("bfloat16", True)])])
 def test_backward_table_ratios_and_targets(name, impls, grid):
     for dtype, causal in grid:
         rows = tcb.backward_table(name, dtype=dtype, causal=causal)
@@ -426,7 +427,30 @@ def test_backward_table_ratios_and_targets(name, impls, grid):
                 assert r.meets is None
             else:
                 assert r.meets == (r.tflops >= tcb.TARGET_BWD_TFLOPS and r.of_sdpa >= tcb.TARGET_BWD_RATIO)
-        assert all(r.meets for r in rows if r.impl == tcb.BACKWARD_LATEST and r.meets is not None)
+        assert all(r.meets for r in rows if r.impl != tcb.BASELINE and r.meets is not None
+                   and r.impl not in ("v1", "v2"))
+
+
+def test_backward_kernel_times_read_both_runs():
+    rows = tcb.backward_kernel_times()
+    assert {r.rung for r in rows} == {"v4", "v5"} and {r.d for r in rows} == {64, 128}
+    for r in rows:
+        assert 0 < r.key_block_ms + r.dq_ms < r.call_ms and r.cudnn_ms > 0
+        assert all(0 < n <= 255 for n in r.registers)
+    # v5 changes only the copies: at every tile shape both runs timed, both of its kernels are faster than v4's
+    by = {(r.rung, r.d, r.warps, r.B_r): r for r in rows}
+    pairs = [(by[k], by[("v5",) + k[1:]]) for k in by if k[0] == "v4" and ("v5",) + k[1:] in by]
+    assert len(pairs) == 4
+    assert all(new.key_block_ms < old.key_block_ms and new.dq_ms < old.dq_ms for old, new in pairs)
+
+
+def test_backward_kernel_times_refuse_mixed_shapes(tmp_path):
+    def run(N):
+        return dict(header=dict(batch=4, heads=8, N=N, dtype="bfloat16", causal=True), records=[])
+    (tmp_path / "a.json").write_text(json.dumps(run(4096)))
+    (tmp_path / "b.json").write_text(json.dumps(run(2048)))
+    with pytest.raises(ValueError, match="shape"):
+        tcb.backward_kernel_times(("a.json", "b.json"), folder=tmp_path)
 
 
 def test_backward_table_on_a_synthetic_file(tmp_path):

@@ -66,17 +66,27 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
 #: the fastest measured forward rung (v11: ``benchmarks/results/nvidia-h100/tensorcore_v11.json``)
 flash2_forward = flash2_forward_v11.flash2_forward
 
-from kernels_gpu.tensorcore import flash2_backward_v1, flash2_backward_v2, flash2_backward_v3  # noqa: E402
+from kernels_gpu.tensorcore import (  # noqa: E402
+    flash2_backward_v1,
+    flash2_backward_v2,
+    flash2_backward_v3,
+    flash2_backward_v4,
+    flash2_backward_v5,
+)
 
 #: the backward rungs: name → ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None) ->
 #: Flash2Backward(dQ, dK, dV)`` (v1: FA2 Alg. 2 on mma.sync, dQ by atomic adds; v2: Q_i, dO_i double-buffered;
-#: v3: dQ by a second kernel over query blocks, no atomics)
+#: v3: dQ by a second kernel over query blocks, no atomics; v4: causal, the longest blocks first; v5: copies
+#: that step their addresses)
 BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
-                     "v3": flash2_backward_v3.flash2_backward}
+                     "v3": flash2_backward_v3.flash2_backward, "v4": flash2_backward_v4.flash2_backward,
+                     "v5": flash2_backward_v5.flash2_backward}
 
-#: the fastest measured backward rung (v3, dQ in a pass of its own: ``benchmarks/results/nvidia-h100/
-#: tensorcore_backward.json``, 141-155 TFLOP/s at N ≥ 4096 against v2's 101-123)
-flash2_backward = flash2_backward_v3.flash2_backward
+#: the fastest measured backward rung (v5: v3's sums — 141-155 TFLOP/s at N ≥ 4096 against v2's 101-123 in
+#: ``benchmarks/results/nvidia-h100/tensorcore_backward.json`` —, the longest blocks first when causal, +1-11 %
+#: in ``tensorcore_backward_v4.json``, and copies stepped by constants, 13-23 % less time per kernel in
+#: ``tensorcore_backward_tiles_v5.json``)
+flash2_backward = flash2_backward_v5.flash2_backward
 
 from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402
 

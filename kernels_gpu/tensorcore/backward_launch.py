@@ -32,7 +32,8 @@ from kernels_gpu.driver_launch import Buffer
 from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.backward_steps import CONVERT_THREADS, PRE_WARPS, convert_dq_kernel, preprocess_kernel
 
-__all__ = ["BackwardProblem", "prepare_backward", "finish_backward", "run_backward", "run_backward_dq_pass"]
+__all__ = ["BackwardProblem", "prepare_backward", "finish_backward", "run_backward", "run_backward_dq_pass",
+           "block_major_grids"]
 
 
 @dataclass
@@ -212,13 +213,21 @@ def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, ca
     return finish_backward(bp)
 
 
+def block_major_grids(cfg, p) -> tuple:
+    """The launch grids of v3's two kernels: (key blocks · chunks, H_kv, Z) and (query blocks · chunks, H_q, Z) —
+    blockIdx.x is the block's key (query) block and column chunk."""
+    return ((rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z),
+            (rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks, p.H_q, p.Z))
+
+
 def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, dq_shared_words, Q, K, V, O, L,
-                         dO, *, causal, scale, **options):
+                         dO, *, causal, scale, grids_for=block_major_grids, **options):
     """:func:`run_backward` for rungs that compute dQ in a pass of its own: preprocess (no dQ accumulator); the
     rung's key-block kernel (dK, dV only), one block per (key block, column chunk, key/value head, batch); the
     rung's dQ kernel, one block per (query block of 16·W rows, column chunk, query head, batch), which writes dQ in
-    the input dtype itself — no atomics, no conversion launch."""
-    key = launch._plan_key((Q, K, V, O, L, dO), (make_kernel, make_dq_kernel), causal, scale, options)
+    the input dtype itself — no atomics, no conversion launch. ``grids_for(cfg, problem)`` arranges the two
+    grids (the order in which the GPU hands out the blocks)."""
+    key = launch._plan_key((Q, K, V, O, L, dO), (make_kernel, make_dq_kernel, grids_for), causal, scale, options)
     if key is not None:
         plan = _PLANS.get(key)
         if plan is not None:
@@ -229,13 +238,14 @@ def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, 
     stats, pre = _preprocess(bp, cfg, None)
     common = (np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv), np.float32(p.scale),
               np.float32(p.scale * math.log2(math.e)))
+    kv_grid, dq_grid = grids_for(cfg, p)
     # Alg. 2 lines 5-24 without line 20: dK_j, dV_j, one block per key block j (and column chunk).
-    kv = (make_kernel(cfg), (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads,
-          4 * shared_words(cfg), (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV) + common)
+    kv = (make_kernel(cfg), kv_grid, cfg.threads, 4 * shared_words(cfg),
+          (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV) + common)
     _launch(*kv[:4], p.stream, kv[4])
     # Alg. 2 line 20 as a pass over query blocks: dQ_i = τ Σ_j dS_ij K_j, written once.
-    dq = (make_dq_kernel(cfg), (rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks, p.H_q, p.Z), cfg.threads,
-          4 * dq_shared_words(cfg), (p.Q, p.K, p.V, bp.dO, stats, p.O) + common)
+    dq = (make_dq_kernel(cfg), dq_grid, cfg.threads, 4 * dq_shared_words(cfg),
+          (p.Q, p.K, p.V, bp.dO, stats, p.O) + common)
     _launch(*dq[:4], p.stream, dq[4])
     if key is not None:
         prepared = [driver_launch.Prepared(k, grid, threads, args, nbytes) for k, grid, threads, nbytes, args
