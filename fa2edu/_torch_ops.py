@@ -331,14 +331,30 @@ def tensorcore_has_backward() -> bool:
     return hasattr(_tensorcore(), "flash2_backward")
 
 
+def tensorcore_layout(like: torch.Tensor, shape=None) -> torch.Tensor:
+    """An empty tensor laid out as the tensor-core path lays out its results: O like q, dQ, dK, dV like q, k, v
+    (``kernels_gpu.tensorcore.launch.empty_like_layout``: the axes in memory in the order of ``like``'s strides).
+    The fake implementations use it too, so a traced graph expects the strides the kernels produce."""
+    from kernels_gpu.tensorcore.launch import empty_like_layout
+    return empty_like_layout(like, shape)
+
+
+def _in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` if it is laid out as :func:`tensorcore_layout` of ``like`` would be (as the kernels lay out their
+    results when they read their inputs in place), else a copy that is (a padded head dimension, or inputs the
+    kernels had to copy)."""
+    from kernels_gpu.tensorcore.launch import layout_strides
+    return x if x.stride() == layout_strides(like, x.shape) else tensorcore_layout(like, x.shape).copy_(x)
+
+
 def _tensor_core_forward(q, k, v, causal: bool, scale: float):
     """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`.
-    The kernels take PyTorch tensors themselves and launch on PyTorch's current stream."""
+    The kernels take PyTorch tensors themselves — strided ones in place — and launch on PyTorch's current stream;
+    O comes back laid out like q (:func:`tensorcore_layout`)."""
     d_v = v.shape[-1]
     D = tensorcore_width(q.shape[-1], d_v)
-    O, L = _tensorcore().flash2_forward(*(_pad(x.detach(), D).contiguous() for x in (q, k, v)), causal=causal,
-                                        scale=scale)
-    return _unpad(_from_kernel(O, q), d_v), _from_kernel(L, q)
+    O, L = _tensorcore().flash2_forward(*(_pad(x.detach(), D) for x in (q, k, v)), causal=causal, scale=scale)
+    return _in_layout(_unpad(_from_kernel(O, q), d_v), q), _from_kernel(L, q)
 
 
 def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
@@ -352,10 +368,11 @@ def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
     if hasattr(tensorcore, "flash2_backward"):
         d, d_v = q.shape[-1], v.shape[-1]
         D = tensorcore_width(d, d_v)
-        Q, K, V, O_, dO_ = (_pad(x.detach(), D).contiguous() for x in (q, k, v, O, dO))
+        Q, K, V, O_, dO_ = (_pad(x.detach(), D) for x in (q, k, v, O, dO))
         dQ, dK, dV = tensorcore.flash2_backward(Q, K, V, O_, L.detach().contiguous(), dO_, causal=causal,
                                                 scale=scale)
-        return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
+        return tuple(_in_layout(_unpad(_from_kernel(g, q), width), like)
+                     for g, width, like in ((dQ, d, q), (dK, d, k), (dV, d_v, v)))
     # The fallback: float32 on CUDA cores (kernels_gpu.fast), the same formulas on the upcast values.
     grads = _fast_backward(*(x.float() for x in (q, k, v, O)), L.float(), dO.float(), causal, scale)
     return tuple(g.to(q.dtype) for g in grads)
@@ -437,9 +454,10 @@ def standard_backward(backend: str, q, k, v, P, dO, causal: bool, scale: float, 
 # 3. The custom operators
 # =================================================================================================================
 #
-# Each operator takes the resolved arguments (scale a float, backend a name of BACKENDS) and returns new,
-# contiguous tensors. Its fake implementation returns empty tensors of the same shapes, dtypes and devices: what
-# torch.compile's tracing (FakeTensors, no data) and torch.library.opcheck need.
+# Each operator takes the resolved arguments (scale a float, backend a name of BACKENDS) and returns new tensors:
+# contiguous, except on the tensor cores, which read strided q, k, v, O, dO in place and lay O, dQ, dK, dV out like
+# q, k, v (:func:`tensorcore_layout`). Its fake implementation returns empty tensors of the same shapes, dtypes,
+# devices and strides: what torch.compile's tracing (FakeTensors, no data) and torch.library.opcheck need.
 
 def _check_finite(*named) -> None:
     """Inputs must be finite. Checked on the CPU only: on a GPU the check would read the tensors once more and
@@ -463,6 +481,11 @@ def _contiguous(*xs):
     return tuple(x.contiguous() for x in xs)
 
 
+def _results(backend: str, *xs):
+    """An operator's results: as the tensor cores laid them out (:func:`tensorcore_layout`), else contiguous."""
+    return xs if backend == "tensorcore" else _contiguous(*xs)
+
+
 @torch.library.custom_op("fa2edu::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                         backend: str, block_sizes: Optional[list[int]], M: Optional[int]
@@ -470,12 +493,14 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     """FA2 Alg. 1: (O, L) of q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v)."""
     _check_finite(("q", q), ("k", k), ("v", v))
     sizes = None if block_sizes is None else tuple(block_sizes)
-    return _contiguous(*flash2_forward(backend, q, k, v, causal, scale, sizes, M))
+    return _results(backend, *flash2_forward(backend, q, k, v, causal, scale, sizes, M))
 
 
 @flash_attention_fwd.register_fake
 def _(q, k, v, causal, scale, backend, block_sizes, M):
-    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
+    shape = (*q.shape[:-1], v.shape[-1])
+    O = tensorcore_layout(q, shape) if backend == "tensorcore" else _new(q, shape)
+    return O, _new(q, q.shape[:-1], _stat_dtype(q.dtype))
 
 
 @torch.library.custom_op("fa2edu::flash_attention_bwd", mutates_args=())
@@ -485,11 +510,15 @@ def flash_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 Alg. 2: (dQ, dK, dV) from the inputs, the forward's O and L, and the upstream gradient dO."""
     sizes = None if block_sizes is None else tuple(block_sizes)
-    return _contiguous(*flash2_backward(backend, q, k, v, O, L, dO.contiguous(), causal, scale, sizes, M))
+    if backend != "tensorcore":
+        dO = dO.contiguous()
+    return _results(backend, *flash2_backward(backend, q, k, v, O, L, dO, causal, scale, sizes, M))
 
 
 @flash_attention_bwd.register_fake
 def _(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
+    if backend == "tensorcore":
+        return tensorcore_layout(q), tensorcore_layout(k), tensorcore_layout(v)
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 
 

@@ -39,11 +39,13 @@ takes them, with GQA/MQA when H_q is a multiple of H_kv (K, V never repeated). `
 aligned (query i sees key j iff j ≤ i + N_k − N_q, docs/conventions.md); SDPA's ``is_causal`` is top-left aligned,
 which differs only when N_q ≠ N_k. Fully masked rows give O = 0, L = +inf and zero gradients.
 
-Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) are copied to a contiguous layout
-before the operator (``Tensor.contiguous()``, a no-op for contiguous tensors); the gradients come back with the
-inputs' shapes. The backward operators have no autograd formula of their own, so the op is differentiable once: a
-double backward (``create_graph=True``) raises instead of returning wrong zeros. L (``return_lse=True``) is not
-differentiable.
+Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) are read where they lie by the
+tensor-core kernels (float16, bfloat16 on CUDA), which lay O and the gradients out like the inputs — O of such a
+view is (B, N, H, d) in memory, as SDPA's flash and cuDNN kernels make it, so ``O.transpose(1, 2).reshape(B, N,
+H·d)`` copies nothing; the other paths copy them to a contiguous layout first (``Tensor.contiguous()``) and return
+contiguous results. The gradients come back with the inputs' shapes. The backward operators have no autograd
+formula of their own, so the op is differentiable once: a double backward (``create_graph=True``) raises instead of
+returning wrong zeros. L (``return_lse=True``) is not differentiable.
 
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
@@ -118,7 +120,8 @@ def _check_shapes(q, k, v) -> None:
 
 
 def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
-    """Checked, contiguous q, k, v and the operator's resolved arguments (causal, scale, backend, block_sizes, M)."""
+    """Checked q, k, v (contiguous, except for the tensor cores) and the operator's resolved arguments (causal,
+    scale, backend, block_sizes, M)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if not isinstance(causal, bool):
@@ -144,7 +147,9 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
         block_sizes = [int(b) for b in block_sizes]
     if algorithm == "standard" and M is not None:
         raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
-    return (q.contiguous(), k.contiguous(), v.contiguous()), (causal, float(scale), backend, block_sizes, M)
+    if backend != "tensorcore":              # the tensor cores read strided q, k, v where they lie
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return (q, k, v), (causal, float(scale), backend, block_sizes, M)
 
 
 # -- the autograd formulas ---------------------------------------------------------------------------------------------

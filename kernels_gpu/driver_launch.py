@@ -94,19 +94,27 @@ class Buffer:
 
     @classmethod
     def of_torch(cls, t, dtype) -> Buffer:
-        """A contiguous CUDA tensor's memory seen as elements of ``dtype`` (a NumPy dtype: bfloat16 has none, so
-        16-bit tensors are seen as uint16 or as uint32 words of two); the last axis scales by the ratio of the
-        item sizes, as ``Tensor.view(dtype)`` does."""
-        if not t.is_contiguous():
-            raise ValueError("Buffer.of_torch needs a contiguous tensor (make it with .contiguous())")
+        """A CUDA tensor's memory seen as elements of ``dtype`` (a NumPy dtype: bfloat16 has none, so 16-bit
+        tensors are seen as uint16 or as uint32 words of two); the last axis scales by the ratio of the item sizes,
+        as ``Tensor.view(dtype)`` does. A strided tensor keeps its strides (a (B, H, N, d) view of (B, N, H, d)
+        memory, say) if its last axis is contiguous and its other strides are whole elements of ``dtype``."""
         dtype, size = np.dtype(dtype), t.element_size()
         shape = tuple(t.shape) or (1,)
+        strides = None
+        if not t.is_contiguous():
+            if t.dim() == 0 or t.stride(-1) != 1:
+                raise ValueError(f"Buffer.of_torch needs the last axis contiguous (stride 1), got strides "
+                                 f"{tuple(t.stride())}")
+            strides = tuple(n * size for n in t.stride()[:-1]) + (dtype.itemsize,)
+            if any(n % dtype.itemsize for n in strides):
+                raise ValueError(f"strides {tuple(t.stride())} of {size}-byte elements are not whole "
+                                 f"{dtype.name} elements")
         if dtype.itemsize != size:
             if (shape[-1] * size) % dtype.itemsize:
                 raise ValueError(f"a last axis of {shape[-1]} elements of {size} bytes is not a whole number of "
                                  f"{dtype.name} elements")
             shape = shape[:-1] + (shape[-1] * size // dtype.itemsize,)
-        return cls(t.data_ptr(), shape, dtype, keep=t)
+        return cls(t.data_ptr(), shape, dtype, strides, keep=t)
 
     @classmethod
     def of_numba(cls, a) -> Buffer:

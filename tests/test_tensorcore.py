@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda, uint32
 
 import fa2edu
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import VERSIONS, fragments, ptx, selftest
+from kernels_gpu.tensorcore import VERSIONS, backward_steps, fragments, ptx, selftest, steps
 
 torch = pytest.importorskip("torch")
 
@@ -109,6 +110,66 @@ def test_cp_async_twin_lands_only_after_wait():
     assert sm.tolist() == [1, 2, 3, 4]
     ptx.cp_async_wait_all()
     assert sm.tolist() == [9, 10, 11, 12]
+
+
+def test_cp_async_twin_reads_a_strided_source_in_address_order():
+    """The GPU reads ``gmem + 4·index`` whatever the array's layout; the twin does the same for a strided view (the
+    words between its rows included), where the C-contiguous flat index would be another element."""
+    base = np.arange(2 * 6 * 3 * 8, dtype=np.uint32).reshape(2, 6, 3, 8)
+    view = base.transpose(0, 2, 1, 3)                      # (Z, H, N, d) over (Z, N, H, d) memory
+    sm = np.zeros(4, dtype=np.uint32)
+    ptx._PENDING.groups = [[]]
+    offset = 1 * (view.strides[0] // 4) + 2 * (view.strides[1] // 4) + 3 * (view.strides[2] // 4) + 4
+    ptx.cp_async16(sm, 0, view, offset, 16)
+    ptx.cp_async_commit()
+    ptx.cp_async_wait_all()
+    assert sm.tolist() == view[1, 2, 3, 4:8].tolist()
+
+
+@pytest.mark.parametrize("module", ["steps", "backward_steps"])
+@pytest.mark.parametrize("which", ["copy_kv_async", "copy_kv_async_inc"])
+def test_tile_copies_follow_the_strides(module, which):
+    """Both tile copies of both step modules find rows by the array's strides: a (Z, H, N, d) view of (Z, N, H, d)
+    memory — a transposed projection, as a GPT hands q, k, v over — lands the same tile as its contiguous copy,
+    rows past N as zeros."""
+    d, warps = 32, 2
+    if module == "steps":
+        cfg = steps.Config(d=d, warps=warps, B_c=32, dtype="float16", causal=False, simulated=True)
+        copy, rows, RS = steps.make_steps(cfg)[which], cfg.B_c, cfg.RS
+    else:
+        cfg = backward_steps.BackwardConfig(d=d, warps=warps, B_r=16, dtype="float16", causal=False, simulated=True)
+        copy, rows, RS = backward_steps.make_backward_steps(cfg)[which], cfg.B_c, cfg.RS
+    T, size = 32 * warps, rows * RS
+
+    @cuda.jit
+    def land(X, out, z, h, row0, N):
+        sm = cuda.shared.array(size, uint32)
+        tid = cuda.threadIdx.x
+        for e in range(tid, size, T):
+            sm[e] = uint32(0xFFFFFFFF)
+        cuda.syncthreads()
+        copy(sm, 0, X, z, h, row0, N, tid)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait_all()
+        cuda.syncthreads()
+        for e in range(tid, size, T):
+            out[e] = sm[e]
+
+    Z, H, N = 2, 3, 45
+    memory = np.random.default_rng(5).integers(0, 2**32, size=(Z, N, H, d // 2), dtype=np.uint32)
+    strided = cuda.to_device(memory).transpose((0, 2, 1, 3))
+    packed = cuda.to_device(np.ascontiguousarray(memory.transpose(0, 2, 1, 3)))
+    assert strided.strides != packed.strides
+    for row0 in (0, 32):                                   # a whole tile, and one that runs past N
+        tiles = []
+        for X in (strided, packed):
+            out = cuda.to_device(np.zeros(size, dtype=np.uint32))
+            land[1, T](X, out, 1, 2, row0, N)
+            tiles.append(out.copy_to_host().reshape(rows, RS)[:, :d // 2])
+        np.testing.assert_array_equal(tiles[0], tiles[1])
+        valid = min(rows, N - row0)
+        np.testing.assert_array_equal(tiles[0][:valid], memory[1, row0:row0 + valid, 2])
+        assert not tiles[0][valid:].any()
 
 
 def test_bulk_copy_and_mbarrier_twins():

@@ -81,11 +81,11 @@ def _check_l(L, p: launch.Problem, Q):
 
 
 def _words(x, p: launch.Problem, name: str):
-    """O or dO as the kernels' (Z, H_q, N_q, d/2) uint32 view on the device."""
+    """O or dO as the kernels' (Z, H_q, N_q, d/2) uint32 view on the device (a CUDA tensor in place, strided or
+    not, unless :func:`~kernels_gpu.tensorcore.launch.zero_copy` says it must be copied)."""
     shape = (p.Z, p.H_q, p.N_q, p.d)
     if p.kind == "torch-cuda":
-        import torch
-        return Buffer.of_torch(x.reshape(shape).contiguous(), np.uint32)
+        return Buffer.of_torch(launch._kernel_view(x.reshape(shape)), np.uint32)
     if p.kind == "numba":
         return x.reshape(shape).view(np.uint32)
     if p.kind == "torch-cpu":
@@ -110,12 +110,13 @@ def _stats_l(L, p: launch.Problem):
     return cuda.to_device(np.ascontiguousarray(host, dtype=np.float32).reshape(shape))
 
 
-def _empty_words(p: launch.Problem, shape: tuple):
-    """An output of ``shape`` (elements) in the input dtype, as (uint32 words on the device, the caller-kind
-    tensor they view or None); poisoned (0xFFFF halves, NaN in both dtypes) when asked."""
+def _empty_words(p: launch.Problem, like):
+    """An output of the shape, dtype and layout of ``like`` (the kernels' view of K or V), as (uint32 words on the
+    device, the caller-kind tensor they view or None); poisoned (0xFFFF halves, NaN in both dtypes) when asked."""
+    shape = (p.Z, p.H_kv, p.N_k, p.d)
     if p.kind == "torch-cuda":
         import torch
-        user = torch.empty(shape, dtype=getattr(torch, p.dtype), device=p.O_user.device)
+        user = launch.empty_like_layout(like.keep)
         if rt.poison_outputs:
             user.view(torch.int16).fill_(-1)
         return Buffer.of_torch(user, np.uint32), user
@@ -140,8 +141,8 @@ def prepare_backward(Q, K, V, O, L, dO, *, causal, scale) -> BackwardProblem:
     for x, name in ((O, "O"), (dO, "dO")):
         _check_like_q(x, name, p, Q)
     _check_l(L, p, Q)
-    dK, dK_user = _empty_words(p, (p.Z, p.H_kv, p.N_k, p.d))
-    dV, dV_user = _empty_words(p, (p.Z, p.H_kv, p.N_k, p.d))
+    dK, dK_user = _empty_words(p, p.K)                  # dK laid out like K, dV like V (and dQ, in p.O, like Q)
+    dV, dV_user = _empty_words(p, p.V)
     return BackwardProblem(fwd=p, O=_words(O, p, "O"), dO=_words(dO, p, "dO"), L=_stats_l(L, p), dK=dK, dV=dV,
                            kv_lead=tuple(K.shape[:-2]), dK_user=dK_user, dV_user=dV_user)
 
@@ -196,6 +197,9 @@ def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, ca
     forward's stream (PyTorch's current stream for CUDA tensors), with no host synchronisation."""
     bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
     p = bp.fwd
+    if not getattr(p.O, "contiguous", True):     # dQ laid out like a strided Q: the conversion writes flat runs
+        p.O_user = p.O_user.contiguous()
+        p.O = Buffer.of_torch(p.O_user, np.uint32)
     cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
     kernel = make_kernel(cfg)
     # Alg. 2 lines 3-4: dQ_acc = 0; D = rowsum(dO ∘ O); L·log₂e.
@@ -264,7 +268,8 @@ class BackwardPlan:
     """A backward (:func:`run_backward_dq_pass`) on PyTorch CUDA tensors of fixed shapes, dtype and options,
     made from a first call's checked :class:`BackwardProblem` and its three prepared launches. A call makes the
     six inputs contiguous (no copy when they are), allocates the stats and dQ, dK, dV (poisoned when asked) and
-    launches preprocess → key-block kernel → dQ kernel on PyTorch's current stream."""
+    launches preprocess → key-block kernel → dQ kernel on PyTorch's current stream. Like the forward's plan, it
+    reads Q, K, V, O, dO in place or copies them as the first call did, and lays dQ, dK, dV out like Q, K, V."""
 
     def __init__(self, bp: BackwardProblem, stats_shape: tuple, placeholder, pre, kv, dq):
         p = bp.fwd
@@ -272,17 +277,18 @@ class BackwardPlan:
         self.placeholder = placeholder              # a (1, 1, 1, 1) float32 Buffer the preprocess never writes
         self.stats_shape = stats_shape
         self.q_shape, self.kv_shape = p.lead + (p.N_q, p.d), bp.kv_lead + (p.N_k, p.d)
+        self.q4, self.kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
         self.device = p.O_user.device
         self.device_index = self.device.index
 
     def __call__(self, Q, K, V, O, L, dO):
         from kernels_gpu.flash2 import Flash2Backward
         torch = launch._torch()
-        q, k, v, o, lse, do = (x.detach().contiguous() for x in (Q, K, V, O, L, dO))
+        q, o, do = (launch._kernel_view(x.detach().reshape(self.q4)) for x in (Q, O, dO))
+        k, v = (launch._kernel_view(x.detach().reshape(self.kv4)) for x in (K, V))
+        lse = L.detach().contiguous()
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
-        dQ = torch.empty(self.q_shape, dtype=q.dtype, device=self.device)
-        dK = torch.empty(self.kv_shape, dtype=q.dtype, device=self.device)
-        dV = torch.empty(self.kv_shape, dtype=q.dtype, device=self.device)
+        dQ, dK, dV = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
         if rt.poison_outputs:
             for x in (dQ, dK, dV):
                 x.view(torch.int16).fill_(-1)
@@ -291,4 +297,4 @@ class BackwardPlan:
         self.pre(s, o.data_ptr(), dOp, lse.data_ptr(), Sp, self.placeholder.ptr)
         self.kv(s, Qp, Kp, Vp, dOp, Sp, dK.data_ptr(), dV.data_ptr())
         self.dq(s, Qp, Kp, Vp, dOp, Sp, dQ.data_ptr())
-        return Flash2Backward(dQ, dK, dV)
+        return Flash2Backward(dQ.reshape(self.q_shape), dK.reshape(self.kv_shape), dV.reshape(self.kv_shape))

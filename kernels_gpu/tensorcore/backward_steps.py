@@ -200,15 +200,15 @@ def make_backward_steps(cfg: BackwardConfig):
             zero-filled (source size 0, a valid source address). FA2 Alg. 2 lines 6, 9: load K_j, V_j, Q_i, dO_i
             from HBM to SRAM. The caller commits and waits. A rolled loop: few registers, ~30 integer
             instructions per 16-byte copy."""
-            H = X.shape[1]
-            N_all = X.shape[2]
+            base = z * (X.strides[0] // 4) + h * (X.strides[1] // 4)    # X[z, h, 0, 0], in words
+            SN = X.strides[2] // 4                                      # words from a row to the next
             for e in range(tid, ROWS * CH, T):
                 r = e // CH
                 c = e - r * CH
                 valid = row0 + r < N and 4 * c < DW
                 rr = min(row0 + r, N - 1)
                 cc = c if 4 * c < DW else 0
-                src = ((z * H + h) * N_all + rr) * DW + 4 * cc
+                src = base + rr * SN + 4 * cc
                 ptx.cp_async16(sm, off + r * RS + 4 * c, X, src, 16 if valid else 0)
         return copy_rows_async
 
@@ -229,12 +229,13 @@ def make_backward_steps(cfg: BackwardConfig):
             r0 = tid // CH
             col_ok = 4 * c < DW
             rem = N - row0 - r0                         # copy k reads a row of X iff k·DR < rem
-            first = ((z * X.shape[1] + h) * X.shape[2] + row0) * DW
-            src = first + r0 * DW + (4 * c if col_ok else 0)
+            SN = X.strides[2] // 4                      # words from a row of X to the next (X may be strided)
+            first = z * (X.strides[0] // 4) + h * (X.strides[1] // 4) + row0 * SN
+            src = first + r0 * SN + (4 * c if col_ok else 0)
             dst = off + r0 * RS + 4 * c
             for k in range(STEPS):
                 valid = col_ok and k * DR < rem
-                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * DW if valid else first, 16 if valid else 0)
+                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * SN if valid else first, 16 if valid else 0)
         return copy_rows_async_inc
 
     @jit

@@ -27,10 +27,10 @@ hidden 2048), causal, TFLOP/s at N = 1024 / 4096 / 8192: d = 64: v3 101.9 / 125.
 (predicted 8-15 % from N = 4096: met at d = 128, N = 4096 only; with 2048 / d heads, d = 64 has twice as many
 blocks, which leaves a smaller tail to remove). Non-causal within ±2 % but for one +5 % at d = 128, N = 1024 (the
 same kernels in the same order: noise). At the training shape, PyTorch's profiler over a bfloat16 GPT step
-(``gpt_bf16_d128_profile_bwd_v4.log`` against v3's ``gpt_bf16_d128_profile.log``): key-block kernel 1.586 →
+(``gpt_bf16_d128_profile_bwd_v4.log`` against v3's ``gpt_bf16_d128_profile_bwd_v3.log``): key-block kernel 1.586 →
 1.431 ms per call (−10 %, predicted −12 %), dQ kernel 1.004 → 0.786 ms (−22 %, predicted −18 %); the GPT's
 bfloat16 training at d = 128 (``gpt_speed_bwd_v4.json``) ran 588 k tokens/s against v3's 558 k in
-``gpt_speed.json`` (+5 %, predicted 3-5 %; not one machine).
+``gpt_speed_bwd_v3.json`` (+5 %, predicted 3-5 %; not one machine).
 GPU tests (``gpu_tests_tensorcore_backward_v4.log``): 40 passed; compute-sanitizer memcheck of v4
 (``sanitizer_tensorcore_bwd_v4_memcheck.log``): 0 errors.
 """

@@ -9,8 +9,11 @@ view makes that irrelevant).
 Accepted inputs (all three of Q, K, V of one kind, one dtype):
 
 * PyTorch tensors of dtype float16 or bfloat16. CUDA tensors are used in place (zero-copy: the kernels get their
-  addresses as :class:`~kernels_gpu.driver_launch.Buffer` s of uint32 words; a tensor that is not contiguous is
-  copied first) and O comes back as a CUDA tensor of the input dtype, L as a float32 tensor. The launch goes to
+  addresses as :class:`~kernels_gpu.driver_launch.Buffer` s of uint32 words), strided ones too — a (B, H, N, d)
+  view of a (B, N, H, d) projection is read where it lies — as long as their last axis is contiguous and their
+  rows 16-byte aligned (:func:`zero_copy`; others are copied first). O comes back as a CUDA tensor of the input
+  dtype laid out like Q (:func:`empty_like_layout`: contiguous for a contiguous Q, (B, N, H, d) in memory for the
+  view above, as SDPA's flash and cuDNN kernels lay out theirs), L as a contiguous float32 tensor. The launch goes to
   PyTorch's current stream with no host synchronisation, through :func:`kernels_gpu.driver_launch.launch` — the
   parameters packed by hand, not numba's per-call typing (tens of microseconds of host time, not hundreds).
   CPU tensors are copied (how the tests run the kernels in numba's CUDA simulator) and the results come back as
@@ -36,7 +39,8 @@ from fa2edu.validation import check_scale
 from kernels_gpu import driver_launch
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES, Buffer
 
-__all__ = ["Problem", "prepare", "finish", "run", "ForwardPlan", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES"]
+__all__ = ["Problem", "prepare", "finish", "run", "ForwardPlan", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES",
+           "zero_copy", "layout_order", "layout_strides", "empty_like_layout"]
 
 DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -84,6 +88,48 @@ class Problem:
     O_user: object = None   # the caller-kind array that O is a view of (torch-cuda), if any
     L_user: object = None
     stream: int = 0         # the raw handle of the stream to launch on: PyTorch's current one for CUDA tensors, else 0
+
+
+def zero_copy(x) -> bool:
+    """Whether a CUDA tensor can reach the kernels as it lies: last axis contiguous, and every row and the first
+    element 16-byte aligned (``cp.async`` copies 16 bytes from 16-byte aligned addresses)."""
+    size = x.element_size()
+    return (x.dim() > 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all((n * size) % 16 == 0 for n in x.stride()[:-1]))
+
+
+def _kernel_view(x):
+    """``x`` itself when the kernels can read it in place (:func:`zero_copy`), else a contiguous copy."""
+    return x if zero_copy(x) else x.contiguous()
+
+
+def layout_order(x) -> list:
+    """x's axes from the largest stride to the smallest, the last axis kept last (the kernels' rows are
+    contiguous); axes of equal stride (size 1) keep their order."""
+    lead = sorted(range(x.dim() - 1), key=lambda i: (-x.stride(i), i))
+    return lead + [x.dim() - 1]
+
+
+def layout_strides(x, shape=None) -> tuple:
+    """The strides (elements) of :func:`empty_like_layout` (x, shape), without allocating it."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    strides, step = [0] * len(shape), 1
+    for i in reversed(layout_order(x)):
+        strides[i] = step
+        step *= max(int(shape[i]), 1)
+    return tuple(strides)
+
+
+def empty_like_layout(x, shape=None, dtype=None):
+    """An empty dense tensor on x's device, of ``shape`` and ``dtype`` (x's by default), whose axes lie in memory in
+    the order of x's (:func:`layout_order`): contiguous when x is, (B, N, H, d) in memory when x is a (B, H, N, d)
+    view of a (B, N, H, d) projection — the layout SDPA's flash and cuDNN kernels give their outputs, so that the
+    caller's ``transpose(1, 2).reshape(B, N, H·d)`` of O costs no copy."""
+    torch = _torch()
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    order = layout_order(x)
+    t = torch.empty([shape[i] for i in order], dtype=x.dtype if dtype is None else dtype, device=x.device)
+    return t.permute([order.index(i) for i in range(len(order))])
 
 
 def _shape4(shape: tuple, name: str) -> tuple:
@@ -165,9 +211,9 @@ def prepare(Q, K, V, *, causal, scale) -> Problem:
         torch = _torch()
         if rt.simulator_in_use():
             raise TypeError("CUDA tensors cannot run in numba's CUDA simulator: pass CPU tensors there")
-        q, k, v = (x.reshape(s).contiguous() for x, s in ((Q, (Z, H_q, N_q, d)), (K, (Z, H_kv, N_k, d)),
-                                                            (V, (Z, H_kv, N_k, d))))
-        O_user = torch.empty_like(q)
+        q, k, v = (_kernel_view(x.reshape(s)) for x, s in ((Q, (Z, H_q, N_q, d)), (K, (Z, H_kv, N_k, d)),
+                                                             (V, (Z, H_kv, N_k, d))))
+        O_user = empty_like_layout(q)
         L_user = torch.empty((Z, H_q, N_q), dtype=torch.float32, device=q.device)
         if rt.poison_outputs:
             O_user.view(torch.int16).fill_(-1)           # 0xFFFF: a NaN in both float16 and bfloat16
@@ -264,37 +310,41 @@ _PLANS: dict = {}
 def _plan_key(tensors, rung: tuple, causal, scale, options: dict):
     """The cache key of a call on PyTorch CUDA tensors with the driver-level launch (None otherwise: no plan).
     Everything the checks and the configuration depend on is in it — shapes, dtypes, device, the type and value
-    of every option — so a call that finds a plan would have passed the checks of the call that made it."""
+    of every option, strides and whether each tensor is read in place — so a call that finds a plan would have
+    passed the checks of the call that made it, and lays its tensors out as that call did."""
     torch = _torch()
     if torch is None or not all(type(x) is torch.Tensor and x.is_cuda for x in tensors):
         return None
     if not driver_launch.enabled():
         return None
     return (rung, type(causal), causal, type(scale), scale, tuple(sorted(options.items())),
-            tuple((x.shape, x.dtype, x.device) for x in tensors))
+            tuple((x.shape, x.stride(), zero_copy(x), x.dtype, x.device) for x in tensors))
 
 
 class ForwardPlan:
     """A forward on PyTorch CUDA tensors of fixed shapes, dtype and options, made from a first call's checked
-    :class:`Problem` and its :class:`~kernels_gpu.driver_launch.Prepared` launch. A call makes Q, K, V contiguous
-    (no copy when they are), allocates O (Q's shape and dtype) and L (float32, Q's shape without the last axis),
-    poisons them when asked, and launches on PyTorch's current stream."""
+    :class:`Problem` and its :class:`~kernels_gpu.driver_launch.Prepared` launch. A call copies Q, K, V only when
+    the first call did (:func:`zero_copy`, part of the plan's key), allocates O (Q's shape, dtype and layout) and
+    L (float32, Q's shape without the last axis), poisons them when asked, and launches on PyTorch's current
+    stream."""
 
     def __init__(self, p: Problem, launch_):
         self.launch = launch_
         self.o_shape, self.l_shape = p.lead + (p.N_q, p.d), p.lead + (p.N_q,)
+        self.q4, self.kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
         self.device = p.O_user.device
         self.device_index = self.device.index
 
     def __call__(self, Q, K, V):
         from kernels_gpu.flash2 import Flash2Forward
         torch = _torch()
-        q, k, v = Q.contiguous(), K.contiguous(), V.contiguous()
-        O = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        # as prepare() did for the first call: the kernels' 4-axis views, read in place or copied, O like q
+        q, k, v = (_kernel_view(x.reshape(s)) for x, s in ((Q, self.q4), (K, self.kv4), (V, self.kv4)))
+        O = empty_like_layout(q)
         L = torch.empty(self.l_shape, dtype=torch.float32, device=self.device)
         if rt.poison_outputs:
             O.view(torch.int16).fill_(-1)
             L.fill_(math.nan)
         self.launch(driver_launch.current_stream(self.device_index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                     O.data_ptr(), L.data_ptr())
-        return Flash2Forward(O, L)
+        return Flash2Forward(O.reshape(self.o_shape), L)

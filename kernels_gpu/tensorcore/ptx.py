@@ -294,16 +294,30 @@ def _pending() -> list:
     return _PENDING.groups
 
 
+def _memory(gmem) -> np.ndarray:
+    """The memory an array spans, as a 1-D array of its elements in address order, element 0 first (the GPU's
+    view of ``gmem + 4·index``): the array itself, flattened, when it is C-contiguous; for a strided view (positive
+    strides, whole elements apart), every element between its first and its last, holes included."""
+    a = np.asarray(getattr(gmem, "_ary", gmem))
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    if any(st <= 0 or st % a.itemsize for st in a.strides):
+        raise ValueError(f"a strided source needs positive strides in whole elements, got {a.strides}")
+    span = sum((n - 1) * st for n, st in zip(a.shape, a.strides)) // a.itemsize + 1
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,), writeable=False)
+
+
 def _cp_async16_twin(smem, s_index, gmem, g_index, src_bytes):
     """Simulator twin of ``cp.async.cg.shared.global [smem + 4·s_index], [gmem + 4·g_index], 16, src_bytes``: four
-    32-bit words (``gmem`` a C-contiguous array of any rank, ``g_index`` the flat index of the first), queued in
-    this thread's open group (zeros when ``src_bytes`` is 0)."""
+    32-bit words (``gmem`` an array of any rank, ``g_index`` the first word's offset from element 0 in words — the
+    flat index when ``gmem`` is C-contiguous, computed from its strides when it is not), queued in this thread's
+    open group (zeros when ``src_bytes`` is 0)."""
     s, g, n = int(s_index), int(g_index), int(src_bytes)
     if n not in (0, 16):
         raise ValueError("cp_async16: src_bytes must be 0 or 16")
     if s % 4 or g % 4:
         raise RuntimeError("cp_async16: source and destination must be 16-byte aligned")
-    flat = np.asarray(getattr(gmem, "_ary", gmem)).reshape(-1)
+    flat = _memory(gmem)
     data = np.array(flat[g:g + 4], copy=True) if n else np.zeros(4, dtype=smem.dtype)
     _pending()[-1].append((smem, s, data))
 
@@ -492,8 +506,8 @@ def _build_gpu() -> dict:
         return builder.ptrtoint(sptr, i32)
 
     def global_address(context, builder, aryty, ary, index, indexty):
-        """The address of element ``index`` of a C-contiguous array of any rank, counted from its first element
-        (the flat index: the kernels compute it from the array's shape)."""
+        """The address ``index`` elements past element 0 of an array of any rank and layout (the flat index of a
+        C-contiguous array; for a strided one the kernels compute the offset from its strides)."""
         array = context.make_array(aryty)(context, builder, ary)
         idx = context.cast(builder, index, indexty, types.intp)
         return builder.ptrtoint(builder.gep(array.data, [idx]), i64)

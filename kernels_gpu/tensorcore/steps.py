@@ -152,16 +152,16 @@ def make_steps(cfg: Config):
             RS) with ``cp.async``: 16 bytes per thread and step, straight from global to shared memory, no
             registers on the way; nothing waits here (the caller commits the group and waits for it later). Rows
             past N and chunks between d and D are filled with zeros (source size 0; the address is clamped to a
-            valid one, never read). X must be C-contiguous."""
-            H = X.shape[1]
-            N_all = X.shape[2]
+            valid one, never read). X may be strided (its rows 16-byte aligned)."""
+            base = z * (X.strides[0] // 4) + h * (X.strides[1] // 4)    # X[z, h, 0, 0], in words
+            SN = X.strides[2] // 4                                      # words from a row to the next
             for e in range(tid, ROWS * CH, T):
                 r = e // CH
                 c = e - r * CH
                 valid = row0 + r < N and 4 * c < DW
                 rr = min(row0 + r, N - 1)
                 cc = c if 4 * c < DW else 0
-                src = ((z * H + h) * N_all + rr) * DW + 4 * cc
+                src = base + rr * SN + 4 * cc
                 ptx.cp_async16(sm, off + r * RS + 4 * c, X, src, 16 if valid else 0)
         return copy_rows_async
 
@@ -183,12 +183,13 @@ def make_steps(cfg: Config):
             r0 = tid // CH
             col_ok = 4 * c < DW
             rem = N - row0 - r0                  # copy k reads a row of X iff k·DR < rem
-            first = ((z * X.shape[1] + h) * X.shape[2] + row0) * DW   # X[z, h, row0, 0], a row that exists
-            src = first + r0 * DW + (4 * c if col_ok else 0)
+            SN = X.strides[2] // 4               # words from a row of X to the next (X may be strided)
+            first = z * (X.strides[0] // 4) + h * (X.strides[1] // 4) + row0 * SN   # X[z, h, row0, 0]: it exists
+            src = first + r0 * SN + (4 * c if col_ok else 0)
             dst = off + r0 * RS + 4 * c
             for k in range(STEPS):
                 valid = col_ok and k * DR < rem
-                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * DW if valid else first,
+                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * SN if valid else first,
                                16 if valid else 0)
         return copy_rows_async_inc
 

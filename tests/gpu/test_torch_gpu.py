@@ -258,6 +258,71 @@ def test_non_contiguous_inputs_and_a_side_stream(dtype):
         assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
 
 
+def gpt_views(B, N, H, d, dtype, seed):
+    """q, k, v as a GPT makes them — (B, H, N, d) views of one (B, N, 3·H·d) projection — and dO as its backward
+    brings it — a (B, H, N, d) view of a (B, N, H·d) gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, N, 3 * H * d, generator=generator).to(CUDA, dtype)
+    q, k, v = (t.view(B, N, H, d).transpose(1, 2) for t in qkv.split(H * d, dim=2))
+    dO = torch.randn(B, N, H * d, generator=generator).to(CUDA, dtype).view(B, N, H, d).transpose(1, 2)
+    return q, k, v, dO
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_tensor_cores_read_strided_inputs_in_place(dtype, d):
+    """GPT-shaped strided q, k, v, dO give the bits of their contiguous copies; O and the gradients come back laid
+    out like q, k, v ((B, N, H, d) in memory), so the model's transpose-and-reshape copies nothing; at d = 64 and
+    128 (no padding) the forward and backward run no copy kernel at all."""
+    from kernels_gpu.tensorcore.launch import layout_strides
+    q, k, v, dO = gpt_views(2, 300, 4, d, dtype, seed=d)
+    got = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    expected = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True),
+                          *(x.contiguous() for x in (q, k, v)), dO.contiguous())
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    for out, like in zip(got, (q, q, k, v)):
+        assert out.stride() == layout_strides(like) and out.transpose(1, 2).is_contiguous()
+    if d % 8 == 0:                                               # the two operators alone, as autograd calls them
+        from torch.profiler import ProfilerActivity, profile
+
+        def both():
+            O, L = ops.flash_attention_fwd(q, k, v, True, d ** -0.5, "tensorcore", None, None)
+            return ops.flash_attention_bwd(dO, q, k, v, O, L, True, d ** -0.5, "tensorcore", None, None)
+
+        both()                                                   # plans made outside the profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            both()
+            torch.cuda.synchronize()
+        kernels = [e.key for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        assert len(kernels) == 4, kernels                        # forward; preprocess, key-block, dQ
+        assert not [k for k in kernels if "elementwise" in k or "copy" in k.lower()], kernels
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_opcheck_on_strided_inputs(dtype):
+    """The fakes promise the strides the tensor-core kernels deliver for GPT-shaped views (opcheck compares)."""
+    q, k, v, dO = gpt_views(1, 130, 2, 64, dtype, seed=9)
+    result = torch.library.opcheck(ops.flash_attention_fwd, (q, k, v, True, 0.125, "tensorcore", None, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    O, L = ops.flash_attention_fwd(q, k, v, True, 0.125, "tensorcore", None, None)
+    result = torch.library.opcheck(ops.flash_attention_bwd, (dO, q, k, v, O, L, True, 0.125, "tensorcore", None,
+                                                             None))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_misaligned_views_are_copied_and_still_laid_out_like_q():
+    """Rows 16-byte aligned is what cp.async needs: a view whose rows are not (d = 8 columns out of 12) is copied
+    for the kernels, and O still comes back in q's layout, equal to the contiguous result."""
+    from kernels_gpu.tensorcore.launch import layout_strides, zero_copy
+    base = torch.randn(2, 3, 50, 12, device=CUDA, dtype=BF16)
+    q = k = v = base[..., :8]
+    assert not zero_copy(q)
+    O = flash_attention(q, k, v)
+    assert O.stride() == layout_strides(q)
+    assert torch.equal(O, flash_attention(q.contiguous(), k.contiguous(), v.contiguous()))
+
+
 def test_autocast_runs_the_tensor_core_kernels():
     q, k, v, _ = draw((1, 2, 64, 64), (1, 2, 64, 64), 64, F32)
     with torch.autocast("cuda", dtype=BF16):
