@@ -686,7 +686,9 @@ def default_num_splits(programs: int, n_max: int, block: int, sms: int) -> int:
        batch 1 with 8 KV heads: 16 splits (128 programs, one per SM) against 32 (256, two on most SMs) took
        33.9 against 35.2 µs at 16k keys, 56.7 against 59.6 at 32k, 101.8 against 104.0 at 64k; 22 splits (176
        programs: one SM in three runs two, and the step waits for those) was slower than either; batch 8:
-       2 splits against 4, 0.7-2.6 % faster. Two programs on an SM do not stream twice as fast as one: the SMs with
+       2 splits against 4, 0.7-2.6 % faster; batch 32 (256 programs without splitting): 1 split against 2 and 4
+       at 4k, 16k, 64k keys, 190 / 725 / 2865 µs against 207-202 / 782-751 / 3043-2942
+       (``decode_split_sweep_b32.json``). Two programs on an SM do not stream twice as fast as one: the SMs with
        a single program finished their split first (globaltimer stamps of every warp, 16k keys, 32 splits:
        ``decode_tc_trace_16k_S32.npy``), so
        the step ends with the doubled SMs' tail, and more programs only add partials to write and merge.
