@@ -4,7 +4,8 @@ f16 and bf16, d = 64 and 128, causal and not, ragged N:
 ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and ``--tool racecheck``); name
 rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``; backward rungs as ``bwd_v1`` …: GQA,
 ragged, causal with rows that see no key, d = 64, 128 and 256; FA2 Section 3.3's ``split-k``, ``split-q`` and the
-TF32 forward ``tf32`` by those names). Prints one line per launch; exits non-zero on a wrong result."""
+TF32 forward ``tf32`` by those names; ``strided``: the PyTorch op on GPT-shaped strided views, read in place).
+Prints one line per launch; exits non-zero on a wrong result."""
 
 from __future__ import annotations
 
@@ -41,7 +42,45 @@ def main(argv=None) -> int:
                       flush=True)
     failures += _backward(wanted)
     failures += _tf32(wanted)
+    failures += _strided(wanted)
     return 1 if failures else 0
+
+
+def _strided(wanted) -> int:
+    """If ``strided`` is in ``wanted``: the fastest forward and backward through ``fa2edu.torch.flash_attention``
+    on GPT-shaped strided inputs — q, k, v (B, H, N, d) views of one (B, N, 3·H·d) projection, dO a view of a
+    (B, N, H·d) gradient — read in place, O and the gradients written in (B, N, H, d) memory: O checked against
+    SDPA's math backend, the gradients against the same op on contiguous copies (bit for bit)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa2edu.torch import flash_attention
+    if "strided" not in wanted:
+        return 0
+    failures = 0
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (64, 128):
+            B, N, H = 2, 150, 4
+            qkv = torch.randn(B, N, 3 * H * d, device="cuda").to(dtype)
+            q, k, v = (t.view(B, N, H, d).transpose(1, 2) for t in qkv.split(H * d, dim=2))
+            dO = torch.randn(B, N, H * d, device="cuda").to(dtype).view(B, N, H, d).transpose(1, 2)
+            runs = []
+            for args in ((q, k, v), tuple(x.contiguous() for x in (q, k, v))):
+                leaves = [x.detach().requires_grad_() for x in args]
+                O = flash_attention(*leaves, causal=True)
+                O.backward(dO if args[0] is q else dO.contiguous())
+                runs.append([O.detach()] + [x.grad for x in leaves])
+            torch.cuda.synchronize()
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                       is_causal=True)
+            err = (runs[0][0].float() - ref).abs().max().item()
+            same = all(torch.equal(a, b) for a, b in zip(*runs))
+            ok = err < 2e-2 and same
+            failures += not ok
+            print(f"strided {dtype} d={d} causal=True: O max error {err:.2e}, gradients "
+                  f"{'equal' if same else 'DIFFERENT'} to contiguous inputs' {'ok' if ok else 'WRONG'}", flush=True)
+    return failures
 
 
 def _tf32(wanted) -> int:
