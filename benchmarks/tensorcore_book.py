@@ -59,7 +59,8 @@ __all__ = [
     "blocks_by_registers", "TileRow", "tile_sweep", "LaunchRow", "launch_overhead",
     "SanitizerReport", "sanitizer_report", "gpu_test_counts", "gpu_test_progress",
     "BACKWARD_RUN", "VARIANTS_RUN", "BACKWARD_RUNGS", "BACKWARD_LATEST", "TARGET_BWD_TFLOPS", "TARGET_BWD_RATIO",
-    "BACKWARD_LADDER_RUNGS", "BACKWARD_RUN_RUNG", "BACKWARD_ORDER_RUN", "BACKWARD_KERNEL_RUNS", "KernelTimeRow",
+    "BACKWARD_LADDER_RUNGS", "BACKWARD_RUN_RUNG", "BACKWARD_ORDER_RUN", "BACKWARD_V5_RUN", "BACKWARD_KERNEL_RUNS",
+    "KernelTimeRow",
     "backward_kernel_times",
     "TARGET_BWD_MIN_N", "load_results", "BackwardRow", "backward_table", "PartitionRow", "partitioning_table",
     "precision_label", "PrecisionRow", "precision_table",
@@ -812,6 +813,9 @@ VARIANTS_RUN = "tensorcore_variants.json"
 #: ``python -m benchmarks.tensorcore_backward --impls v3,v4,sdpa_flash --dtypes bfloat16``: v4 (causal: the
 #: longest blocks first) beside v3 and SDPA flash, causal and not, planned launch
 BACKWARD_ORDER_RUN = "tensorcore_backward_v4.json"
+#: ``python -m benchmarks.tensorcore_backward --impls v3,v5,sdpa_flash``: v5 beside v3 and SDPA flash on the
+#: ladder's grid, fp16 and bf16, causal and not, planned launch
+BACKWARD_V5_RUN = "tensorcore_backward_v5.json"
 #: ``python -m benchmarks.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
 #: (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
 BACKWARD_KERNEL_RUNS = ("tensorcore_backward_tiles_v4.json", "tensorcore_backward_tiles_v5.json")

@@ -415,7 +415,8 @@ def test_gpu_test_counts_reads_the_committed_log():
 @pytest.mark.parametrize("name, impls, grid", [
     (tcb.BACKWARD_RUN, {tcb.BACKWARD_RUN_RUNG}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)]),
     (tcb.BACKWARD_LADDER_RUN, set(tcb.BACKWARD_LADDER_RUNGS), [("float16", False)]),
-    (tcb.BACKWARD_ORDER_RUN, {"v3", "v4"}, [("bfloat16", False), ("bfloat16", True)])])
+    (tcb.BACKWARD_ORDER_RUN, {"v3", "v4"}, [("bfloat16", False), ("bfloat16", True)]),
+    (tcb.BACKWARD_V5_RUN, {"v3", "v5"}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)])])
 def test_backward_table_ratios_and_targets(name, impls, grid):
     for dtype, causal in grid:
         rows = tcb.backward_table(name, dtype=dtype, causal=causal)
