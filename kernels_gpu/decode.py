@@ -1047,8 +1047,9 @@ def _run(c: _Call, partials_out: bool = False, plan_key=None):
 
 # -- the short road for PyTorch CUDA tensors -------------------------------------------------------------------------
 
-#: plans per call signature: what a repeated call on PyTorch CUDA tensors needs beyond allocating its outputs
-_PLANS: dict = {}
+#: plans per call signature, the 64 most recently used: what a repeated call on PyTorch CUDA tensors needs beyond
+#: allocating its outputs
+_PLANS = driver_launch.PlanCache()
 
 
 def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size, validate,

@@ -32,13 +32,14 @@ import ctypes
 import functools
 import math
 import os
+from collections import OrderedDict
 
 import numpy as np
 from numba import cuda
 
 from kernels_gpu import runtime as rt
 
-__all__ = ["Buffer", "Prepared", "enabled", "launch", "compiled_resources", "resident_blocks",
+__all__ = ["Buffer", "Prepared", "PlanCache", "enabled", "launch", "compiled_resources", "resident_blocks",
            "raise_shared_limit", "current_stream", "pdl_available", "MAX_DYNAMIC_BYTES"]
 
 #: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
@@ -58,6 +59,31 @@ def current_stream(device_index: int) -> int:
     if raw is not None:
         return int(raw(device_index))
     return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+class PlanCache(OrderedDict):
+    """The plans of the short roads (:class:`kernels_gpu.tensorcore.launch.ForwardPlan`, the backward's, the
+    decoding step's) by key, the most recently used last, at most ``maxsize`` of them: a plan holds its first
+    call's packed parameters and buffers, so a program that cycles through more shapes than that pays a first
+    call's host time again instead of holding memory without bound. A ``dict`` otherwise."""
+
+    def __init__(self, maxsize: int = 64):
+        super().__init__()
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be at least 1, got {maxsize}")
+        self.maxsize = maxsize
+
+    def get(self, key, default=None):
+        if key not in self:
+            return default
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
 
 
 class _Interface:

@@ -68,3 +68,18 @@ def test_simulator_path_launches_numba_arrays():
     x = cuda.to_device(np.arange(10, dtype=np.float32))
     driver_launch.launch(add_one, 1, 16, 0, (x, np.int32(10)))
     np.testing.assert_array_equal(x.copy_to_host(), np.arange(10, dtype=np.float32) + 1)
+
+
+def test_plan_cache_keeps_the_most_recently_used():
+    cache = driver_launch.PlanCache(maxsize=2)
+    cache["a"], cache["b"] = 1, 2
+    assert cache.get("a") == 1                     # "a" is now the most recently used ...
+    cache["c"] = 3                                  # ... so "b" goes
+    assert list(cache) == ["a", "c"] and cache.get("b") is None and cache.get("b", 0) == 0
+    cache["a"] = 4                                  # a new value for a kept key counts as a use
+    cache["d"] = 5
+    assert dict(cache) == {"a": 4, "d": 5}
+    cache.clear()
+    assert len(cache) == 0
+    with pytest.raises(ValueError, match="maxsize"):
+        driver_launch.PlanCache(0)

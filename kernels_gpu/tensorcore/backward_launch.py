@@ -260,8 +260,9 @@ def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, 
 
 # -- the short road for PyTorch CUDA tensors -------------------------------------------------------------------------
 
-#: plans per (rung, options, shapes, dtypes, device) of :func:`run_backward_dq_pass`
-_PLANS: dict = {}
+#: plans per (rung, options, shapes, strides, dtypes, device) of :func:`run_backward_dq_pass`, the 64 most recently
+#: used
+_PLANS = driver_launch.PlanCache()
 
 
 class BackwardPlan:

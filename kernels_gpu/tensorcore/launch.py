@@ -303,8 +303,9 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
 
 # -- the short road for PyTorch CUDA tensors -------------------------------------------------------------------------
 
-#: plans per (rung, options, shapes, dtypes, device): what a repeated call needs beyond allocating its outputs
-_PLANS: dict = {}
+#: plans per (rung, options, shapes, strides, dtypes, device), the 64 most recently used: what a repeated call
+#: needs beyond allocating its outputs
+_PLANS = driver_launch.PlanCache()
 
 
 def _plan_key(tensors, rung: tuple, causal, scale, options: dict):
