@@ -56,7 +56,8 @@ import fa2edu
 
 __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
-           "standard_backward", "fast_width", "tensorcore_width", "tensorcore_has_backward"]
+           "standard_backward", "fast_width", "tensorcore_width", "tensorcore_has_backward", "reads_strided",
+           "tensorcore_layout"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
 ALGORITHMS = ("flash2", "flash1", "standard")
@@ -76,6 +77,9 @@ class Backend(NamedTuple):
     dtypes: tuple[torch.dtype, ...]
     algorithms: tuple[str, ...]
     description: str
+    #: reads strided q, k, v, O, dO where they lie and lays O, dQ, dK, dV out like q, k, v (:func:`tensorcore_layout`);
+    #: the other backends take contiguous inputs and return contiguous results
+    strided: bool = False
 
 
 BACKENDS = {
@@ -85,7 +89,8 @@ BACKENDS = {
                     "kernels_gpu.fast: register-tiled CUDA-core kernels, forward v6/v8, backward v1"),
     "tensorcore": Backend(("cuda",), (torch.float16, torch.bfloat16), ("flash2",),
                           "kernels_gpu.tensorcore: mma.sync kernels, forward and backward (float32 "
-                          "accumulators); without tensorcore.flash2_backward, the fast float32 backward"),
+                          "accumulators); without tensorcore.flash2_backward, the fast float32 backward",
+                          strided=True),
     "teaching": Backend(("cuda",), (torch.float32,), ("flash2", "standard"),
                         "kernels_gpu's teaching kernels: one thread per row, mirroring the NumPy code"),
 }
@@ -481,9 +486,15 @@ def _contiguous(*xs):
     return tuple(x.contiguous() for x in xs)
 
 
+def reads_strided(backend: str) -> bool:
+    """Whether ``backend`` reads strided tensors in place and lays its results out like its inputs
+    (:attr:`Backend.strided`); the others are handed contiguous tensors and return contiguous results."""
+    return BACKENDS[backend].strided
+
+
 def _results(backend: str, *xs):
-    """An operator's results: as the tensor cores laid them out (:func:`tensorcore_layout`), else contiguous."""
-    return xs if backend == "tensorcore" else _contiguous(*xs)
+    """An operator's results: as a strided backend laid them out (:func:`tensorcore_layout`), else contiguous."""
+    return xs if reads_strided(backend) else _contiguous(*xs)
 
 
 @torch.library.custom_op("fa2edu::flash_attention_fwd", mutates_args=())
@@ -499,7 +510,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 @flash_attention_fwd.register_fake
 def _(q, k, v, causal, scale, backend, block_sizes, M):
     shape = (*q.shape[:-1], v.shape[-1])
-    O = tensorcore_layout(q, shape) if backend == "tensorcore" else _new(q, shape)
+    O = tensorcore_layout(q, shape) if reads_strided(backend) else _new(q, shape)
     return O, _new(q, q.shape[:-1], _stat_dtype(q.dtype))
 
 
@@ -510,14 +521,14 @@ def flash_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 Alg. 2: (dQ, dK, dV) from the inputs, the forward's O and L, and the upstream gradient dO."""
     sizes = None if block_sizes is None else tuple(block_sizes)
-    if backend != "tensorcore":
+    if not reads_strided(backend):
         dO = dO.contiguous()
     return _results(backend, *flash2_backward(backend, q, k, v, O, L, dO, causal, scale, sizes, M))
 
 
 @flash_attention_bwd.register_fake
 def _(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
-    if backend == "tensorcore":
+    if reads_strided(backend):
         return tensorcore_layout(q), tensorcore_layout(k), tensorcore_layout(v)
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 

@@ -147,7 +147,7 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
         block_sizes = [int(b) for b in block_sizes]
     if algorithm == "standard" and M is not None:
         raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
-    if backend != "tensorcore":              # the tensor cores read strided q, k, v where they lie
+    if not ops.reads_strided(backend):       # the tensor cores read strided q, k, v where they lie
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return (q, k, v), (causal, float(scale), backend, block_sizes, M)
 

@@ -128,7 +128,7 @@ class Buffer:
         shape = tuple(t.shape) or (1,)
         strides = None
         if not t.is_contiguous():
-            if t.dim() == 0 or t.stride(-1) != 1:
+            if t.stride(-1) != 1:                  # (a 0-d tensor is contiguous: never here)
                 raise ValueError(f"Buffer.of_torch needs the last axis contiguous (stride 1), got strides "
                                  f"{tuple(t.stride())}")
             strides = tuple(n * size for n in t.stride()[:-1]) + (dtype.itemsize,)

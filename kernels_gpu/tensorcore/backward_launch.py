@@ -267,10 +267,10 @@ _PLANS = driver_launch.PlanCache()
 
 class BackwardPlan:
     """A backward (:func:`run_backward_dq_pass`) on PyTorch CUDA tensors of fixed shapes, dtype and options,
-    made from a first call's checked :class:`BackwardProblem` and its three prepared launches. A call makes the
-    six inputs contiguous (no copy when they are), allocates the stats and dQ, dK, dV (poisoned when asked) and
-    launches preprocess → key-block kernel → dQ kernel on PyTorch's current stream. Like the forward's plan, it
-    reads Q, K, V, O, dO in place or copies them as the first call did, and lays dQ, dK, dV out like Q, K, V."""
+    made from a first call's checked :class:`BackwardProblem` and its three prepared launches. A call reads Q, K,
+    V, O, dO in place or copies them as the first call did (:func:`~kernels_gpu.tensorcore.launch.zero_copy`, part
+    of the plan's key), allocates the stats and dQ, dK, dV laid out like Q, K, V (poisoned when asked) and launches
+    preprocess → key-block kernel → dQ kernel on PyTorch's current stream."""
 
     def __init__(self, bp: BackwardProblem, stats_shape: tuple, placeholder, pre, kv, dq):
         p = bp.fwd
