@@ -115,19 +115,23 @@ def test_every_other_rung_matches_oracle(version, poisoned):
     flash_attn_rule(grads, Q, K, V, dO, True)
 
 
-@pytest.mark.parametrize("batch, d, chunks", [(2, 16, 1), (1, 24, 2)])
-def test_v5_is_v3_bit_for_bit(batch, d, chunks, poisoned):
+@pytest.mark.parametrize("version", ["v5", "v6", "v7"])
+@pytest.mark.parametrize("batch, heads, d, chunks", [(2, 1, 16, 1), (1, 1, 24, 2), (1, 3, 16, 1)])
+def test_later_rungs_are_v3_bit_for_bit(version, batch, heads, d, chunks, poisoned):
     """v5 runs v3's kernels in v4's order (causal: the longest blocks first, every block index read from the other
-    grid) with copies that step their addresses: every block still runs once and computes the same sums —
-    gradients bit-identical to v3's, with two key blocks, two query blocks, N_q ≠ N_k, a batch, column chunks.
-    (v4 alone, GQA, non-causal, d = 64 and 128: ``tests/gpu/test_tensorcore_backward_gpu.py``.)"""
-    Q, K, V, O, L, dO = _problem((batch, 1, 34, d), (batch, 1, 40, d), "bfloat16", True, seed=11)
+    grid) with copies that step their addresses; v6 counts the key-block kernel's (query head, row block) steps
+    instead of dividing them out and reads L_i, D_i at unsigned indices; v7 computes Sᵀ and dPᵀ in one loop.
+    Every block still runs once and computes the same sums — gradients bit-identical to v3's, with two key blocks,
+    two query blocks, N_q ≠ N_k, a batch, column chunks, and a GQA group of 3 (v6's counter moves to the next query
+    head after the last row block).
+    (Non-causal, d = 64 and 128: ``tests/gpu/test_tensorcore_backward_gpu.py``.)"""
+    Q, K, V, O, L, dO = _problem((batch, heads, 34, d), (batch, 1, 40, d), "bfloat16", True, seed=11)
     tile = dict(warps=2, B_r=16, chunks=chunks)
     v3 = BACKWARD_VERSIONS["v3"](Q, K, V, O, L, dO, causal=True, **tile)
-    v5 = BACKWARD_VERSIONS["v5"](Q, K, V, O, L, dO, causal=True, **tile)
-    for a, b in zip(v3, v5):
+    ours = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True, **tile)
+    for a, b in zip(v3, ours):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    flash_attn_rule(v5, Q, K, V, dO, True)
+    flash_attn_rule(ours, Q, K, V, dO, True)
 
 
 def test_numpy_float16_in_and_out():

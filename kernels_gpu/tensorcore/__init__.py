@@ -72,21 +72,26 @@ from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_backward_v3,
     flash2_backward_v4,
     flash2_backward_v5,
+    flash2_backward_v6,
+    flash2_backward_v7,
 )
 
 #: the backward rungs: name → ``flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None) ->
 #: Flash2Backward(dQ, dK, dV)`` (v1: FA2 Alg. 2 on mma.sync, dQ by atomic adds; v2: Q_i, dO_i double-buffered;
 #: v3: dQ by a second kernel over query blocks, no atomics; v4: causal, the longest blocks first; v5: copies
-#: that step their addresses)
+#: that step their addresses; v6: the key-block kernel's step bookkeeping without divisions or signed indices;
+#: v7: Sᵀ and dPᵀ in one loop)
 BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
                      "v3": flash2_backward_v3.flash2_backward, "v4": flash2_backward_v4.flash2_backward,
-                     "v5": flash2_backward_v5.flash2_backward}
+                     "v5": flash2_backward_v5.flash2_backward, "v6": flash2_backward_v6.flash2_backward,
+                     "v7": flash2_backward_v7.flash2_backward}
 
-#: the fastest measured backward rung (v5: v3's sums — 141-155 TFLOP/s at N ≥ 4096 against v2's 101-123 in
+#: the fastest measured backward rung (v7: v3's sums — 141-155 TFLOP/s at N ≥ 4096 against v2's 101-123 in
 #: ``benchmarks/results/nvidia-h100/tensorcore_backward.json`` —, the longest blocks first when causal, +1-11 %
-#: in ``tensorcore_backward_v4.json``, and copies stepped by constants, 13-23 % less time per kernel in
-#: ``tensorcore_backward_tiles_v5.json``)
-flash2_backward = flash2_backward_v5.flash2_backward
+#: in ``tensorcore_backward_v4.json``, copies stepped by constants, 13-23 % less time per kernel in
+#: ``tensorcore_backward_tiles_v5.json``, and the key-block kernel's loop without divisions or signed indices and
+#: with Sᵀ, dPᵀ in one loop: that kernel 21-28 % faster than v5's in ``tensorcore_backward_tiles_v7.json``)
+flash2_backward = flash2_backward_v7.flash2_backward
 
 from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402
 

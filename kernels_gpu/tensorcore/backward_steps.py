@@ -61,7 +61,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
@@ -269,6 +269,28 @@ def make_backward_steps(cfg: BackwardConfig):
                 mma_into(acc, 2 * p + 1, a0, a1, a2, a3, b2, b3)
 
     @jit
+    def product_transposed_pair(acc, acc2, sm, x_off, y_off, x2_off, y2_off, warp, lane):
+        """Two :func:`product_transposed` in one loop over the k-steps: acc = X_w Yᵀ and acc2 = X2_w Y2ᵀ (same
+        sums, bit for bit). Alg. 2 lines 11 and 17 together (Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ): each k-step issues
+        2·NT independent MMAs where one product alone has NT accumulators, each a chain of KS dependent MMAs.
+        Cost per warp: 4·16·B_r·D FLOPs in 2·KS·NT MMAs, 2·KS·(1 + NT/2) ldmatrix; 4·NT more accumulator
+        registers live than one product's."""
+        zero(acc, S_LEN)
+        zero(acc2, S_LEN)
+        for kk in range(KS):
+            x_row = (16 * warp + lane % 16) * RS + 8 * kk + 4 * (lane // 16)
+            a0, a1, a2, a3 = ldmatrix(sm, x_off + x_row)
+            c0, c1, c2, c3 = ldmatrix(sm, x2_off + x_row)
+            for p in range(NT // 2):
+                y_row = (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                b0, b1, b2, b3 = ldmatrix(sm, y_off + y_row)
+                mma_into(acc, 2 * p, a0, a1, a2, a3, b0, b1)
+                mma_into(acc, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                b0, b1, b2, b3 = ldmatrix(sm, y2_off + y_row)
+                mma_into(acc2, 2 * p, c0, c1, c2, c3, b0, b1)
+                mma_into(acc2, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+
+    @jit
     def product_accumulate(acc, f, sm, y_off, col_word, lane):
         """acc (the warp's 16 × DC tile, 4·NC floats) += F Y[:, chunk]: F the warp's 16 × B_r accumulators ``f``
         rounded to 16 bits and packed into A fragments (C → A, no exchange between lanes), Y the B_r rows at word
@@ -305,6 +327,35 @@ def make_backward_steps(cfg: BackwardConfig):
                         if key >= N_k or (causal and key > col0 + col + diag):
                             p = float32(0.0)
                     s[4 * n + 2 * h + e] = p
+
+    @jit
+    def probabilities_at(s, smf, l_lane, key0, col0, N_k, scale_log2, diag, mask_tile):
+        """:func:`probabilities` (same values) with the lane's L·log₂e read at an *unsigned* index: ``l_lane`` =
+        uint32(l_off + 2·(lane % 4)), the lane's first query column. numba gives a signed index Python's
+        negative-index fix-up (a compare, a shift, an and, an add: ~6 integer instructions per shared load, 2·NT
+        loads per step); an unsigned one is used as it is."""
+        t = cuda.laneid % 4
+        for n in range(NT):
+            for e in range(2):
+                ell = smf[l_lane + uint32(8 * n + e)]
+                for h in range(2):
+                    p = ex2(s[4 * n + 2 * h + e] * scale_log2 - ell)
+                    if mask_tile:
+                        key = key0 + 8 * h
+                        if key >= N_k or (causal and key > col0 + 8 * n + 2 * t + e + diag):
+                            p = float32(0.0)
+                    s[4 * n + 2 * h + e] = p
+
+    @jit
+    def softmax_gradient_at(s, dp, smf, d_lane):
+        """:func:`softmax_gradient` (same values) with D_i read at the lane's unsigned index ``d_lane`` =
+        uint32(d_off + 2·(lane % 4)), as :func:`probabilities_at` reads L."""
+        for n in range(NT):
+            for e in range(2):
+                dee = smf[d_lane + uint32(8 * n + e)]
+                for h in range(2):
+                    k = 4 * n + 2 * h + e
+                    s[k] = s[k] * (dp[k] - dee)
 
     @jit
     def probabilities_rows(s, lrow, row0, col0, N_k, scale_log2, diag, mask_tile):
@@ -410,10 +461,12 @@ def make_backward_steps(cfg: BackwardConfig):
     return dict(copy_kv_async=make_copy_rows_async(B_c), copy_q_async=make_copy_rows_async(B_r),
                 copy_kv_async_inc=make_copy_rows_async_inc(B_c), copy_q_async_inc=make_copy_rows_async_inc(B_r),
                 copy_stats_async=copy_stats_async, zero=zero, product_transposed=product_transposed,
+                product_transposed_pair=product_transposed_pair,
                 product_accumulate=product_accumulate, probabilities=probabilities,
                 softmax_gradient=softmax_gradient, store_transposed=store_transposed, dq_update=dq_update,
                 store_rows=store_rows, probabilities_rows=probabilities_rows,
-                softmax_gradient_rows=softmax_gradient_rows)
+                softmax_gradient_rows=softmax_gradient_rows, probabilities_at=probabilities_at,
+                softmax_gradient_at=softmax_gradient_at)
 
 
 @functools.lru_cache(maxsize=None)

@@ -155,14 +155,15 @@ def test_dk_dv_bit_identical_dq_close_over_reruns(version):
 
 
 #: the rungs that run v3's arithmetic in another launch order or with other copy code: bit-identical to v3
-SAME_SUMS_AS_V3 = ("v4", "v5")
+SAME_SUMS_AS_V3 = ("v4", "v5", "v6", "v7")
 
 
 @pytest.mark.parametrize("version", SAME_SUMS_AS_V3)
 @pytest.mark.parametrize("causal", [True, False])
 def test_later_rungs_bit_identical_to_v3(version, causal):
-    """v4 (the longest blocks first) and v5 (copies stepped by constants) change neither tiles nor sums: their
-    dQ, dK, dV equal v3's bit for bit, at d = 64 and 128, GQA, N_q ≠ N_k."""
+    """v4 (the longest blocks first), v5 (copies stepped by constants), v6 (the key-block kernel's step
+    bookkeeping) and v7 (Sᵀ and dPᵀ in one loop) change neither tiles nor sums: their dQ, dK, dV equal v3's bit
+    for bit, at d = 64 and 128, GQA, N_q ≠ N_k."""
     for d in (64, 128):
         Q, K, V, dO = _inputs((2, 8, 900, d), (2, 2, 1100, d), "bfloat16", seed=13 + d)
         O, L = flash2_forward(Q, K, V, causal=causal)
