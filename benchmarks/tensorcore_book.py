@@ -60,6 +60,7 @@ __all__ = [
     "SanitizerReport", "sanitizer_report", "gpu_test_counts", "gpu_test_progress",
     "BACKWARD_RUN", "VARIANTS_RUN", "BACKWARD_RUNGS", "BACKWARD_LATEST", "TARGET_BWD_TFLOPS", "TARGET_BWD_RATIO",
     "BACKWARD_LADDER_RUNGS", "BACKWARD_RUN_RUNG", "BACKWARD_ORDER_RUN", "BACKWARD_V5_RUN", "BACKWARD_KERNEL_RUNS",
+    "BACKWARD_V7_RUN", "BACKWARD_V7_KERNEL_RUNS",
     "KernelTimeRow",
     "backward_kernel_times",
     "TARGET_BWD_MIN_N", "load_results", "BackwardRow", "backward_table", "PartitionRow", "partitioning_table",
@@ -819,12 +820,18 @@ BACKWARD_V5_RUN = "tensorcore_backward_v5.json"
 #: ``python -m benchmarks.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
 #: (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
 BACKWARD_KERNEL_RUNS = ("tensorcore_backward_tiles_v4.json", "tensorcore_backward_tiles_v5.json")
+#: the same kernel times for v5, v6 and v7, on one machine (v5 timed again beside the two rungs that followed it)
+BACKWARD_V7_KERNEL_RUNS = ("tensorcore_backward_tiles_v5_again.json", "tensorcore_backward_tiles_v6.json",
+                           "tensorcore_backward_tiles_v7.json")
+#: ``python -m benchmarks.tensorcore_backward --impls v5,v7,sdpa_flash --dtypes bfloat16``: v7 beside v5 and SDPA
+#: flash on the ladder's grid in bfloat16, causal and not
+BACKWARD_V7_RUN = "tensorcore_backward_v7.json"
 #: the backward rungs, in ladder order; those the ladder run timed; the one the full-grid run timed; the fastest
 #: (``kernels_gpu.tensorcore.flash2_backward``)
-BACKWARD_RUNGS = ("v1", "v2", "v3", "v4", "v5")
+BACKWARD_RUNGS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
 BACKWARD_LADDER_RUNGS = ("v1", "v2", "v3")
 BACKWARD_RUN_RUNG = "v3"
-BACKWARD_LATEST = "v5"
+BACKWARD_LATEST = "v7"
 #: the project's backward targets: TFLOP/s (backward = 2.5 × forward FLOPs) and a fraction of SDPA flash's
 #: backward of the same run, both at N ≥ TARGET_BWD_MIN_N
 TARGET_BWD_TFLOPS = 90.0

@@ -416,7 +416,8 @@ def test_gpu_test_counts_reads_the_committed_log():
     (tcb.BACKWARD_RUN, {tcb.BACKWARD_RUN_RUNG}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)]),
     (tcb.BACKWARD_LADDER_RUN, set(tcb.BACKWARD_LADDER_RUNGS), [("float16", False)]),
     (tcb.BACKWARD_ORDER_RUN, {"v3", "v4"}, [("bfloat16", False), ("bfloat16", True)]),
-    (tcb.BACKWARD_V5_RUN, {"v3", "v5"}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)])])
+    (tcb.BACKWARD_V5_RUN, {"v3", "v5"}, [(dt, c) for dt in ("float16", "bfloat16") for c in (False, True)]),
+    (tcb.BACKWARD_V7_RUN, {"v5", "v7"}, [("bfloat16", False), ("bfloat16", True)])])
 def test_backward_table_ratios_and_targets(name, impls, grid):
     for dtype, causal in grid:
         rows = tcb.backward_table(name, dtype=dtype, causal=causal)
@@ -443,6 +444,19 @@ def test_backward_kernel_times_read_both_runs():
     pairs = [(by[k], by[("v5",) + k[1:]]) for k in by if k[0] == "v4" and ("v5",) + k[1:] in by]
     assert len(pairs) == 4
     assert all(new.key_block_ms < old.key_block_ms and new.dq_ms < old.dq_ms for old, new in pairs)
+
+
+def test_backward_kernel_times_of_v5_v6_v7_on_one_machine():
+    rows = tcb.backward_kernel_times(tcb.BACKWARD_V7_KERNEL_RUNS)
+    assert {r.rung for r in rows} == {"v5", "v6", "v7"} and {r.d for r in rows} == {64, 128}
+    by = {(r.rung, r.d, r.warps, r.B_r): r for r in rows}
+    # v6 and v7 change only the key-block kernel: at each tile shape the dQ kernel (v5's) stays within noise,
+    # and at the default shapes the key-block kernel is faster than v5's
+    for (rung, d, w, b), r in by.items():
+        assert math.isclose(r.dq_ms, by["v5", d, w, b].dq_ms, rel_tol=0.05)
+    for d, tile in ((64, (4, 64)), (128, (4, 32))):
+        assert by[("v7", d) + tile].key_block_ms < by[("v6", d) + tile].key_block_ms * 1.05
+        assert by[("v6", d) + tile].key_block_ms < by[("v5", d) + tile].key_block_ms
 
 
 def test_backward_kernel_times_refuse_mixed_shapes(tmp_path):

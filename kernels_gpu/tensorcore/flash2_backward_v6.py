@@ -22,6 +22,18 @@ the gradients are bit-identical.
 latency rather than issue (34 % issue slots), so the time falls less than the count, but the divisions sit on the
 critical path at the top of every step: the key-block kernel 5-12 % faster at the GPT shape (1.19 → 1.05-1.13 ms at
 d = 128), the dQ kernel unchanged.
+
+**Measured** (H100 80GB HBM3, 2026-11-26, one machine, v5 then v6 then v7: ``tensorcore_backward_tiles_v5_again.json``,
+``_v6.json``, ``_v7.json``; batch 4, 8 heads, N = 4096, causal, bfloat16, each kernel's GPU time per call from
+PyTorch's profiler, ``python -m benchmarks.tensorcore_backward_tiles --rung v6 --tiles 4x32 4x64 --d 128 64``).
+Key-block kernel at the default shapes: d = 128 (4 warps, B_r = 32) 1.203 → 0.998 ms (−17 %), d = 64 (B_r = 64)
+0.687 → 0.487 ms (−29 %); the dQ kernel (v5's) 0.672 and 0.326 ms in both runs. Past the prediction, most at
+d = 64, where B_r = 64 doubles the L_i, D_i loads per step (2·NT each) and with them the fix-ups v6 removed (the
+products per step are the same: 16·B_r·d per warp and product). Registers (numba's report in the same
+files): 246 at d = 128 (v5 241), 236 at d = 64 (v5 248), no local memory (ptxas alone, without a GPU, reports a
+few fewer: ``inspect_ptx_bwd_v5_v6_v7.txt``). GPU tests
+(``gpu_tests_tensorcore_backward_v6_v7.log``): every v6 case, and v6 bit-identical to v3 at d = 64 and 128, causal
+and not: passed.
 """
 
 from __future__ import annotations

@@ -15,6 +15,20 @@ live across it (4·NT registers). Same tiles, launch order and dQ kernel as v6; 
 **Prediction (before the GPU run).** The score products are half the key-block kernel's MMAs; doubling their
 independent chains removes most of their dependency stalls: the key-block kernel 4-10 % faster than v6 at the GPT
 shape, unless the 16 more live registers make ptxas spill (v6 at d = 128 is near the 255 limit).
+
+**Measured** (H100 80GB HBM3, 2026-11-26, the run of v6's header, ``tensorcore_backward_tiles_v7.json``). Key-block
+kernel at d = 128 (B_r = 32): v6 0.998 → v7 0.945 ms (−5 %, inside the prediction; −21 % from v5's 1.203); at
+d = 64 (B_r = 64, already 8 accumulators per score product) 0.487 → 0.493 ms, unchanged. Registers: 239 at
+d = 128 (v6 246: fewer, not more), 245 at d = 64 (v6 236), no local memory. Nsight Compute at d = 128
+(``ncu_tensorcore_bwd_v7_d128.txt`` against ``_v5_d128.txt``, clocks locked): 292.5 M instructions executed
+against v5's 396.6 M, 1.20 ms against 1.53. On the ladder's bfloat16 grid (``tensorcore_backward_v7.json``,
+beside v5 and SDPA flash in one run): +10-17 % over v5 causal, +5-14 % non-causal at d = 64, level (−1 to +1 %)
+non-causal at d = 128; from N = 4096, 174-206 TFLOP/s, 0.68-0.81× SDPA flash's backward. The GPT's bfloat16
+training step at d = 128 (``python -m benchmarks.gpt_speed``, ``gpt_speed.json``): 0.82× SDPA's tokens/s, from
+0.78 with v5. GPU tests: ``gpu_tests_tensorcore_backward_v6_v7.log`` (v7's cases, bit-identical to v3),
+``gpu_tests_tensorcore_backward_fastest_v7.log`` (every shape of the fastest-rung test with v7 the default: 16
+passed), ``gpu_tests_torch_op.log`` (the PyTorch op: 75 passed); compute-sanitizer memcheck of v6 and v7
+(``sanitizer_tensorcore_bwd_v7_memcheck.log``): 0 errors.
 """
 
 from __future__ import annotations
