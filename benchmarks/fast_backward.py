@@ -119,29 +119,30 @@ def check_shapes(chosen, seed=0):
 
 
 def sanitize():
-    """One small ragged GQA problem (causal and not, N_q > N_k and N_q < N_k) through every default and one other
-    tiling, NumPy in and out, checked against fa2edu's float64 oracle: run under ``compute-sanitizer --tool
-    racecheck`` (or memcheck) on the GPU machine, ``python -c "from benchmarks.fast_backward import sanitize;
-    sanitize()"``. Raises AssertionError on a wrong result."""
+    """One small ragged GQA problem (causal and not, N_q > N_k and N_q < N_k) through every fast backward version,
+    with every default and one other tiling, NumPy in and out, checked against fa2edu's float64 oracle: run under
+    ``compute-sanitizer --tool racecheck`` (or memcheck) on the GPU machine, ``python -c "from
+    benchmarks.fast_backward import sanitize; sanitize()"``. Raises AssertionError on a wrong result."""
     import numpy as np
 
     import fa2edu
-    from kernels_gpu.fast import VERSIONS
-    from kernels_gpu.fast import flash2_backward_v1 as module
+    from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
+    from kernels_gpu.fast.flash2_backward_v1 import BackwardTiling
     rng = np.random.default_rng(0)
-    for N_q, N_k, causal in ((100, 77, True), (77, 100, False)):
-        for d, tiling, regs in ((64, None, None), (64, module.BackwardTiling(16, 16, 4, 4), None),
-                                (128, None, None)):
-            Q = rng.standard_normal((1, 4, N_q, d)).astype(np.float32)
-            K, V = (rng.standard_normal((1, 2, N_k, d)).astype(np.float32) for _ in range(2))
-            dO = rng.standard_normal((1, 4, N_q, d)).astype(np.float32)
-            O, L = VERSIONS["v4"](Q, K, V, causal=causal)
-            got = module.flash2_backward(Q, K, V, O, L, dO, causal=causal, tiling=tiling, max_registers=regs)
-            ref = fa2edu.attention_reference_backward(Q, K, V, dO, causal=causal)
-            for name, a, b in zip(("dQ", "dK", "dV"), got, ref[:3]):
-                err = float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
-                assert np.isfinite(a).all() and err < 1e-4, (name, err)
-            print(f"ok: fast backward N_q={N_q} N_k={N_k} d={d} causal={causal} tiling={tiling}", flush=True)
+    for version, backward in BACKWARD_VERSIONS.items():
+        for N_q, N_k, causal in ((100, 77, True), (77, 100, False)):
+            for d, tiling, regs in ((64, None, None), (64, BackwardTiling(16, 16, 4, 4), None), (128, None, None)):
+                Q = rng.standard_normal((1, 4, N_q, d)).astype(np.float32)
+                K, V = (rng.standard_normal((1, 2, N_k, d)).astype(np.float32) for _ in range(2))
+                dO = rng.standard_normal((1, 4, N_q, d)).astype(np.float32)
+                O, L = VERSIONS["v4"](Q, K, V, causal=causal)
+                got = backward(Q, K, V, O, L, dO, causal=causal, tiling=tiling, max_registers=regs)
+                ref = fa2edu.attention_reference_backward(Q, K, V, dO, causal=causal)
+                for name, a, b in zip(("dQ", "dK", "dV"), got, ref[:3]):
+                    err = float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+                    assert np.isfinite(a).all() and err < 1e-4, (name, err)
+                print(f"ok: fast backward {version} N_q={N_q} N_k={N_k} d={d} causal={causal} tiling={tiling}",
+                      flush=True)
 
 
 def main(argv=None):

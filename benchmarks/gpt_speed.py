@@ -13,7 +13,11 @@ the same seed see the same batches: ``sdpa`` (``F.scaled_dot_product_attention``
 ``reference`` (SDPA forced to its MATH backend: the float noise of this model, measured) and ``fa2edu``
 (``fa2edu.torch.flash_attention``: ``kernels_gpu.fast`` in float32, ``kernels_gpu.tensorcore`` in bfloat16).
 Every step's loss is kept (as a tensor, read once at the end, so no step waits for the GPU); tokens/s are timed
-over the steps after ``--warmup`` (which include numba's compilation of each kernel). The losses are judged by
+over the steps after ``--warmup`` (which include numba's compilation of each kernel), with Python's garbage
+collector paused (after a collection) for all three alike, so that no collection lands inside one run's short
+window (the bfloat16 d64 run times 35 steps in about 0.4 s; ``--keep-gc`` leaves it running); each timed step's
+host time is kept too (``step_seconds``: where the host bounds the step, as fa2edu's bfloat16 d64 one, its spread
+from run to run shows there). The losses are judged by
 ``examples.gpt.train.agreement_bounds``: fa2edu's distance from SDPA within 4 × the running maximum of the
 reference's, plus 8 float32 ulps.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import sys
@@ -61,12 +66,16 @@ DRY = dict(configs={"d8": dict(n_layer=1, n_head=2, d_model=16)}, precisions=("f
 
 # ---------------------------------------------------------------------------------------------- training
 
-def train_run(attention, data, *, model, precision, steps, warmup, batch, context, lr, seed, device):
-    """Train one model; returns its per-step losses, tokens/s over the timed steps, peak memory and size.
+def train_run(attention, data, *, model, precision, steps, warmup, batch, context, lr, seed, device,
+              pause_gc=True):
+    """Train one model; returns its per-step losses, tokens/s over the timed steps, the host's time per timed step
+    (``step_seconds``: when each step's work had been queued; the GPU may still be behind), peak memory and size.
 
     ``attention``: ``"sdpa"``, ``"reference"`` (SDPA under ``sdpa_kernel(SDPBackend.MATH)``) or ``"fa2edu"``.
     The weights come from ``torch.manual_seed(seed)`` and the batches from ``data.batches(steps, …, seed)``, so runs
-    that differ only in ``attention`` start equal and see the same data in the same order.
+    that differ only in ``attention`` start equal and see the same data in the same order. ``pause_gc``: collect
+    garbage before the timed steps and pause Python's collector during them (as ``timeit`` does), so that a
+    collection pass does not land inside one run's short timed window and not another's.
     """
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,23 +94,35 @@ def train_run(attention, data, *, model, precision, steps, warmup, batch, contex
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    losses, start = [], None
-    with backend:
-        for step, (x, y) in enumerate(batches):
-            if step == warmup:
-                sync()
-                start = time.perf_counter()
-            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-                _, loss = net(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach())
-    sync()
-    seconds = time.perf_counter() - start
+    losses, start, marks = [], None, []
+    gc_was_on = gc.isenabled()
+    try:
+        with backend:
+            for step, (x, y) in enumerate(batches):
+                if step == warmup:
+                    sync()
+                    if pause_gc:
+                        gc.collect()
+                        gc.disable()
+                    start = time.perf_counter()
+                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+                    _, loss = net(x, y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.detach())
+                if start is not None:
+                    marks.append(time.perf_counter())
+        sync()
+        seconds = time.perf_counter() - start
+    finally:
+        if gc_was_on:
+            gc.enable()
     timed = steps - warmup
+    step_seconds = [b - a for a, b in zip([start] + marks[:-1], marks)]
     return {"loss": [float(v) for v in torch.stack(losses).float().cpu()],
             "tokens_per_s": timed * batch * context / seconds, "timed_steps": timed, "seconds": seconds,
+            "step_seconds": step_seconds, "gc_paused": pause_gc,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "parameters": sum(p.numel() for p in net.parameters()), "initial_checksum": checksum}
 
@@ -135,7 +156,8 @@ def training(settings, device, progress):
                 runs[attention] = train_run(attention, data, model=model, precision=precision,
                                             steps=settings["steps"], warmup=settings["warmup"],
                                             batch=settings["batch"], context=settings["context"], lr=settings["lr"],
-                                            seed=settings["seed"], device=device)
+                                            seed=settings["seed"], device=device,
+                                            pause_gc=settings.get("pause_gc", True))
                 progress(f"{name} {precision:>8} {attention:>9}: {runs[attention]['tokens_per_s']:>10,.0f} tokens/s, "
                          f"loss {runs[attention]['loss'][0]:.3f} → {runs[attention]['loss'][-1]:.3f}")
             head = model["d_model"] // model["n_head"]
@@ -312,6 +334,8 @@ def build_parser():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--keep-gc", action="store_true", help="leave Python's garbage collector running during the timed "
+                   "training steps (default: collect before them, pause it during them)")
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--micro-dtypes", default="float32,bfloat16,float16", help="dtypes of the op-alone benchmark")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per op configuration")
@@ -337,7 +361,7 @@ def _settings(args):
                         steps=args.steps, warmup=args.warmup, micro_d=(64, 128),
                         micro_dtypes=tuple(args.micro_dtypes.split(",")), micro_N=args.micro_N, tokens=16384,
                         hidden=2048,
-                        repeats=args.repeats, lr=args.lr, seed=args.seed)
+                        repeats=args.repeats, lr=args.lr, seed=args.seed, pause_gc=not args.keep_gc)
     if settings["warmup"] >= settings["steps"]:
         raise SystemExit(f"--warmup ({settings['warmup']}) must be smaller than --steps ({settings['steps']})")
     settings["warmup_calls"] = 1 if args.dry_run else 3

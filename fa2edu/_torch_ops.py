@@ -288,7 +288,7 @@ def tensorcore_width(d: int, d_v: int) -> int:
 #: kernels_gpu.fast's forward version per padded width: v6 up to 64, v8 (stream-K over the last wave) above
 #: (the measured choice, ``benchmarks.impls.FAST_FORWARD``), and the backward version.
 FAST_FORWARD = {64: "v6", 256: "v8"}
-FAST_BACKWARD = "v1"
+FAST_BACKWARD = "v2"
 
 
 def _fast_wide_tilings():
@@ -315,7 +315,7 @@ def _fast_forward(q, k, v, causal: bool, scale: float):
 
 
 def _fast_backward(q, k, v, O, L, dO, causal: bool, scale: float):
-    """FA2 Alg. 2 on ``kernels_gpu.fast`` backward v1 (float32), padded to :func:`fast_width`."""
+    """FA2 Alg. 2 on ``kernels_gpu.fast``'s backward (:data:`FAST_BACKWARD`, float32), padded to :func:`fast_width`."""
     from kernels_gpu.fast import BACKWARD_VERSIONS
     d, d_v = q.shape[-1], v.shape[-1]
     D = fast_width(d, d_v, "backward")

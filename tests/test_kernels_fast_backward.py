@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast import BACKWARD_VERSIONS, flash2_backward_v1
+from kernels_gpu.fast import BACKWARD_VERSIONS, flash2_backward_v1, flash2_backward_v2
 from kernels_gpu.fast.flash2_backward_v1 import BackwardTiling
 
 if not rt.simulator_in_use():  # pragma: no cover
@@ -69,6 +70,26 @@ CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
 def test_matches_oracle_on_ragged_shapes(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
     Q, K, V, dO = _problem(hash((N_q, N_k, d, causal)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
     _check(Q, K, V, dO, causal, tiling)
+
+
+@pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", [CASES[1], CASES[3]])
+def test_v2_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
+    """v2 (D by a warp per row) on a GQA causal case and a batch of two, against the oracle."""
+    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, "v2")) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
+    _check(Q, K, V, dO, causal, tiling, version="v2")
+
+
+@pytest.mark.parametrize("d_v, N", [(40, 19), (8, 5), (64, 33)])
+def test_warp_per_row_D_equals_rowsum(d_v, N):
+    """v2's D pass against NumPy's rowsum(dO ∘ O) in float64: widths above, below and at a multiple of the 32
+    lanes, a row count that leaves the last block's warps partly idle, and rows past N never written (poisoned
+    ``D`` beyond N would show as NaN: D has exactly N rows per head, all of them checked)."""
+    rng = np.random.default_rng(d_v)
+    O, dO = (rng.standard_normal((2, 3, N, d_v)).astype(np.float32) for _ in range(2))
+    D = cuda.to_device(np.full((2, 3, N), np.nan, dtype=np.float32))
+    flash2_backward_v2.warp_preprocess(cuda.to_device(O), cuda.to_device(dO), D, d_v)
+    want = (O.astype(np.float64) * dO.astype(np.float64)).sum(axis=-1)
+    np.testing.assert_allclose(D.copy_to_host(), want, rtol=1e-5, atol=1e-5 * d_v)
 
 
 def test_fully_masked_rows_give_zero_dQ_and_unseen_keys_zero_dK_dV():

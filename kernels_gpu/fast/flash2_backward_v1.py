@@ -98,7 +98,7 @@ from kernels_gpu.fast import tiled
 from kernels_gpu.flash2 import preprocess_kernel
 
 __all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS",
-           "cast_kernel"]
+           "cast_kernel", "run_backward", "teaching_preprocess"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -417,6 +417,18 @@ def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, ma
     adds into dQ, writes 2Nd (plus D's pass: reads 2Nd, writes N; dQ's zeroing: Nd; float16: dQ's cast, Nd each).
     Launches: D = rowsum(dO ∘ O), dQ = 0, then the main kernel (grid (T_c, Z, H_kv)); float16: the cast of dQ.
     """
+    return run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storage, teaching_preprocess)
+
+
+def teaching_preprocess(O4, dO4, D, d_v: int) -> None:
+    """Alg. 2 line 4, D = rowsum(dO ∘ O) into D (Z, H_q, N_q), float32: the teaching kernel, one thread per row."""
+    Z, H_q, N_q = D.shape
+    preprocess_kernel(64, d_v)[(rt.grid_size(N_q, 64), Z, H_q), 64](O4, dO4, D)
+
+
+def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storage, preprocess) -> Flash2Backward:
+    """The body of :func:`flash2_backward` (same arguments), with the launch of Alg. 2 line 4 passed in:
+    ``preprocess(O4, dO4, D, d_v)`` fills D (Z, H_q, N_q) with rowsum(dO ∘ O) (a later rung changes only that)."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     N_q, d, d_v = layout_.N_q, layout_.d, layout_.d_v
@@ -434,9 +446,9 @@ def flash2_backward(Q, K, V, O, L, dO, causal=False, scale=None, tiling=None, ma
     simulator = rt.simulator_in_use()
     Z, H_q, H_kv = layout_.Z, layout_.H_q, layout_.H_kv
 
-    # Alg. 2 line 4: D = rowsum(dO ∘ O), float32 (one thread per row).
+    # Alg. 2 line 4: D = rowsum(dO ∘ O), float32.
     D = rt.device_empty((Z, H_q, N_q))
-    preprocess_kernel(64, d_v)[(rt.grid_size(N_q, 64), Z, H_q), 64](O4, dO4, D)
+    preprocess(O4, dO4, D, d_v)
     # Alg. 2 line 3: dQ = 0 in HBM (the atomic adds accumulate into it: float32 in both storages).
     dQ = rt.device_zeros((Z, H_q, N_q, d))
     dK = rt.device_empty((Z, H_kv, layout_.N_k, d), storage=storage)
