@@ -115,8 +115,10 @@ def test_every_other_rung_matches_oracle(version, poisoned):
     flash_attn_rule(grads, Q, K, V, dO, True)
 
 
-@pytest.mark.parametrize("version", ["v5", "v6", "v7"])
-@pytest.mark.parametrize("batch, heads, d, chunks", [(2, 1, 16, 1), (1, 1, 24, 2), (1, 3, 16, 1)])
+@pytest.mark.parametrize("version, batch, heads, d, chunks", [
+    ("v5", 2, 1, 16, 1), ("v5", 1, 1, 24, 2),      # a batch; column chunks
+    ("v6", 1, 3, 16, 1),                            # a GQA group of 3: the step counter crosses query heads
+    ("v7", 1, 3, 16, 1), ("v7", 1, 1, 24, 2)])      # the same, and chunks (the fastest rung)
 def test_later_rungs_are_v3_bit_for_bit(version, batch, heads, d, chunks, poisoned):
     """v5 runs v3's kernels in v4's order (causal: the longest blocks first, every block index read from the other
     grid) with copies that step their addresses; v6 counts the key-block kernel's (query head, row block) steps
