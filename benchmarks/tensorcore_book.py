@@ -55,7 +55,8 @@ __all__ = [
     "rung_series", "RungPoint", "rung_points", "baseline_range", "cuda_core_series", "LadderRow", "ladder_table",
     "PairRow", "pair_table", "causal_speedup", "TargetCheck", "targets", "CausalCheck", "causal_targets",
     "as_text", "rung_header", "Prediction", "PREDICTIONS", "PredictionCheck", "check_predictions",
-    "format_predictions", "NcuKernel", "parse_ncu_text", "ncu_report", "mma_count", "instructions_per_mma",
+    "format_predictions", "NcuKernel", "parse_ncu_text", "ncu_report", "INTEGER_OPCODES", "sass_opcodes",
+    "mma_count", "instructions_per_mma",
     "blocks_by_registers", "TileRow", "tile_sweep", "LaunchRow", "launch_overhead",
     "SanitizerReport", "sanitizer_report", "gpu_test_counts", "gpu_test_progress",
     "BACKWARD_RUN", "VARIANTS_RUN", "BACKWARD_RUNGS", "BACKWARD_LATEST", "TARGET_BWD_TFLOPS", "TARGET_BWD_RATIO",
@@ -665,6 +666,28 @@ def ncu_report(name: str, folder=None) -> dict:
     if not kernels:
         raise ValueError(f"{path}: no kernel found (not an Nsight Compute text report?)")
     return {k.rung: k for k in kernels}
+
+
+#: SASS opcodes of integer arithmetic (per-thread and uniform datapath): index, address and loop bookkeeping
+INTEGER_OPCODES = frozenset({"IADD3", "IMAD", "ISETP", "SEL", "LEA", "SHF", "LOP3", "UIADD3", "UIMAD", "UISETP",
+                             "ULEA", "ULOP3", "USHF", "USEL"})
+
+
+def sass_opcodes(name: str, folder=None) -> dict:
+    """kernel name → {opcode: instructions executed} from an opcode summary of Nsight Compute's source page (the
+    ``ncu_*_sass.txt`` files: a ``== kernel: …`` line, a header, then one row per opcode, the most executed first)."""
+    path = (Path(folder) if folder is not None else FOLDER) / name
+    kernels, current = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("== "):
+            current = kernels.setdefault(line[3:].split(":")[0].strip(), {})
+        elif current is not None and line and not line.startswith("opcode"):
+            cells = line.split()
+            if len(cells) == 5 and cells[1].replace(",", "").isdigit():
+                current[cells[0]] = int(cells[1].replace(",", ""))
+    if not kernels:
+        raise ValueError(f"{path}: no '== kernel' section (not an opcode summary?)")
+    return kernels
 
 
 def mma_count(N: int, d: int, batch: int, heads: int, causal: bool = False) -> float:

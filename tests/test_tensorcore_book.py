@@ -459,6 +459,18 @@ def test_backward_kernel_times_of_v5_v6_v7_on_one_machine():
         assert by[("v6", d) + tile].key_block_ms < by[("v5", d) + tile].key_block_ms
 
 
+def test_sass_opcodes_reads_the_committed_summary_and_refuses_other_text(tmp_path):
+    kernels = tcb.sass_opcodes("ncu_tensorcore_bwd_v5_d128_sass.txt")
+    assert set(kernels) == {"flash2_backward_tc_v5", "flash2_backward_dq_tc_v5"}
+    key_block = kernels["flash2_backward_tc_v5"]
+    # the summary lists opcodes most executed first, and the key-block kernel issues more integer than MMA work
+    assert list(key_block.values()) == sorted(key_block.values(), reverse=True)
+    assert sum(n for op, n in key_block.items() if op in tcb.INTEGER_OPCODES) > key_block["HMMA"]
+    (tmp_path / "x.txt").write_text("no sections here\n")
+    with pytest.raises(ValueError, match="no '== kernel'"):
+        tcb.sass_opcodes("x.txt", folder=tmp_path)
+
+
 def test_backward_kernel_times_refuse_mixed_shapes(tmp_path):
     def run(N):
         return dict(header=dict(batch=4, heads=8, N=N, dtype="bfloat16", causal=True), records=[])

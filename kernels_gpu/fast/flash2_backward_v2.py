@@ -6,7 +6,8 @@ per row, each walking its row's d_v elements of O and dO. Neighbouring threads t
 apart, so every load instruction of a warp touches 32 different 128-byte lines and uses 4 bytes of each. PyTorch's
 profiler on the op (``benchmarks/results/nvidia-h100/op_kernels_float32.json``, ``python -m benchmarks.op_kernels``;
 batch 8, 16 heads, N = 2048, d = 128, float32) times that pass at 0.59-0.61 ms per call: 268 MB of O and dO at
-0.45 TB/s, 1.8 % of the op's forward + backward, on a GPU whose HBM gives about 3 TB/s to a copy.
+0.45 TB/s, 1.8 % of the op's forward + backward, on a GPU that copies at 3.0 TB/s (device to device, measured in
+``decode.json``).
 
 **What changes.** :func:`preprocess_rows_kernel`: a warp per row. Lane ℓ reads columns ℓ, ℓ + 32, … of the row
 (a warp's load is one contiguous 128-byte line of O and one of dO), multiplies and adds in float32 (loads are
@@ -24,8 +25,8 @@ are the same: heads × d is fixed), −1.5 % of the op's time, nothing else chan
 **Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.op_kernels --dtype float32``, the op through v1
 in ``op_kernels_float32.json`` and through v2 in ``op_kernels_float32_bwd_v2.json``, two machines of one kind).
 The D pass: 0.115 ms at d = 128 (v1's 0.593-0.610), inside the prediction; 0.160-0.167 ms at d = 64 (v1's 0.66),
-above it — a row of 64 floats gives each warp two 128-byte loads per tensor, and the fixed cost per row (the five
-shuffles, the store) weighs twice as much. The op's GPU time per call at d = 128: 32.76 → 32.25 ms non-causal,
+above it — a row of 64 floats gives each warp two 128-byte loads per tensor, so the fixed cost per row (the five
+shuffles, the store) is likely to weigh twice as much (not profiled). The op's GPU time per call at d = 128: 32.76 → 32.25 ms non-causal,
 18.06 → 17.57 ms causal (−1.5 %, −2.7 %); in ``python -m benchmarks.gpt_speed`` (``gpt_speed.json``) the float32
 op is 0.78-0.80× SDPA's memory-efficient kernel at d = 128 (0.77-0.78 with v1, ``gpt_speed_fast_bwd_v1.json``)
 and 0.92-0.95× at d = 64. GPU tests (``gpu_tests_fast_backward_v2.log``: v1 and v2 against the float64 oracle,
