@@ -356,8 +356,11 @@ def _tensor_core_forward(q, k, v, causal: bool, scale: float):
     """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`.
     The kernels take PyTorch tensors themselves — strided ones in place — and launch on PyTorch's current stream;
     O comes back laid out like q (:func:`tensorcore_layout`)."""
-    d_v = v.shape[-1]
-    D = tensorcore_width(q.shape[-1], d_v)
+    d, d_v = q.shape[-1], v.shape[-1]
+    D = tensorcore_width(d, d_v)
+    if D == d == d_v:       # no padding: O comes back laid out like q (or like the copy of q the kernels made)
+        O, L = _tensorcore().flash2_forward(q, k, v, causal=causal, scale=scale)
+        return _in_layout(O, q), L
     O, L = _tensorcore().flash2_forward(*(_pad(x.detach(), D) for x in (q, k, v)), causal=causal, scale=scale)
     return _in_layout(_unpad(_from_kernel(O, q), d_v), q), _from_kernel(L, q)
 
@@ -373,6 +376,9 @@ def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
     if hasattr(tensorcore, "flash2_backward"):
         d, d_v = q.shape[-1], v.shape[-1]
         D = tensorcore_width(d, d_v)
+        if D == d == d_v:   # no padding
+            dQ, dK, dV = tensorcore.flash2_backward(q, k, v, O, L, dO, causal=causal, scale=scale)
+            return _in_layout(dQ, q), _in_layout(dK, k), _in_layout(dV, v)
         Q, K, V, O_, dO_ = (_pad(x.detach(), D) for x in (q, k, v, O, dO))
         dQ, dK, dV = tensorcore.flash2_backward(Q, K, V, O_, L.detach().contiguous(), dO_, causal=causal,
                                                 scale=scale)
@@ -463,6 +469,10 @@ def standard_backward(backend: str, q, k, v, P, dO, causal: bool, scale: float, 
 # contiguous, except on the tensor cores, which read strided q, k, v, O, dO in place and lay O, dQ, dK, dV out like
 # q, k, v (:func:`tensorcore_layout`). Its fake implementation returns empty tensors of the same shapes, dtypes,
 # devices and strides: what torch.compile's tracing (FakeTensors, no data) and torch.library.opcheck need.
+#
+# Each operator's body is a plain function of its own (``*_impl``), which the operator calls. fa2edu.torch's
+# autograd Functions call the same functions directly: in eager mode PyTorch's dispatcher has nothing to add, and
+# going through it costs host time on every call (`benchmarks/op_host_time.py`).
 
 def _check_finite(*named) -> None:
     """Inputs must be finite. Checked on the CPU only: on a GPU the check would read the tensors once more and
@@ -497,14 +507,19 @@ def _results(backend: str, *xs):
     return xs if reads_strided(backend) else _contiguous(*xs)
 
 
+def flash_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
+    """FA2 Alg. 1: (O, L) of q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _results(backend, *flash2_forward(backend, q, k, v, causal, scale, sizes, M))
+
+
 @torch.library.custom_op("fa2edu::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                         backend: str, block_sizes: Optional[list[int]], M: Optional[int]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA2 Alg. 1: (O, L) of q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
-    sizes = None if block_sizes is None else tuple(block_sizes)
-    return _results(backend, *flash2_forward(backend, q, k, v, causal, scale, sizes, M))
+    return flash_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
 
 
 @flash_attention_fwd.register_fake
@@ -514,16 +529,21 @@ def _(q, k, v, causal, scale, backend, block_sizes, M):
     return O, _new(q, q.shape[:-1], _stat_dtype(q.dtype))
 
 
+def flash_attention_bwd_impl(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
+    """FA2 Alg. 2: (dQ, dK, dV) from the inputs, the forward's O and L, and the upstream gradient dO."""
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    if not reads_strided(backend):
+        dO = dO.contiguous()
+    return _results(backend, *flash2_backward(backend, q, k, v, O, L, dO, causal, scale, sizes, M))
+
+
 @torch.library.custom_op("fa2edu::flash_attention_bwd", mutates_args=())
 def flash_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
                         L: torch.Tensor, causal: bool, scale: float, backend: str,
                         block_sizes: Optional[list[int]], M: Optional[int]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 Alg. 2: (dQ, dK, dV) from the inputs, the forward's O and L, and the upstream gradient dO."""
-    sizes = None if block_sizes is None else tuple(block_sizes)
-    if not reads_strided(backend):
-        dO = dO.contiguous()
-    return _results(backend, *flash2_backward(backend, q, k, v, O, L, dO, causal, scale, sizes, M))
+    return flash_attention_bwd_impl(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M)
 
 
 @flash_attention_bwd.register_fake
@@ -533,14 +553,19 @@ def _(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 
 
+def flash1_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
+    """FA1 Alg. 2: (O, ℓ, m)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash1_forward(backend, q, k, v, causal, scale, sizes, M))
+
+
 @torch.library.custom_op("fa2edu::flash1_attention_fwd", mutates_args=())
 def flash1_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                          backend: str, block_sizes: Optional[list[int]], M: Optional[int]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA1 Alg. 2: (O, ℓ, m)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
-    sizes = None if block_sizes is None else tuple(block_sizes)
-    return _contiguous(*flash1_forward(backend, q, k, v, causal, scale, sizes, M))
+    return flash1_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
 
 
 @flash1_attention_fwd.register_fake
@@ -549,14 +574,19 @@ def _(q, k, v, causal, scale, backend, block_sizes, M):
     return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], stat), _new(q, q.shape[:-1], stat)
 
 
+def flash1_attention_bwd_impl(dO, q, k, v, O, l, m, causal, scale, backend, block_sizes, M):  # noqa: E741
+    """FA1 Alg. 4: (dQ, dK, dV) from the inputs, O, ℓ, m and dO."""
+    sizes = None if block_sizes is None else tuple(block_sizes)
+    return _contiguous(*flash1_backward(backend, q, k, v, O, l, m, dO.contiguous(), causal, scale, sizes, M))
+
+
 @torch.library.custom_op("fa2edu::flash1_attention_bwd", mutates_args=())
 def flash1_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
                          l: torch.Tensor, m: torch.Tensor, causal: bool, scale: float, backend: str,  # noqa: E741
                          block_sizes: Optional[list[int]], M: Optional[int]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA1 Alg. 4: (dQ, dK, dV) from the inputs, O, ℓ, m and dO."""
-    sizes = None if block_sizes is None else tuple(block_sizes)
-    return _contiguous(*flash1_backward(backend, q, k, v, O, l, m, dO.contiguous(), causal, scale, sizes, M))
+    return flash1_attention_bwd_impl(dO, q, k, v, O, l, m, causal, scale, backend, block_sizes, M)
 
 
 @flash1_attention_bwd.register_fake
@@ -564,13 +594,18 @@ def _(dO, q, k, v, O, l, m, causal, scale, backend, block_sizes, M):  # noqa: E7
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 
 
+def standard_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
+    """FA1 Alg. 0: (O, P), P of shape (…, H_q, N_q, N_k)."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    return _contiguous(*standard_forward(backend, q, k, v, causal, scale, None, None))
+
+
 @torch.library.custom_op("fa2edu::standard_attention_fwd", mutates_args=())
 def standard_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                            backend: str, block_sizes: Optional[list[int]], M: Optional[int]
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA1 Alg. 0: (O, P), P of shape (…, H_q, N_q, N_k)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
-    return _contiguous(*standard_forward(backend, q, k, v, causal, scale, None, None))
+    return standard_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
 
 
 @standard_attention_fwd.register_fake
@@ -578,12 +613,17 @@ def _(q, k, v, causal, scale, backend, block_sizes, M):
     return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, (*q.shape[:-1], k.shape[-2]))
 
 
+def standard_attention_bwd_impl(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
+    """FA1 Alg. 3: (dQ, dK, dV) from the inputs, P and dO."""
+    return _contiguous(*standard_backward(backend, q, k, v, P, dO.contiguous(), causal, scale, None, None))
+
+
 @torch.library.custom_op("fa2edu::standard_attention_bwd", mutates_args=())
 def standard_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: torch.Tensor,
                            causal: bool, scale: float, backend: str, block_sizes: Optional[list[int]],
                            M: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA1 Alg. 3: (dQ, dK, dV) from the inputs, P and dO."""
-    return _contiguous(*standard_backward(backend, q, k, v, P, dO.contiguous(), causal, scale, None, None))
+    return standard_attention_bwd_impl(dO, q, k, v, P, causal, scale, backend, block_sizes, M)
 
 
 @standard_attention_bwd.register_fake

@@ -154,12 +154,31 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
 
 # -- the autograd formulas ---------------------------------------------------------------------------------------------
 #
-# Each Function is the op in torch.autograd.Function form (usable on its own: Flash2Attention.apply(q, k, v, causal,
-# scale, block_sizes, M)); its ``backward`` is also the autograd formula registered for the custom operator below,
-# so the two forms share one backward pass.
+# Two roads lead to the same kernels, chosen per call by flash_attention (:func:`_eager`):
+#
+# * **eager** (not under torch.compile, plain tensors): the algorithm's autograd Function (_Flash2, _Flash1,
+#   _Standard), whose forward and backward call the operators' bodies (fa2edu._torch_ops.*_impl) directly.
+#   PyTorch's dispatcher has nothing to add here and costs host time on every call: on an H100 host, 1.1 ms per
+#   forward + backward through the registered operators against 0.75 ms through the Function (bfloat16, d = 64,
+#   benchmarks/op_host_time.py), which a small model's training step pays once per layer;
+# * **traced** (torch.compile, torch.export, FakeTensors and other tensor subclasses): the registered operators
+#   torch.ops.fa2edu.*_fwd, whose autograd formula (_flash2_formula, ...) calls torch.ops.fa2edu.*_bwd, so that a
+#   compiled graph holds two opaque operators with fake implementations.
+#
+# Both roads save the same tensors (one setup_context function per algorithm) and run the same code on the same
+# arguments, so they return the same bits (tests/test_torch_op.py). The public Functions (Flash2Attention, ...)
+# are the op in torch.autograd.Function form, usable on their own: Flash2Attention.apply(q, k, v, causal, scale,
+# block_sizes, M) checks its arguments and returns O; the eager road's Functions are their subclasses that take
+# the arguments flash_attention has already checked and return all the operator's outputs.
 
 def _options(args) -> dict:
     return dict(zip(("causal", "scale", "backend", "block_sizes", "M"), args))
+
+
+def _eager(q, k, v) -> bool:
+    """Whether flash_attention takes the eager road: not while torch.compile or torch.export traces, and only for
+    plain tensors (FakeTensors and the other subclasses that tracing uses go to the registered operators)."""
+    return not torch.compiler.is_compiling() and type(q) is type(k) is type(v) is torch.Tensor
 
 
 class Flash2Attention(torch.autograd.Function):
@@ -172,19 +191,26 @@ class Flash2Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
         (q, k, v), args = _prepare(q, k, v, "flash2", causal, scale, backend, block_sizes, M)
-        # FA2 Alg. 1 (on the backend of the dispatch table): O and L = m + log ℓ, nothing else survives the pass.
-        O, L = torch.ops.fa2edu.flash_attention_fwd(q, k, v, *args)
+        O, L = ops.flash_attention_fwd_impl(q, k, v, *args)
         _flash2_setup_context(ctx, (q, k, v) + args, (O, L))
         return O
 
     @staticmethod
-    def backward(ctx, dO):
+    def backward(ctx, dO, *_):
         q, k, v, O, L = ctx.saved_tensors
-        o = ctx.options
-        # FA2 Alg. 2: D = rowsum(dO ∘ O), then P = exp(S − L) recomputed block by block; dQ, dK, dV.
-        dQ, dK, dV = torch.ops.fa2edu.flash_attention_bwd(dO, q, k, v, O, L, o["causal"], o["scale"],
-                                                          o["backend"], o["block_sizes"], o["M"])
+        # FA2 Alg. 2 from Q, K, V, O, L and dO (D = rowsum(dO ∘ O) is recomputed, line 4).
+        dQ, dK, dV = ops.flash_attention_bwd_impl(dO, q, k, v, O, L, *ctx.options.values())
         return dQ, dK, dV, None, None, None, None, None
+
+
+class _Flash2(Flash2Attention):
+    """The eager road of FA2: checked, resolved arguments in the operator's order; returns (O, L)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend, block_sizes, M):
+        O, L = ops.flash_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
+        _flash2_setup_context(ctx, (q, k, v, causal, scale, backend, block_sizes, M), (O, L))
+        return O, L
 
 
 def _flash2_setup_context(ctx, inputs, output):
@@ -197,8 +223,9 @@ def _flash2_setup_context(ctx, inputs, output):
 
 
 def _flash2_formula(ctx, dO, dL):
-    # Looked up at each call, so that a changed Flash2Attention.backward (a fault injected in a test) takes effect.
-    dQ, dK, dV = Flash2Attention.backward(ctx, dO)[:3]
+    """The traced road's backward: the registered backward operator on the same saved tensors."""
+    q, k, v, O, L = ctx.saved_tensors
+    dQ, dK, dV = torch.ops.fa2edu.flash_attention_bwd(dO, q, k, v, O, L, *ctx.options.values())
     return dQ, dK, dV, None, None, None, None, None
 
 
@@ -213,18 +240,26 @@ class Flash1Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
         (q, k, v), args = _prepare(q, k, v, "flash1", causal, scale, backend, block_sizes, M)
-        O, l, m = torch.ops.fa2edu.flash1_attention_fwd(q, k, v, *args)
+        O, l, m = ops.flash1_attention_fwd_impl(q, k, v, *args)
         _flash1_setup_context(ctx, (q, k, v) + args, (O, l, m))
         return O
 
     @staticmethod
-    def backward(ctx, dO):
+    def backward(ctx, dO, *_):
         q, k, v, O, l, m = ctx.saved_tensors
-        o = ctx.options
-        # FA1 Alg. 4: P rebuilt block by block from ℓ and m, D_i = rowsum(dO_i ∘ O_i).
-        dQ, dK, dV = torch.ops.fa2edu.flash1_attention_bwd(dO, q, k, v, O, l, m, o["causal"], o["scale"],
-                                                           o["backend"], o["block_sizes"], o["M"])
+        # FA1 Alg. 4: P rebuilt block by block from ℓ and m.
+        dQ, dK, dV = ops.flash1_attention_bwd_impl(dO, q, k, v, O, l, m, *ctx.options.values())
         return dQ, dK, dV, None, None, None, None, None
+
+
+class _Flash1(Flash1Attention):
+    """The eager road of FA1: checked, resolved arguments in the operator's order; returns (O, ℓ, m)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend, block_sizes, M):
+        O, l, m = ops.flash1_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
+        _flash1_setup_context(ctx, (q, k, v, causal, scale, backend, block_sizes, M), (O, l, m))
+        return O, l, m
 
 
 def _flash1_setup_context(ctx, inputs, output):
@@ -237,7 +272,9 @@ def _flash1_setup_context(ctx, inputs, output):
 
 
 def _flash1_formula(ctx, dO, dl, dm):
-    dQ, dK, dV = Flash1Attention.backward(ctx, dO)[:3]
+    """The traced road's backward: the registered backward operator on the same saved tensors."""
+    q, k, v, O, l, m = ctx.saved_tensors
+    dQ, dK, dV = torch.ops.fa2edu.flash1_attention_bwd(dO, q, k, v, O, l, m, *ctx.options.values())
     return dQ, dK, dV, None, None, None, None, None
 
 
@@ -252,18 +289,26 @@ class StandardAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, block_sizes, M, backend=None):
         (q, k, v), args = _prepare(q, k, v, "standard", causal, scale, backend, block_sizes, M)
-        O, P = torch.ops.fa2edu.standard_attention_fwd(q, k, v, *args)
+        O, P = ops.standard_attention_fwd_impl(q, k, v, *args)
         _standard_setup_context(ctx, (q, k, v) + args, (O, P))
         return O
 
     @staticmethod
-    def backward(ctx, dO):
+    def backward(ctx, dO, *_):
         q, k, v, P = ctx.saved_tensors
-        o = ctx.options
         # FA1 Alg. 3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = τ dS K, dK = τ dSᵀ Q.
-        dQ, dK, dV = torch.ops.fa2edu.standard_attention_bwd(dO, q, k, v, P, o["causal"], o["scale"],
-                                                             o["backend"], o["block_sizes"], o["M"])
+        dQ, dK, dV = ops.standard_attention_bwd_impl(dO, q, k, v, P, *ctx.options.values())
         return dQ, dK, dV, None, None, None, None, None
+
+
+class _Standard(StandardAttention):
+    """The eager road of standard attention: checked, resolved arguments in the operator's order; returns (O, P)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend, block_sizes, M):
+        O, P = ops.standard_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M)
+        _standard_setup_context(ctx, (q, k, v, causal, scale, backend, block_sizes, M), (O, P))
+        return O, P
 
 
 def _standard_setup_context(ctx, inputs, output):
@@ -276,7 +321,9 @@ def _standard_setup_context(ctx, inputs, output):
 
 
 def _standard_formula(ctx, dO, dP):
-    dQ, dK, dV = StandardAttention.backward(ctx, dO)[:3]
+    """The traced road's backward: the registered backward operator on the same saved tensors."""
+    q, k, v, P = ctx.saved_tensors
+    dQ, dK, dV = torch.ops.fa2edu.standard_attention_bwd(dO, q, k, v, P, *ctx.options.values())
     return dQ, dK, dV, None, None, None, None, None
 
 
@@ -285,6 +332,11 @@ torch.library.register_autograd("fa2edu::flash1_attention_fwd", _flash1_formula,
                                 setup_context=_flash1_setup_context)
 torch.library.register_autograd("fa2edu::standard_attention_fwd", _standard_formula,
                                 setup_context=_standard_setup_context)
+
+#: per algorithm: the eager road's Function and the traced road's forward operator, which return the same outputs
+_EAGER = {"flash2": _Flash2, "flash1": _Flash1, "standard": _Standard}
+_OPERATORS = {"flash2": torch.ops.fa2edu.flash_attention_fwd, "flash1": torch.ops.fa2edu.flash1_attention_fwd,
+              "standard": torch.ops.fa2edu.standard_attention_fwd}
 
 
 # -- the log-sum-exp for return_lse -----------------------------------------------------------------------------------
@@ -343,12 +395,14 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         of shape (…, H_q, N_q).
     """
     (q, k, v), args = _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M)
+    # the eager road (the Function, no dispatcher) or the traced one (the registered operator): the same outputs
+    outputs = (_EAGER[algorithm].apply if _eager(q, k, v) else _OPERATORS[algorithm])(q, k, v, *args)
     if algorithm == "flash2":
-        O, L = torch.ops.fa2edu.flash_attention_fwd(q, k, v, *args)
+        O, L = outputs
     elif algorithm == "flash1":
-        O, l, m = torch.ops.fa2edu.flash1_attention_fwd(q, k, v, *args)
+        O, l, m = outputs
         L = _lse_from_l_m(l, m) if return_lse else None
     else:
-        O, _ = torch.ops.fa2edu.standard_attention_fwd(q, k, v, *args)
+        O, _ = outputs
         L = _lse_of_scores(q.detach(), k.detach(), causal, args[1]) if return_lse else None
     return (O, L) if return_lse else O

@@ -32,6 +32,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -336,6 +337,7 @@ def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0,
         kernel[grid, block, on, shared_bytes](*values)
         return
     from cuda.core import launch as core_launch
+    _bind_context()
     argtypes = _argument_types(args)
     cufunc, _ = _compiled(kernel, argtypes)
     params = []
@@ -349,6 +351,20 @@ def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0,
         else:
             params.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
     core_launch(_core_stream(stream), _config(grid, block, shared_bytes, early), cufunc.kernel, *params)
+
+
+_THREAD = threading.local()
+
+
+def _bind_context() -> None:
+    """Make a CUDA context current on the calling thread, once per thread. A launch goes to the driver directly,
+    which needs one; a thread that has not used CUDA yet (a ``threading.Thread`` of the user's, before any PyTorch
+    CUDA call in it) has none, and its launch would fail with ``CUDA_ERROR_INVALID_CONTEXT``. numba's
+    ``current_context`` binds the device's primary context, the one PyTorch and numba share (a thread that already
+    has it current, such as autograd's device thread, keeps it)."""
+    if not getattr(_THREAD, "bound", False):
+        cuda.current_context()
+        _THREAD.bound = True
 
 
 def _core_stream(handle: int):
@@ -392,6 +408,7 @@ class Prepared:
         self.template, self.slots, self.core_launch = template, tuple(slots), core_launch
 
     def __call__(self, stream: int, *addresses: int) -> None:
+        _bind_context()
         params = self.template.copy()
         for slot, address in zip(self.slots, addresses):
             params[slot] = address

@@ -91,3 +91,22 @@ def test_fakes_promise_the_kernels_layouts():
         O_np, _ = torch.ops.fa2edu.flash_attention_fwd(q.float(), k.float(), v.float(), True, 0.35, "numpy", None,
                                                       None)
         assert O_np.is_contiguous()
+
+
+def test_fakes_with_symbolic_shapes():
+    """torch.compile with dynamic shapes (and opcheck's AOT test) traces with symbolic sizes and strides, which do
+    not hash: the layout helpers, memoised for plain integers, still answer, and answer as for real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    real = projection_views(dtype=torch.bfloat16)
+    with FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False) as mode:
+        q, k, v = (mode.from_tensor(t) for t in real)
+        assert any(isinstance(n, torch.SymInt) for n in q.stride())
+        assert layout_order(q) == layout_order(real[0])
+        O, L = torch.ops.fa2edu.flash_attention_fwd(q, k, v, True, 0.35, "tensorcore", None, None)
+        assert tuple(int(n) for n in O.stride()) == layout_strides(real[0])
+        grads = torch.ops.fa2edu.flash_attention_bwd(torch.empty_like(O), q, k, v, O, L, True, 0.35, "tensorcore",
+                                                     None, None)
+        for g, x in zip(grads, real):
+            assert tuple(int(n) for n in g.stride()) == layout_strides(x)

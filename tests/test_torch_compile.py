@@ -118,6 +118,22 @@ def test_compile_fullgraph_traces_forward_and_backward():
     assert_equal_runs(*eager_and_compiled("aot_eager"))
 
 
+def test_compile_traces_the_registered_operators():
+    # Under torch.compile flash_attention takes the traced road: the graph Dynamo hands its backend calls the
+    # registered forward operator (opaque, with its fake implementation), not the eager road's Function.
+    torch._dynamo.reset()
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    model = Attention().double()
+    torch.compile(model, fullgraph=True, backend=backend)(torch.randn(2, 9, 16, dtype=torch.float64))
+    assert any("flash_attention_fwd" in target for target in targets), targets
+    assert not any("Flash2" in target for target in targets), targets
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="Inductor compiles C++ on the CPU and finds no compiler")
 def test_compile_fullgraph_default_backend():

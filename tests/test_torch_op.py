@@ -235,6 +235,34 @@ def test_the_function_form_is_the_same_op():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_eager_and_traced_roads_return_the_same_bits(monkeypatch, algorithm):
+    # flash_attention applies the algorithm's Function outside torch.compile (the eager road) and the registered
+    # operators inside it (the traced road): the same outputs, L and gradients, bit for bit; the eager road never
+    # reaches the dispatcher.
+    q, k, v = make_inputs((2, 4, 7, 5), (2, 2, 9, 5), 3)
+    dO = torch.randn(2, 4, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    tiled = {} if algorithm == "standard" else {"block_sizes": (3, 4)}
+
+    def run():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        O, L = flash_attention(*leaves, causal=True, scale=0.6, algorithm=algorithm, return_lse=True, **tiled)
+        O.backward(dO)
+        return [O.detach(), L] + [x.grad for x in leaves]
+
+    def refuse(*args):
+        raise AssertionError("the eager road called a registered operator")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(op._OPERATORS, algorithm, refuse)
+        eager = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(op, "_eager", lambda *tensors: False)
+        traced = run()
+    for a, b in zip(eager, traced):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 
 def test_errors_name_the_argument():

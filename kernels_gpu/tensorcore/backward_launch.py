@@ -254,7 +254,7 @@ def run_backward_dq_pass(make_kernel, make_dq_kernel, config_for, shared_words, 
     if key is not None:
         prepared = [driver_launch.Prepared(k, grid, threads, args, nbytes) for k, grid, threads, nbytes, args
                     in (pre, kv, dq)]
-        _PLANS[key] = BackwardPlan(bp, tuple(stats.shape), pre[4][4], *prepared)
+        _PLANS[key] = BackwardPlan(bp, tuple(stats.shape), pre[4][4], *prepared, Q, K, V, O, dO)
     return finish_backward(bp)
 
 
@@ -267,29 +267,32 @@ _PLANS = driver_launch.PlanCache()
 
 class BackwardPlan:
     """A backward (:func:`run_backward_dq_pass`) on PyTorch CUDA tensors of fixed shapes, dtype and options,
-    made from a first call's checked :class:`BackwardProblem` and its three prepared launches. A call reads Q, K,
-    V, O, dO in place or copies them as the first call did (:func:`~kernels_gpu.tensorcore.launch.zero_copy`, part
-    of the plan's key), allocates the stats and dQ, dK, dV laid out like Q, K, V (poisoned when asked) and launches
-    preprocess → key-block kernel → dQ kernel on PyTorch's current stream."""
+    made from a first call's checked :class:`BackwardProblem`, its tensors and its three prepared launches. A call
+    views or copies Q, K, V, O, dO as the first call did (:class:`~kernels_gpu.tensorcore.launch.View`), allocates
+    the stats and dQ, dK, dV laid out like Q, K, V (poisoned when asked) and launches preprocess → key-block
+    kernel → dQ kernel on PyTorch's current stream."""
 
-    def __init__(self, bp: BackwardProblem, stats_shape: tuple, placeholder, pre, kv, dq):
+    def __init__(self, bp: BackwardProblem, stats_shape: tuple, placeholder, pre, kv, dq, Q, K, V, O, dO):
         p = bp.fwd
         self.pre, self.kv, self.dq = pre, kv, dq
         self.placeholder = placeholder              # a (1, 1, 1, 1) float32 Buffer the preprocess never writes
         self.stats_shape = stats_shape
+        q4, kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
         self.q_shape, self.kv_shape = p.lead + (p.N_q, p.d), bp.kv_lead + (p.N_k, p.d)
-        self.q4, self.kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
+        self.reshape_q, self.reshape_kv = self.q_shape != q4, self.kv_shape != kv4
+        self.views = tuple(launch.View(x, shape) for x, shape in ((Q, q4), (K, kv4), (V, kv4), (O, q4), (dO, q4)))
+        self.layouts = tuple(launch.Layout(view(x)) for view, x in zip(self.views, (Q, K, V)))
         self.device = p.O_user.device
         self.device_index = self.device.index
 
     def __call__(self, Q, K, V, O, L, dO):
         from kernels_gpu.flash2 import Flash2Backward
         torch = launch._torch()
-        q, o, do = (launch._kernel_view(x.detach().reshape(self.q4)) for x in (Q, O, dO))
-        k, v = (launch._kernel_view(x.detach().reshape(self.kv4)) for x in (K, V))
-        lse = L.detach().contiguous()
+        vq, vk, vv, vo, vdo = self.views
+        q, k, v, o, do = vq(Q), vk(K), vv(V), vo(O), vdo(dO)
+        lse = L.contiguous()
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
-        dQ, dK, dV = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
+        dQ, dK, dV = (layout.empty() for layout in self.layouts)
         if rt.poison_outputs:
             for x in (dQ, dK, dV):
                 x.view(torch.int16).fill_(-1)
@@ -298,4 +301,8 @@ class BackwardPlan:
         self.pre(s, o.data_ptr(), dOp, lse.data_ptr(), Sp, self.placeholder.ptr)
         self.kv(s, Qp, Kp, Vp, dOp, Sp, dK.data_ptr(), dV.data_ptr())
         self.dq(s, Qp, Kp, Vp, dOp, Sp, dQ.data_ptr())
-        return Flash2Backward(dQ.reshape(self.q_shape), dK.reshape(self.kv_shape), dV.reshape(self.kv_shape))
+        if self.reshape_q:
+            dQ = dQ.reshape(self.q_shape)
+        if self.reshape_kv:
+            dK, dV = dK.reshape(self.kv_shape), dV.reshape(self.kv_shape)
+        return Flash2Backward(dQ, dK, dV)

@@ -28,6 +28,7 @@ of 8, at most 256 (a 16-byte row chunk is 8 halves).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,8 +40,8 @@ from fa2edu.validation import check_scale
 from kernels_gpu import driver_launch
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES, Buffer
 
-__all__ = ["Problem", "prepare", "finish", "run", "ForwardPlan", "DTYPES", "MAX_HEAD_DIM", "MAX_DYNAMIC_BYTES",
-           "zero_copy", "layout_order", "layout_strides", "empty_like_layout"]
+__all__ = ["Problem", "prepare", "finish", "run", "ForwardPlan", "Layout", "View", "DTYPES", "MAX_HEAD_DIM",
+           "MAX_DYNAMIC_BYTES", "zero_copy", "layout_order", "layout_strides", "empty_like_layout"]
 
 DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -106,15 +107,32 @@ def _kernel_view(x):
 def layout_order(x) -> list:
     """x's axes from the largest stride to the smallest, the last axis kept last (the kernels' rows are
     contiguous); axes of equal stride (size 1) keep their order."""
-    lead = sorted(range(x.dim() - 1), key=lambda i: (-x.stride(i), i))
-    return lead + [x.dim() - 1]
+    strides = x.stride()
+    try:
+        return list(_order(strides))
+    except TypeError:       # symbolic strides (FakeTensors under dynamic shapes, as torch.compile traces) do not hash
+        return list(_order.__wrapped__(strides))
+
+
+@functools.lru_cache(maxsize=1024)
+def _order(strides: tuple) -> tuple:
+    lead = sorted(range(len(strides) - 1), key=lambda i: (-strides[i], i))
+    return tuple(lead) + (len(strides) - 1,)
 
 
 def layout_strides(x, shape=None) -> tuple:
     """The strides (elements) of :func:`empty_like_layout` (x, shape), without allocating it."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
+    order, shape = tuple(layout_order(x)), tuple(x.shape) if shape is None else tuple(shape)
+    try:
+        return _strides_in_order(order, shape)
+    except TypeError:       # symbolic sizes
+        return _strides_in_order.__wrapped__(order, shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides_in_order(order: tuple, shape: tuple) -> tuple:
     strides, step = [0] * len(shape), 1
-    for i in reversed(layout_order(x)):
+    for i in reversed(order):
         strides[i] = step
         step *= max(int(shape[i]), 1)
     return tuple(strides)
@@ -130,6 +148,43 @@ def empty_like_layout(x, shape=None, dtype=None):
     order = layout_order(x)
     t = torch.empty([shape[i] for i in order], dtype=x.dtype if dtype is None else dtype, device=x.device)
     return t.permute([order.index(i) for i in range(len(order))])
+
+
+class Layout:
+    """How a plan makes, on every call, a tensor of fixed shape laid out like a fixed-layout ``like``
+    (:func:`empty_like_layout`), worked out once: the shape to allocate and the permutation back (None when
+    ``like`` is contiguous)."""
+
+    __slots__ = ("alloc", "perm", "dtype", "device")
+
+    def __init__(self, like, shape=None, dtype=None):
+        shape = tuple(like.shape) if shape is None else tuple(shape)
+        order = layout_order(like)
+        self.alloc = [shape[i] for i in order]
+        perm = [order.index(i) for i in range(len(order))]
+        self.perm = None if perm == sorted(perm) else perm
+        self.dtype, self.device = like.dtype if dtype is None else dtype, like.device
+
+    def empty(self):
+        t = _torch().empty(self.alloc, dtype=self.dtype, device=self.device)
+        return t if self.perm is None else t.permute(self.perm)
+
+
+class View:
+    """How a plan turns a call's tensor into the kernels' 4-axis view, worked out once from a first call's tensor
+    of the same shape, strides, dtype and 16-byte alignment (what a plan's key fixes): reshape it unless it has
+    the kernels' shape already, and copy it unless the kernels can read it in place (:func:`zero_copy`)."""
+
+    __slots__ = ("shape", "reshape", "copy")
+
+    def __init__(self, x, shape: tuple):
+        self.shape, self.reshape = tuple(shape), tuple(x.shape) != tuple(shape)
+        self.copy = not zero_copy(x.reshape(shape))
+
+    def __call__(self, x):
+        if self.reshape:
+            x = x.reshape(self.shape)
+        return x.contiguous() if self.copy else x
 
 
 def _shape4(shape: tuple, name: str) -> tuple:
@@ -297,7 +352,7 @@ def run(make_kernel, config_for, shared_words, Q, K, V, *, causal, scale, grid_f
     grid = grid_for(cfg, p)
     driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, nbytes)
     if key is not None:
-        _PLANS[key] = ForwardPlan(p, driver_launch.Prepared(kernel, grid, cfg.threads, args, nbytes))
+        _PLANS[key] = ForwardPlan(p, driver_launch.Prepared(kernel, grid, cfg.threads, args, nbytes), Q, K, V)
     return Flash2Forward(*finish(p))
 
 
@@ -310,29 +365,35 @@ _PLANS = driver_launch.PlanCache()
 
 def _plan_key(tensors, rung: tuple, causal, scale, options: dict):
     """The cache key of a call on PyTorch CUDA tensors with the driver-level launch (None otherwise: no plan).
-    Everything the checks and the configuration depend on is in it — shapes, dtypes, device, the type and value
-    of every option, strides and whether each tensor is read in place — so a call that finds a plan would have
-    passed the checks of the call that made it, and lays its tensors out as that call did."""
+    Everything the checks and the configuration depend on is in it — shapes, strides, dtypes, device, the type and
+    value of every option, and whether each tensor's first element is 16-byte aligned (with its strides and dtype,
+    what decides whether it is read in place, :func:`zero_copy`) — so a call that finds a plan would have passed the
+    checks of the call that made it, and lays its tensors out as that call did."""
     torch = _torch()
-    if torch is None or not all(type(x) is torch.Tensor and x.is_cuda for x in tensors):
+    if torch is None or not driver_launch.enabled():
         return None
-    if not driver_launch.enabled():
-        return None
-    return (rung, type(causal), causal, type(scale), scale, tuple(sorted(options.items())),
-            tuple((x.shape, x.stride(), zero_copy(x), x.dtype, x.device) for x in tensors))
+    parts = []
+    for x in tensors:
+        if type(x) is not torch.Tensor or not x.is_cuda:
+            return None
+        parts.append((x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0))
+    return (rung, type(causal), causal, type(scale), scale, tuple(sorted(options.items())) if options else (),
+            tuple(parts))
 
 
 class ForwardPlan:
     """A forward on PyTorch CUDA tensors of fixed shapes, dtype and options, made from a first call's checked
-    :class:`Problem` and its :class:`~kernels_gpu.driver_launch.Prepared` launch. A call copies Q, K, V only when
-    the first call did (:func:`zero_copy`, part of the plan's key), allocates O (Q's shape, dtype and layout) and
-    L (float32, Q's shape without the last axis), poisons them when asked, and launches on PyTorch's current
-    stream."""
+    :class:`Problem`, its tensors and its :class:`~kernels_gpu.driver_launch.Prepared` launch. A call views or
+    copies Q, K, V as the first call did (:class:`View`), allocates O (Q's shape, dtype and layout) and L (float32,
+    Q's shape without the last axis), poisons them when asked, and launches on PyTorch's current stream."""
 
-    def __init__(self, p: Problem, launch_):
+    def __init__(self, p: Problem, launch_, Q, K, V):
         self.launch = launch_
+        q4, kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
+        self.views = (View(Q, q4), View(K, kv4), View(V, kv4))
         self.o_shape, self.l_shape = p.lead + (p.N_q, p.d), p.lead + (p.N_q,)
-        self.q4, self.kv4 = (p.Z, p.H_q, p.N_q, p.d), (p.Z, p.H_kv, p.N_k, p.d)
+        self.o_layout = Layout(self.views[0](Q))
+        self.reshape_o = self.o_shape != q4
         self.device = p.O_user.device
         self.device_index = self.device.index
 
@@ -340,12 +401,13 @@ class ForwardPlan:
         from kernels_gpu.flash2 import Flash2Forward
         torch = _torch()
         # as prepare() did for the first call: the kernels' 4-axis views, read in place or copied, O like q
-        q, k, v = (_kernel_view(x.reshape(s)) for x, s in ((Q, self.q4), (K, self.kv4), (V, self.kv4)))
-        O = empty_like_layout(q)
+        vq, vk, vv = self.views
+        q, k, v = vq(Q), vk(K), vv(V)
+        O = self.o_layout.empty()
         L = torch.empty(self.l_shape, dtype=torch.float32, device=self.device)
         if rt.poison_outputs:
             O.view(torch.int16).fill_(-1)
             L.fill_(math.nan)
         self.launch(driver_launch.current_stream(self.device_index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                     O.data_ptr(), L.data_ptr())
-        return Flash2Forward(O.reshape(self.o_shape), L)
+        return Flash2Forward(O.reshape(self.o_shape) if self.reshape_o else O, L)

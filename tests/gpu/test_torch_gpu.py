@@ -258,6 +258,48 @@ def test_non_contiguous_inputs_and_a_side_stream(dtype):
         assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_eager_and_traced_roads_on_cuda(dtype, monkeypatch):
+    # flash_attention's eager road (its autograd Function, no dispatcher) and its traced road (the registered
+    # operators, as torch.compile runs them) launch the same kernels on the same arguments: the same bits.
+    import fa2edu.torch as op
+    q, k, v, dO = gpt_views(2, 150, 4, 64, dtype, seed=5)
+    eager = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    monkeypatch.setattr(op, "_eager", lambda *tensors: False)
+    traced = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    for a, b in zip(eager, traced):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_call_from_a_new_thread(dtype):
+    # A thread that has made no CUDA call has no current CUDA context; the kernels launch through the driver,
+    # which needs one (kernels_gpu.driver_launch binds it): the thread's forward and backward equal this thread's.
+    import threading
+    q, k, v, dO = gpt_views(1, 70, 2, 64, dtype, seed=6)
+    expected = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    got, errors = [], []
+
+    def work():
+        try:
+            # first the forward alone: on the tensor cores the thread's first CUDA work is the kernel's launch
+            got.append(flash_attention(q, k, v, causal=True))
+            got.extend(with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO))
+        except Exception as error:           # re-raised below, in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the call did not return within 120 s"
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    assert len(got) == 5
+    for a, b in zip(got, [expected[0]] + expected):
+        assert torch.equal(a, b)
+
+
 def gpt_views(B, N, H, d, dtype, seed):
     """q, k, v as a GPT makes them — (B, H, N, d) views of one (B, N, 3·H·d) projection — and dO as its backward
     brings it — a (B, H, N, d) view of a (B, N, H·d) gradient."""
