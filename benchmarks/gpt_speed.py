@@ -14,10 +14,11 @@ the same seed see the same batches: ``sdpa`` (``F.scaled_dot_product_attention``
 (``fa2edu.torch.flash_attention``: ``kernels_gpu.fast`` in float32, ``kernels_gpu.tensorcore`` in bfloat16).
 Every step's loss is kept (as a tensor, read once at the end, so no step waits for the GPU); tokens/s are timed
 over the steps after ``--warmup`` (which include numba's compilation of each kernel), with Python's garbage
-collector paused (after a collection) for all three alike, so that no collection lands inside one run's short
-window (the bfloat16 d64 run times 35 steps in about 0.4 s; ``--keep-gc`` leaves it running); each timed step's
-host time is kept too (``step_seconds``: where the host bounds the step, as fa2edu's bfloat16 d64 one, its spread
-from run to run shows there). The losses are judged by
+collector paused (after a collection) for all three alike, so that no collection lands inside one run's window
+(``--keep-gc`` leaves it running). The window lasts at least ``--min-seconds`` of SDPA's steps: a short probe run
+of SDPA measures its step, and every run of the configuration then takes that many steps (at least ``--steps``) —
+40 bfloat16 d64 steps last 0.4 s, and a single hiccup of the host of 30 ms moved that run's ratio by 7 %. Each
+timed step's host time is kept too (``step_seconds``: when it had been queued). The losses are judged by
 ``examples.gpt.train.agreement_bounds``: fa2edu's distance from SDPA within 4 × the running maximum of the
 reference's, plus 8 float32 ulps.
 
@@ -151,19 +152,35 @@ def training(settings, device, progress):
     results = []
     for name, model in settings["configs"].items():
         for precision in settings["precisions"]:
+            def run(attention, steps):
+                return train_run(attention, data, model=model, precision=precision, steps=steps,
+                                 warmup=settings["warmup"], batch=settings["batch"], context=settings["context"],
+                                 lr=settings["lr"], seed=settings["seed"], device=device,
+                                 pause_gc=settings.get("pause_gc", True))
+
+            steps, probe = timed_steps(run, settings)
+            if probe is not None:
+                progress(f"{name} {precision:>8}: SDPA's step {probe * 1e3:.1f} ms → {steps} steps")
             runs = {}
             for attention in RUNS:
-                runs[attention] = train_run(attention, data, model=model, precision=precision,
-                                            steps=settings["steps"], warmup=settings["warmup"],
-                                            batch=settings["batch"], context=settings["context"], lr=settings["lr"],
-                                            seed=settings["seed"], device=device,
-                                            pause_gc=settings.get("pause_gc", True))
+                runs[attention] = run(attention, steps)
                 progress(f"{name} {precision:>8} {attention:>9}: {runs[attention]['tokens_per_s']:>10,.0f} tokens/s, "
                          f"loss {runs[attention]['loss'][0]:.3f} → {runs[attention]['loss'][-1]:.3f}")
             head = model["d_model"] // model["n_head"]
-            results.append({"config": name, "precision": precision, "d": head, **model, "runs": runs,
-                            **judge(runs)})
+            results.append({"config": name, "precision": precision, "d": head, **model, "steps": steps,
+                            "probe_step_seconds": probe, "runs": runs, **judge(runs)})
     return results
+
+
+def timed_steps(run, settings) -> tuple[int, float | None]:
+    """How many steps every run of a configuration takes: ``steps``, or more, so that SDPA's timed steps last
+    ``min_seconds`` (its step measured by a probe run of ``warmup`` + 10 steps: their seconds, the GPU's included,
+    over 10). Returns (steps, the probe's step in seconds or None when there is no minimum)."""
+    if not settings.get("min_seconds"):
+        return settings["steps"], None
+    timed = run("sdpa", settings["warmup"] + 10)
+    probe = timed["seconds"] / timed["timed_steps"]
+    return max(settings["steps"], settings["warmup"] + math.ceil(settings["min_seconds"] / probe)), probe
 
 
 # ---------------------------------------------------------------------------------------------- the op alone
@@ -327,7 +344,9 @@ def build_parser():
     p.add_argument("--plot", metavar="RESULTS", default=None, help="redraw the figure of a results file and exit")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"model configurations among {list(CONFIGS)}")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="float32 and/or bfloat16 (autocast)")
-    p.add_argument("--steps", type=int, default=40, help="training steps per run")
+    p.add_argument("--steps", type=int, default=40, help="training steps per run, at least")
+    p.add_argument("--min-seconds", type=float, default=3.0,
+                   help="take more steps where SDPA's timed steps would last less than this (0: exactly --steps)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (they include compilation)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=4096, help="sequence length N")
@@ -361,7 +380,8 @@ def _settings(args):
                         steps=args.steps, warmup=args.warmup, micro_d=(64, 128),
                         micro_dtypes=tuple(args.micro_dtypes.split(",")), micro_N=args.micro_N, tokens=16384,
                         hidden=2048,
-                        repeats=args.repeats, lr=args.lr, seed=args.seed, pause_gc=not args.keep_gc)
+                        repeats=args.repeats, lr=args.lr, seed=args.seed, pause_gc=not args.keep_gc,
+                        min_seconds=args.min_seconds)
     if settings["warmup"] >= settings["steps"]:
         raise SystemExit(f"--warmup ({settings['warmup']}) must be smaller than --steps ({settings['steps']})")
     settings["warmup_calls"] = 1 if args.dry_run else 3

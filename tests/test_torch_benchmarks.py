@@ -29,6 +29,21 @@ def test_gpt_speed_imports_without_torch_and_has_help():
     assert "--dry-run" in done.stdout and "tokens/s" in done.stdout
 
 
+def test_gpt_speed_times_a_window_of_at_least_min_seconds():
+    from benchmarks import gpt_speed
+    calls = []
+
+    def run(attention, steps):                 # a probe: 10 timed steps in 50 ms, so 5 ms a step
+        calls.append((attention, steps))
+        return {"seconds": 0.05, "timed_steps": steps - 5}
+
+    settings = dict(steps=40, warmup=5, min_seconds=3.0)
+    assert gpt_speed.timed_steps(run, settings) == (5 + 600, 0.005) and calls == [("sdpa", 15)]
+    assert gpt_speed.timed_steps(run, dict(settings, min_seconds=0.1))[0] == 40      # --steps is the least
+    assert gpt_speed.timed_steps(run, dict(settings, min_seconds=0)) == (40, None)   # no probe
+    assert len(calls) == 2
+
+
 def test_gpt_speed_dry_run_writes_results_and_figure(tmp_path, capsys):
     pytest.importorskip("torch")
     from benchmarks import gpt_speed
