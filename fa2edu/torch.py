@@ -22,9 +22,11 @@ the namespace ``fa2edu``): ``torch.ops.fa2edu.flash_attention_fwd`` returns (O, 
 ``standard_attention_fwd|bwd`` likewise. Each has a *fake* implementation (shapes and dtypes only, no data), so
 ``torch.compile(fullgraph=True)`` traces through the operator instead of into NumPy or numba code it cannot read,
 and ``torch.library.opcheck`` passes. ``torch.library.register_autograd`` joins each pair: the forward's
-``setup_context`` saves exactly the tensors of the table above, and the backward formula is the ``backward`` of
-:class:`Flash2Attention` (:class:`Flash1Attention`, :class:`StandardAttention`), the ``torch.autograd.Function``
-form of the same op, which calls the backward operator.
+``setup_context`` saves exactly the tensors of the table above, and the backward formula calls the backward
+operator. That is the road ``torch.compile`` takes. In eager mode (plain tensors, no tracing) ``flash_attention``
+takes a shorter one to the same code: the ``torch.autograd.Function`` form of the op (:class:`Flash2Attention`,
+:class:`Flash1Attention`, :class:`StandardAttention`, usable on their own), whose passes call the operators' bodies
+without PyTorch's dispatcher, which costs host time on every call (see "the autograd formulas" below).
 
 **Where it runs** (``fa2edu._torch_ops``, one table, :data:`DISPATCH`): CPU float32/float64 → fa2edu's NumPy
 algorithms (the counted textbook code, on the tensors' own memory); CUDA float32 → ``kernels_gpu.fast`` (the
