@@ -1,9 +1,11 @@
 """Where a bfloat16 training step of the GPT goes, with fa2edu's attention and with SDPA: PyTorch's profiler.
 
     python -m benchmarks.gpt_step_profile > benchmarks/results/<device>/gpt_bf16_d128_profile.log
+    python -m benchmarks.gpt_step_profile --config d64 > benchmarks/results/<device>/gpt_bf16_d64_profile.log
 
-The ``d128`` configuration of :mod:`benchmarks.gpt_speed` (4 layers, d_model 1024, 8 heads of d = 128, context
-4096, batch 4, bfloat16 autocast, AdamW): 5 warm-up steps, 4 steps timed on the wall clock, then 3 steps under
+A configuration of :mod:`benchmarks.gpt_speed` (``d128`` by default: 4 layers, d_model 1024, 8 heads of d = 128;
+``d64``: d_model 512, d = 64; context 4096, batch 4, bfloat16 autocast, AdamW): 5 warm-up steps, 4 steps timed on
+the wall clock, then 3 steps under
 ``torch.profiler`` (CPU and CUDA activity). For each attention it prints the wall time per step and the profiler's
 tables sorted by self CUDA time and by self CPU time; "Self CUDA time total" at the foot of a table is the GPU
 time of the 3 profiled steps (4 layers each: an attention row with 12 calls is one call per layer and step).
@@ -24,20 +26,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # examples/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
-#: the GPT of benchmarks.gpt_speed's "d128" configuration, and its batch
+#: the GPT of benchmarks.gpt_speed's "d128" configuration (the default; ``--config`` picks another), and its batch
 MODEL = dict(n_layer=4, n_head=8, d_model=1024)
 CONTEXT, BATCH = 4096, 4
 WARMUP, TIMED, PROFILED = 5, 4, 3
 
 
-def profile_steps(attention: str, data) -> dict:
+def profile_steps(attention: str, data, model: dict = MODEL) -> dict:
     """Train ``attention``'s model for WARMUP + TIMED + PROFILED steps; print the profiler's tables."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from examples.gpt.model import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=data.vocab_size, context=CONTEXT, attention=attention, **MODEL)
+    cfg = GPTConfig(vocab_size=data.vocab_size, context=CONTEXT, attention=attention, **model)
     torch.manual_seed(0)
     net = GPT(cfg).cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -73,7 +75,13 @@ def profile_steps(attention: str, data) -> dict:
     return dict(wall_ms=wall * 1e3)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    from benchmarks.gpt_speed import CONFIGS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="d128", choices=sorted(CONFIGS))
+    args = parser.parse_args(argv)
     from benchmarks import timing
     timing.cuda_setup()
     from examples.gpt.data import CharData, generate_text
@@ -81,7 +89,7 @@ def main() -> int:
     data = CharData(generate_text(100_000))
     walls = {}
     for attention in ("sdpa", "fa2edu"):
-        walls[attention] = profile_steps(attention, data)
+        walls[attention] = profile_steps(attention, data, CONFIGS[args.config])
         torch.cuda.empty_cache()                # (the first model's memory is free once its call returns)
     print(json.dumps(walls))
     return 0
