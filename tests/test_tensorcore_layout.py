@@ -110,3 +110,34 @@ def test_fakes_with_symbolic_shapes():
                                                      None, None)
         for g, x in zip(grads, real):
             assert tuple(int(n) for n in g.stride()) == layout_strides(x)
+
+
+@pytest.mark.parametrize("make", ["contiguous", "projection view", "misaligned view", "leading axes"])
+def test_a_plans_view_and_layout_repeat_the_first_call(make):
+    """A plan (kernels_gpu.tensorcore.launch.ForwardPlan, BackwardPlan) works out once, from its first call's
+    tensor, how to reach the kernels' 4-axis view (View: reshape? copy?) and how to allocate a result laid out like
+    it (Layout); a later tensor of the same shape, strides, dtype and alignment — what the plan's key fixes — must
+    then get what the full road gives it: the same view (in place or a contiguous copy) and the same strides."""
+    from kernels_gpu.tensorcore.launch import Layout, View
+
+    def tensor(seed):
+        g = torch.Generator().manual_seed(seed)
+        if make == "contiguous":
+            return torch.randn(2, 3, 5, 8, generator=g).half()
+        if make == "projection view":
+            return projection_views()[0]
+        if make == "misaligned view":                  # rows of 8 halves out of 12: not 16-byte aligned
+            return torch.randn(2, 3, 5, 12, generator=g).half()[..., 4:]
+        return torch.randn(2, 2, 3, 5, 8, generator=g).half()       # (B, G, H, N, d): folded into Z = 4
+
+    shape4 = (4, 3, 5, 8) if make == "leading axes" else (2, 3, 5, 8)
+    first, later = tensor(0), tensor(1)
+    view, layout = View(first, shape4), Layout(View(first, shape4)(first))
+    full_road = later.reshape(shape4)
+    full_road = full_road if zero_copy(full_road) else full_road.contiguous()
+    got = view(later)
+    assert torch.equal(got, full_road) and got.stride() == full_road.stride()
+    assert (got.data_ptr() == later.data_ptr()) == zero_copy(later.reshape(shape4))
+    assert view.copy == (make == "misaligned view")
+    out = layout.empty()
+    assert out.shape == full_road.shape and out.stride() == empty_like_layout(full_road).stride()
