@@ -163,7 +163,7 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
 #   PyTorch's dispatcher has nothing to add here and costs host time on every call: on an H100 host, 1.1 ms per
 #   forward + backward through the registered operators against 0.75 ms through the Function (bfloat16, d = 64,
 #   benchmarks/op_host_time.py), which a small model's training step pays once per layer;
-# * **traced** (torch.compile, torch.export, FakeTensors and other tensor subclasses): the registered operators
+# * **traced** (torch.compile, torch.export, torch.jit.trace, FakeTensors and other tensor subclasses): the operators
 #   torch.ops.fa2edu.*_fwd, whose autograd formula (_flash2_formula, ...) calls torch.ops.fa2edu.*_bwd, so that a
 #   compiled graph holds two opaque operators with fake implementations.
 #
@@ -178,9 +178,11 @@ def _options(args) -> dict:
 
 
 def _eager(q, k, v) -> bool:
-    """Whether flash_attention takes the eager road: not while torch.compile or torch.export traces, and only for
-    plain tensors (FakeTensors and the other subclasses that tracing uses go to the registered operators)."""
-    return not torch.compiler.is_compiling() and type(q) is type(k) is type(v) is torch.Tensor
+    """Whether flash_attention takes the eager road: not while torch.compile, torch.export or torch.jit.trace
+    traces (a traced graph should hold the registered operator, which TorchScript can save, not a Python call),
+    and only for plain tensors (FakeTensors and the other subclasses that tracing uses go to the operators)."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and type(q) is type(k) is type(v) is torch.Tensor)
 
 
 class Flash2Attention(torch.autograd.Function):

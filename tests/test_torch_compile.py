@@ -134,6 +134,16 @@ def test_compile_traces_the_registered_operators():
     assert not any("Flash2" in target for target in targets), targets
 
 
+def test_jit_trace_records_the_registered_operator():
+    # torch.jit.trace takes the traced road too: its graph calls fa2edu::flash_attention_fwd, which TorchScript
+    # can save and load, not the eager road's Python Function (a prim::PythonOp it cannot save).
+    q, k, v = tensors((1, 2, 5, 4), (1, 2, 7, 4), (1, 2, 7, 4), dtype=torch.float32, requires_grad=False)
+    traced = torch.jit.trace(lambda q, k, v: flash_attention(q, k, v, causal=True), (q, k, v), check_trace=False)
+    kinds = [node.kind() for node in traced.graph.nodes()]
+    assert "fa2edu::flash_attention_fwd" in kinds and "prim::PythonOp" not in kinds, kinds
+    assert torch.equal(traced(q, k, v), flash_attention(q, k, v, causal=True))
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="Inductor compiles C++ on the CPU and finds no compiler")
 def test_compile_fullgraph_default_backend():
