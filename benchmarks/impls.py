@@ -113,7 +113,7 @@ def _kg_flash2_det(pass_, x, causal, scale, options):
 #: per SM) and not at d = 64 (``fast_v8e_explore_d64.json``)
 FAST_FORWARD, FAST_BACKWARD = {64: "v6", 128: "v8"}, "v2"
 #: the fast versions timed as ``kg_flash2_fast_fp16``: the fastest ones that take ``storage="float16"``
-FP16_FORWARD, FP16_BACKWARD = "v6", "v2"
+FP16_FORWARD, FP16_BACKWARD = "v6", "v1"
 
 
 def _kg_flash2_fast(pass_, x, causal, scale, options, storage="float32", versions=None):
