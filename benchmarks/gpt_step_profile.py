@@ -32,19 +32,19 @@ CONTEXT, BATCH = 4096, 4
 WARMUP, TIMED, PROFILED = 5, 4, 3
 
 
-def profile_steps(attention: str, data, model: dict = MODEL) -> dict:
-    """Train ``attention``'s model for WARMUP + TIMED + PROFILED steps; print the profiler's tables."""
+def bf16_training(attention: str, data, model: dict = MODEL, steps: int = WARMUP + TIMED + PROFILED,
+                  context: int = CONTEXT, batch: int = BATCH):
+    """The GPT of ``model`` with ``attention`` on the GPU (weights from seed 0), AdamW, and ``steps`` batches of
+    ``batch`` × ``context`` characters: (step(x, y), batches), ``step`` one bfloat16-autocast training step."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from examples.gpt.model import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=data.vocab_size, context=CONTEXT, attention=attention, **model)
+    cfg = GPTConfig(vocab_size=data.vocab_size, context=context, attention=attention, **model)
     torch.manual_seed(0)
     net = GPT(cfg).cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    steps = WARMUP + TIMED + PROFILED
-    batches = [(x.cuda(), y.cuda()) for x, y in data.batches(steps, BATCH, CONTEXT, seed=0)]
+    batches = [(x.cuda(), y.cuda()) for x, y in data.batches(steps, batch, context, seed=0)]
 
     def step(x, y):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -52,7 +52,15 @@ def profile_steps(attention: str, data, model: dict = MODEL) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return step, batches
 
+
+def profile_steps(attention: str, data, model: dict = MODEL) -> dict:
+    """Train ``attention``'s model for WARMUP + TIMED + PROFILED steps; print the profiler's tables."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step, batches = bf16_training(attention, data, model)
     for x, y in batches[:WARMUP]:
         step(x, y)
     torch.cuda.synchronize()

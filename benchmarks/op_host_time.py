@@ -127,25 +127,13 @@ def op_rows(torch, args) -> tuple[list[dict], str]:
 def step_rows(torch, args) -> tuple[dict, str]:
     """The GPT d64 bfloat16 step, SDPA and fa2edu: host time to queue a step and wall time with a sync after it."""
     from benchmarks.gpt_speed import CONFIGS
+    from benchmarks.gpt_step_profile import bf16_training
     from examples.gpt.data import CharData, generate_text
-    from examples.gpt.model import GPT, GPTConfig
 
     data = CharData(generate_text(max(40_000, 20 * args.context)))
     out, text = {}, ""
     for attention in ("sdpa", "fa2edu"):
-        config = GPTConfig(vocab_size=data.vocab_size, context=args.context, attention=attention, **CONFIGS["d64"])
-        torch.manual_seed(0)
-        net = GPT(config).cuda()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
-        batches = [(x.cuda(), y.cuda()) for x, y in data.batches(args.steps, 4, args.context, seed=0)]
-
-        def step(x, y):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = net(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
+        step, batches = bf16_training(attention, data, CONFIGS["d64"], args.steps, args.context, batch=4)
         host, wall = [], []
         for i, (x, y) in enumerate(batches):
             torch.cuda.synchronize()

@@ -257,8 +257,9 @@ def _round_up(n: int, unit: int) -> int:
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` with zero columns appended on its last axis up to ``width`` (``x`` itself when already that wide)."""
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    """``x`` with zero columns appended on its last axis up to ``width`` (``x`` itself when already that wide; the
+    padded copy is detached: the kernels take data, and autograd records the op's own formula)."""
+    return x if x.shape[-1] == width else F.pad(x.detach(), (0, width - x.shape[-1]))
 
 
 def _unpad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -356,12 +357,9 @@ def _tensor_core_forward(q, k, v, causal: bool, scale: float):
     """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`.
     The kernels take PyTorch tensors themselves — strided ones in place — and launch on PyTorch's current stream;
     O comes back laid out like q (:func:`tensorcore_layout`)."""
-    d, d_v = q.shape[-1], v.shape[-1]
-    D = tensorcore_width(d, d_v)
-    if D == d == d_v:       # no padding: O comes back laid out like q (or like the copy of q the kernels made)
-        O, L = _tensorcore().flash2_forward(q, k, v, causal=causal, scale=scale)
-        return _in_layout(O, q), L
-    O, L = _tensorcore().flash2_forward(*(_pad(x.detach(), D) for x in (q, k, v)), causal=causal, scale=scale)
+    d_v = v.shape[-1]
+    D = tensorcore_width(q.shape[-1], d_v)
+    O, L = _tensorcore().flash2_forward(*(_pad(x, D) for x in (q, k, v)), causal=causal, scale=scale)
     return _in_layout(_unpad(_from_kernel(O, q), d_v), q), _from_kernel(L, q)
 
 
@@ -376,12 +374,8 @@ def _tensor_core_backward(q, k, v, O, L, dO, causal: bool, scale: float):
     if hasattr(tensorcore, "flash2_backward"):
         d, d_v = q.shape[-1], v.shape[-1]
         D = tensorcore_width(d, d_v)
-        if D == d == d_v:   # no padding
-            dQ, dK, dV = tensorcore.flash2_backward(q, k, v, O, L, dO, causal=causal, scale=scale)
-            return _in_layout(dQ, q), _in_layout(dK, k), _in_layout(dV, v)
-        Q, K, V, O_, dO_ = (_pad(x.detach(), D) for x in (q, k, v, O, dO))
-        dQ, dK, dV = tensorcore.flash2_backward(Q, K, V, O_, L.detach().contiguous(), dO_, causal=causal,
-                                                scale=scale)
+        Q, K, V, O_, dO_ = (_pad(x, D) for x in (q, k, v, O, dO))
+        dQ, dK, dV = tensorcore.flash2_backward(Q, K, V, O_, L, dO_, causal=causal, scale=scale)
         return tuple(_in_layout(_unpad(_from_kernel(g, q), width), like)
                      for g, width, like in ((dQ, d, q), (dK, d, k), (dV, d_v, v)))
     # The fallback: float32 on CUDA cores (kernels_gpu.fast), the same formulas on the upcast values.

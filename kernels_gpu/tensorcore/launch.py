@@ -143,17 +143,13 @@ def empty_like_layout(x, shape=None, dtype=None):
     the order of x's (:func:`layout_order`): contiguous when x is, (B, N, H, d) in memory when x is a (B, H, N, d)
     view of a (B, N, H, d) projection — the layout SDPA's flash and cuDNN kernels give their outputs, so that the
     caller's ``transpose(1, 2).reshape(B, N, H·d)`` of O costs no copy."""
-    torch = _torch()
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    order = layout_order(x)
-    t = torch.empty([shape[i] for i in order], dtype=x.dtype if dtype is None else dtype, device=x.device)
-    return t.permute([order.index(i) for i in range(len(order))])
+    return Layout(x, shape, dtype).empty()
 
 
 class Layout:
-    """How a plan makes, on every call, a tensor of fixed shape laid out like a fixed-layout ``like``
-    (:func:`empty_like_layout`), worked out once: the shape to allocate and the permutation back (None when
-    ``like`` is contiguous)."""
+    """How to make a tensor of ``shape`` (``like``'s by default) and ``dtype`` laid out like ``like``
+    (:func:`empty_like_layout`), worked out once — the shape to allocate and the permutation back (None when the
+    axes are in order) — so that a plan makes one on every call with ``empty()``."""
 
     __slots__ = ("alloc", "perm", "dtype", "device")
 
