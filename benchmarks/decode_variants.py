@@ -3,9 +3,10 @@
     python -m benchmarks.decode_variants --variants copy=bulk copy=cp.async --out /tmp/variants.json
     ncu --nvtx --nvtx-include "variant/" --section ... python -m benchmarks.decode_variants --ncu ...
 
-A variant is a set of the module-level choices of :mod:`kernels_gpu.decode` and :mod:`kernels_gpu.decode_tc`:
-``copy`` (``decode_tc.COPY``: "bulk" or "cp.async"), ``stages`` (``decode_tc.STAGES``), ``warps``
-(``decode.TC_WARPS``) and ``splits`` (``num_splits`` of the call; default: the split rule). Each shape (batch ×
+A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
+:mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
+(``decode_tc.STAGES``), ``warps`` (``decode.TC_WARPS``), ``l2`` (``tensor_map.L2_PROMOTION``: "none", "64B",
+"128B", "256B") and ``splits`` (``num_splits`` of the call; default: the split rule). Each shape (batch ×
 context, the :mod:`benchmarks.decode` grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache) is timed by
 CUDA-graph replay (:func:`benchmarks.decode.time_graph`) in ``--rounds`` rounds, every variant and SDPA's cuDNN
 backend once per round in turn, so that a drift of the clock or the memory touches all of them alike; the median
@@ -30,7 +31,7 @@ from benchmarks import decode as bench
 from benchmarks.results_io import utc_now
 from benchmarks.timing import cuda_setup, package_versions
 
-KNOBS = ("copy", "stages", "warps", "splits")
+KNOBS = ("copy", "stages", "warps", "splits", "l2")
 
 
 def parse_variant(text: str) -> dict:
@@ -40,7 +41,7 @@ def parse_variant(text: str) -> dict:
         key, _, value = item.partition("=")
         if key not in KNOBS or not value:
             raise SystemExit(f"--variants: expected knob=value with knob in {KNOBS}, got {item!r}")
-        out[key] = value if key == "copy" else int(value)
+        out[key] = value if key in ("copy", "l2") else int(value)
     return out
 
 
@@ -58,13 +59,14 @@ _CURRENT: list = [None]
 def apply(variant: dict) -> None:
     """Set the module-level choices of ``variant`` (the others back to their defaults) and drop cached plans —
     only when the variant changes: a call being captured into a graph must find its plan (and its buffers)."""
-    from kernels_gpu import decode, decode_tc
+    from kernels_gpu import decode, decode_tc, tensor_map
     if _CURRENT[0] == variant:
         return
     _CURRENT[0] = dict(variant)
     decode_tc.COPY = variant.get("copy", DEFAULTS["copy"])
     decode_tc.STAGES = variant.get("stages", DEFAULTS["stages"])
     decode.TC_WARPS = variant.get("warps", DEFAULTS["warps"])
+    tensor_map.L2_PROMOTION = variant.get("l2", DEFAULTS["l2"])
     decode._PLANS.clear()
 
 
@@ -99,8 +101,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cuda_setup(use_torch_allocator=False)
     import torch
-    from kernels_gpu import decode, decode_tc
-    DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS)
+    from kernels_gpu import decode, decode_tc, tensor_map
+    DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS,
+                    l2=tensor_map.L2_PROMOTION)
     variants = [parse_variant(v) for v in a.variants]
     shapes = [parse_shape(s) for s in a.shapes]
     cudnn = bench._sdpa(torch, "cudnn")

@@ -819,6 +819,7 @@ class _Call(NamedTuple):
     causal: bool
     num_splits: int | None
     program: str = "cuda_core"      # the split program: "tensorcore" (decode_tc) or "cuda_core" (split_kernel)
+    copy: str = "cp.async"          # how the tensor-core program copies whole tiles (decode_tc.COPY, where it applies)
 
 
 #: the split programs a caller may name (``kernel=``); None picks the tensor-core one wherever it applies
@@ -950,12 +951,41 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
                          f"{decode_tc.TILE}; got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows "
                          f"aligned to {4 * tc_vec} bytes")
     program = "tensorcore" if tc_ok and kernel != "cuda_core" else "cuda_core"
+    copy = "cp.async"
     if program == "tensorcore":
         row_tiles = -(-R // 16)                     # one 16-row MMA tile per program
+        copy = decode_tc.COPY
+        # tensor copies: their maps are kept in PyTorch memory, for caches whose strides the copy engine can walk
+        if copy == "tensor" and not (kind == "torch-cuda"
+                                     and _tensor_maps_apply(d_pad, dv_pad, k_strides, v_strides)):
+            copy = "cp.async"
     return _Call(kind, storage, out, io.stream_of(kind, getattr(q, "device", None)), Qw, Kw, Vw, table_flat,
                  seq_flat, B, H_q, H_kv, N_new, d_pad, dv_pad, d_v, R, tiling, row_tiles, page, block, max_pages,
                  num_pages, capacity, n_max, k_strides[:3], v_strides[:3], float(tau) * LOG2E, bool(causal),
-                 num_splits, program)
+                 num_splits, program, copy)
+
+
+def _tensor_maps_apply(d: int, d_v: int, k_strides: tuple, v_strides: tuple) -> bool:
+    """Whether tensor copies can take the caches: :func:`decode_tc.tensor_copy_applies`, rows contiguous, and the
+    (sequence or page, head, row) strides positive multiples of 16 bytes, in any order (the copy engine walks a
+    (B, N, H, d) cache seen as (B, H, N, d) as readily as a (B, H, N, d) one)."""
+    if not decode_tc.tensor_copy_applies(d, d_v, rt.simulator_in_use()):
+        return False
+    return all(x % 4 == 0 and x > 0 for st in (k_strides, v_strides) for x in st[:3])   # (words: 4 = 16 bytes)
+
+
+def _tensor_maps(c: _Call) -> list:
+    """The tensor maps of K and V (kernels_gpu.tensor_map.encode_4d): dims (column, row, head, sequence or page),
+    boxes of TILE rows × 64 columns."""
+    from kernels_gpu import tensor_map
+    rows = c.page if c.page else c.capacity
+    outer = c.num_pages if c.page else c.B
+    maps = []
+    for X, st, width in ((c.Kw, c.k_strides, c.d), (c.Vw, c.v_strides, c.d_v)):
+        so, sh, sn = st[:3]
+        maps.append(tensor_map.encode_4d(X.ptr, 2, (width, rows, c.H_kv, outer), (4 * sn, 4 * sh, 4 * so),
+                                         (64, decode_tc.TILE, 1, 1)))
+    return maps
 
 
 def _slots(kernel, args, threads: int, shared: int = 0) -> int:
@@ -971,8 +1001,8 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
         warps = SIMULATOR_WARPS if simulator else TC_WARPS
         stages = decode_tc.STAGES
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
-                                          decode_tc.COPY),
-                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages))
+                                          c.copy),
+                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
@@ -994,10 +1024,43 @@ def _split_count(c: _Call, kernel, probe, threads: int, shared: int) -> int:
 
 
 def _split_args(c: _Call, S: int, Ow, L, Opart, Lpart):
+    """The split program's arguments; the tensor-core one also takes its tensor maps of K and V (unread stand-ins
+    without tensor copies)."""
     i64 = np.int64
-    return (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
+    args = (c.Qw, c.Kw, c.Vw, c.table, c.seqlens, Ow, L, Opart, Lpart, i64(c.H_q), i64(c.H_kv), i64(c.N_new),
             i64(c.R), i64(S), i64(c.row_tiles), i64(c.block), i64(c.max_pages), i64(c.num_pages), i64(c.capacity),
             *(i64(s) for s in c.k_strides), *(i64(s) for s in c.v_strides), np.float32(c.scale2))
+    if c.program == "tensorcore":
+        args += _map_arrays(c)
+    return args
+
+
+#: the tensor maps the tensor-core program's tensor copies have used, per cache address and geometry
+_MAPS = None
+#: a stand-in for the maps' parameters of a program without tensor copies, per device (never read)
+_NO_MAPS: dict = {}
+
+
+def _map_key(c: _Call, k_ptr: int, v_ptr: int) -> tuple:
+    from kernels_gpu import tensor_map
+    return (k_ptr, v_ptr, c.d, c.d_v, c.page, c.capacity, c.num_pages, c.B, c.H_kv, c.k_strides, c.v_strides,
+            c.out.device, tensor_map.L2_PROMOTION)
+
+
+def _map_arrays(c: _Call) -> tuple:
+    """(K's map, V's map) as flat uint64 arrays of 16 words, the split program's last two parameters."""
+    global _MAPS
+    if c.copy != "tensor":
+        dev = None if rt.simulator_in_use() else cuda.get_current_device().id
+        if dev not in _NO_MAPS:
+            _NO_MAPS[dev] = io._numba_flat(cuda.to_device(np.zeros(16, np.uint64)))
+        return _NO_MAPS[dev], _NO_MAPS[dev]
+    from kernels_gpu.tensor_map import DeviceMaps
+    if _MAPS is None:
+        _MAPS = DeviceMaps()
+    k, v = _MAPS.get(_map_key(c, c.Kw.ptr, c.Vw.ptr), lambda: _tensor_maps(c), c.out.device)
+    return (io.Flat(k.data_ptr(), 16, np.dtype(np.uint64), None, k),
+            io.Flat(v.data_ptr(), 16, np.dtype(np.uint64), None, v))
 
 
 def _run(c: _Call, partials_out: bool = False, plan_key=None):
@@ -1088,6 +1151,10 @@ class DecodePlan:
         self.partials = c.B * c.H_kv * S * c.R if S > 1 else 0          # partial rows (O_s, L_s)
         self.d_v, self.paged = c.d_v, c.page > 0
         self.device = c.out.device
+        # tensor copies: the maps hold the caches' addresses (kept per address by _MAPS); else the stand-ins
+        self.call = c
+        self.no_maps = (() if c.program != "tensorcore" else
+                        None if c.copy == "tensor" else tuple(x.ptr for x in _map_arrays(c)))
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table) -> DecodeResult:
         import torch
@@ -1107,8 +1174,13 @@ class DecodePlan:
             op, lp = Op.data_ptr(), Lp.data_ptr()
         stream = driver_launch.current_stream(self.device.index)
         table = block_table if self.paged else cache_seqlens   # (a contiguous cache's kernel never reads it)
+        maps = self.no_maps
+        if maps is None:
+            c = self.call._replace(Kw=io.Flat(k_cache.data_ptr(), self.call.Kw.n, self.call.Kw.dtype),
+                                   Vw=io.Flat(v_cache.data_ptr(), self.call.Vw.n, self.call.Vw.dtype))
+            maps = tuple(x.ptr for x in _map_arrays(c))
         self.launches[0](stream, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-                         cache_seqlens.data_ptr(), o, l, op, lp)
+                         cache_seqlens.data_ptr(), o, l, op, lp, *maps)
         if self.partials:
             self.launches[1](stream, op, lp, o, l)
         return DecodeResult(O, L)

@@ -81,20 +81,23 @@ def split_report(storage: str = "float16", d: int = 128, R: int = 4, page: int =
 
 
 def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, causal: bool = True,
-                    index: str = "int32", warps: int = 4) -> dict:
+                    index: str = "int32", warps: int = 4, copy: str | None = None) -> dict:
     """The tensor-core split program (:mod:`kernels_gpu.decode_tc`) for (storage, d = d_v, page size; 0:
-    contiguous): ``ldsm`` and ``mma`` counts beside the resources (``cp_async``: 16-byte copies in the PTX)."""
+    contiguous; ``copy``: how whole tiles travel, default :data:`decode_tc.COPY`): ``ldsm`` and ``mma`` counts
+    beside the resources (``cp_async``: 16-byte copies in the PTX, ``tensor_copies``: bulk tensor copies)."""
     from kernels_gpu import decode_tc
     _compile_without_gpu()
-    kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False)
+    copy = decode_tc.COPY if copy is None else copy
+    kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False, decode_tc.STAGES, copy)
     I = getattr(types, index)
     sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
-           (types.int64,) * 16 + (types.float32,))
+           (types.int64,) * 16 + (types.float32,) + (types.uint64[::1],) * 2)
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     cap = decode_tc.register_cap(d, d)                          # as split_kernel_tc asks of the compiler
-    return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps,
-                shared_bytes=decode_tc.shared_bytes(d, d, warps), mma=ptx.count("mma.sync"),
-                ldmatrix=ptx.count("ldmatrix"), cp_async=ptx.count("cp.async.cg"), **_ptxas(ptx, cap))
+    return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps, copy=copy,
+                shared_bytes=decode_tc.shared_bytes(d, d, warps, decode_tc.STAGES, copy), mma=ptx.count("mma.sync"),
+                ldmatrix=ptx.count("ldmatrix"), cp_async=ptx.count("cp.async.cg"),
+                tensor_copies=ptx.count("cp.async.bulk.tensor"), **_ptxas(ptx, cap))
 
 
 def merge_report(storage: str = "float16", d_v: int = 128) -> dict:

@@ -14,7 +14,8 @@ Launches: decoding from a paged float16 cache (shuffled pages, ragged lengths wi
 4, 3 splits and their merge launch, on the tensor-core program), from a contiguous bfloat16 cache with
 2 new tokens (causal: a token that sees no key) and one split, float32 with the default split rule (the CUDA-core
 program, 16-byte loads), the CUDA-core program on float16 (3 splits and the merge launch), and a contiguous float16
-cache with 3 new tokens and the default split rule; varlen over a packed float16 batch (an
+cache with 3 new tokens and the default split rule — the tensor-core ones with whole tiles by tensor copies (the
+default), then two of them again with bulk copies and with ``cp.async``; varlen over a packed float16 batch (an
 empty sequence, n_q ≠ n_k, causal) and a float32 one. Ragged everywhere: lengths divide no tile. Outputs are
 poisoned (NaN) before each launch, so initcheck and the oracle both see a forgotten write. Prints one line per
 launch; exits non-zero on a wrong result.
@@ -119,15 +120,17 @@ def main(argv=None) -> int:
     ok &= decode_case(torch.float32, paged=True, N_new=1, num_splits=None, seed=2)
     ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=5, kernel="cuda_core")
     ok &= decode_case(torch.float16, paged=False, N_new=3, num_splits=None, seed=6)
-    # the tensor-core program with whole tiles by bulk copies and mbarriers (decode_tc.COPY, not the default)
+    # the tensor-core program's other ways of copying whole tiles (decode_tc.COPY; the default: tensor copies)
     from kernels_gpu import decode, decode_tc
-    copy, decode_tc.COPY = decode_tc.COPY, "bulk"
-    decode._PLANS.clear()
+    default = decode_tc.COPY
     try:
-        ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=7)
-        ok &= decode_case(torch.bfloat16, paged=False, N_new=2, num_splits=None, seed=8)
+        for i, copy in enumerate(("bulk", "cp.async")):
+            decode_tc.COPY = copy
+            decode._PLANS.clear()
+            ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=7 + 2 * i)
+            ok &= decode_case(torch.bfloat16, paged=False, N_new=2, num_splits=None, seed=8 + 2 * i)
     finally:
-        decode_tc.COPY = copy
+        decode_tc.COPY = default
         decode._PLANS.clear()
     ok &= varlen_case(torch.float16, causal=True, seed=3)
     ok &= varlen_case(torch.float32, causal=False, seed=4)

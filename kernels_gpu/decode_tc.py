@@ -149,6 +149,37 @@ its ``.L2::128B`` hint fetches whole, found there by the next requests (not sepa
 gap to cuDNN's 92 % of peak at batch 32 is not in the number of copy instructions; one bulk copy per tile (an
 unpadded tile, or a tensor map with a swizzle so ``ldmatrix`` stays free of bank conflicts) is the next thing to
 try.
+
+**Tensor copies** (:data:`COPY` = "tensor"; H100, 2026-11-26). One instruction per box of the tile, from one lane:
+the copy engine reads K's and V's 16 rows × 64 columns through a tensor map (:mod:`kernels_gpu.tensor_map`,
+dims column, row, head, sequence or page: contiguous and paged caches alike) and writes them **swizzled** — chunk
+c of row r at chunk c ^ (r % 8) of its 128-byte row —, so the rows need no padding for ``ldmatrix`` to stay free of
+bank conflicts, and one tile is four requests (d = 128) where ``cp.async`` makes 16 instructions of 32 lanes. Lane
+0 arms the stage's mbarrier with the tile's bytes; the query rows and a split's last, partial tile keep ``cp.async``
+(the copy engine fills zeros only past the tensor's edge, not past the split) into the same swizzled layout. ptxas
+(``decode_inspect``, no GPU): 8 tensor copies, 33 ``cp.async`` (the partial tile, the query rows), 168 registers
+with 40 bytes of spill (the ``cp.async`` program: 8), 64.1 KB of shared memory (68.1). **Prediction** (before the
+GPU run): the DRAM sees whole boxes, as from cuDNN's kernel: batch 32 from 16k keys 1-4 % faster (0.97-1.00 of the
+copy rate → 1.00-1.03), batch 1 at 16k keys 2-8 % faster (fewer instructions per tile on the critical path).
+
+**Measured** (H100 80GB HBM3, ``python -m benchmarks.decode_variants``, graph replay, median of 3 rounds with
+cuDNN in turn; ``decode_tc_tensor_ab.json``): against ``cp.async``, batch 32 at 4k / 16k keys 180.7 / 700.3 µs
+against 191.1 / 723.7 (5.5 % and 3.3 % faster; 0.99 and 1.02 of the copy rate), batch 8 at 32k 357.0 against
+372.1 (4 %), batch 1 at 64k 96.4 against 99.6 (3 %) — the batch-32 prediction met, 1-2 points above it —, but
+batch 1 at 16k 32.1 against 32.1: unchanged (predicted 2-8 % faster: missed). cuDNN in the same rounds: 178.6 /
+695.7, 352.0, 95.2, 30.7 µs — this program is now within 0.6-1.4 % of it from batch 8 on, 4.5 % behind at batch 1
+and 16k keys (before: 3-6 % behind everywhere). Every output is bit-identical to the ``cp.async`` program's (288
+cases: both dtypes, d = 64, 128, 256, paged and contiguous, causal, GQA, N_new up to 3, split counts; then
+``test_tensor_copies_give_the_bits_of_cp_async``); compute-sanitizer memcheck: 0 errors
+(``sanitizer_decode_tensor_copies_memcheck.log``). Nsight Compute, one call each (``decode_tc_tensor_ncu_vs_cudnn
+.txt``): at batch 32, 16k keys this program keeps DRAM at 92.05 % of its peak for 697.2 µs, cuDNN's kernel (an
+sm80 ``wmma`` kernel, 256 blocks of 128 threads, 86 KB of shared memory) at 92.13 % for 696.3 — the stream is at
+the memory's limit for both; at batch 1 and 16k keys the split programs take 30.4 µs against cuDNN's 29.0 (cuDNN
+runs 32 splits, 256 blocks, where the split rule here runs 16) and the merge 5.6 µs against cuDNN's reduction's
+4.5. What did not help, with tensor copies (``decode_tc_tensor_stages_warps.json``, ``decode_tc_tensor_knobs
+.json``): 3 or 4 stages (0-2 % slower), 8 warps (within ±0.3 %), 3 warps (1-7 % slower), 2 warps (batch 1 and 8:
+17-21 % slower; batch 32: 0.2-0.9 % faster), the L2 asked for 128-byte lines or none instead of 256 (within
+±2 %), 8 or 32 splits at batch 1 (slower: the split rule's 16 stands).
 """
 
 from __future__ import annotations
@@ -169,10 +200,13 @@ __all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout", "reg
 TILE = 16
 #: shared-memory stages per warp (the tile being computed and the next one on its way)
 STAGES = 2
-#: how whole tiles travel: "bulk" (one ``cp.async.bulk`` per row by the copy engine, completion on an mbarrier per
-#: stage) or "cp.async" (16 bytes per lane and instruction, completion by commit groups). A split's last, partial
-#: tile, the query rows and head sizes that are not multiples of 16 always take ``cp.async`` (zero fill).
-COPY = "cp.async"
+#: how whole tiles travel: "tensor" (one ``cp.async.bulk.tensor`` per box of 16 rows × 64 columns, by the copy
+#: engine through a tensor map, swizzled; completion on an mbarrier per stage), "bulk" (one ``cp.async.bulk`` per
+#: row) or "cp.async" (16 bytes per lane and instruction, completion by commit groups). A split's last, partial
+#: tile, the query rows and head sizes that are not multiples of 16 always take ``cp.async`` (zero fill); "tensor"
+#: applies on a GPU, to PyTorch CUDA caches with head sizes multiples of 64 (kernels_gpu.decode falls back to
+#: "cp.async" elsewhere, the simulator included).
+COPY = "tensor"
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
@@ -194,13 +228,19 @@ def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
             and 8 <= d_v <= 256 and vec == 4 and page % TILE == 0)
 
 
-def layout(d: int, d_v: int, warps: int, stages: int = STAGES) -> dict:
+def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY) -> dict:
     """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
     8 different bank groups), ``stages`` stages per warp; after the loop the same memory holds the warps' (m, ℓ,
-    Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk copies)."""
+    Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk and tensor copies). With
+    ``copy="tensor"`` the rows are not padded but swizzled (:mod:`kernels_gpu.tensor_map`): a stage is K's then V's
+    boxes of TILE rows × 64 columns (512 words each), every stage 1024-byte aligned."""
     D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
-    RS, RSV = D // 2 + 4, DV // 2 + 4
-    stage = TILE * (RS + RSV)
+    if copy == "tensor":
+        RS, RSV = D // 2, DV // 2
+        stage = -(-TILE * (RS + RSV) // 256) * 256
+    else:
+        RS, RSV = D // 2 + 4, DV // 2 + 4
+        stage = TILE * (RS + RSV)
     OS = DV + 4                                          # floats per Õ row in the merge area
     merge = 2 * 16 * warps + 16 * warps * OS
     bars = -(-max(warps * stages * stage, merge) // 4) * 4       # 16-byte aligned
@@ -208,9 +248,15 @@ def layout(d: int, d_v: int, warps: int, stages: int = STAGES) -> dict:
                 words=bars + 2 * stages * warps)
 
 
-def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES) -> int:
+def tensor_copy_applies(d: int, d_v: int, simulator: bool) -> bool:
+    """Whether whole tiles may travel by tensor copies (``copy="tensor"``): on a GPU (the simulator has no tensor
+    maps), head sizes multiples of 64 (boxes of 64 columns, 128 bytes)."""
+    return not simulator and d % 64 == 0 and d_v % 64 == 0
+
+
+def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY) -> int:
     """Dynamic shared memory of one program, in bytes."""
-    return 4 * layout(d, d_v, warps, stages)["words"]
+    return 4 * layout(d, d_v, warps, stages, copy)["words"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,14 +267,17 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     whole tiles are copied (:data:`COPY`). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays;
     the same launch arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps
     threads; :func:`shared_bytes` of dynamic shared memory."""
-    if stages not in (2, 3):
-        raise ValueError(f"stages must be 2 or 3, got {stages}")
-    if copy not in ("bulk", "cp.async"):
-        raise ValueError(f"copy must be 'bulk' or 'cp.async', got {copy!r}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
+    if copy not in ("bulk", "cp.async", "tensor"):
+        raise ValueError(f"copy must be 'bulk', 'cp.async' or 'tensor', got {copy!r}")
+    if copy == "tensor" and not tensor_copy_applies(d, d_v, simulator):
+        raise ValueError(f"tensor copies need a GPU and head sizes multiples of 64, got d = {d}, d_v = {d_v}"
+                         f"{' in the simulator' if simulator else ''}")
     W = warps
     THREADS = 32 * W
     NS = stages
-    lay = layout(d, d_v, W, NS)
+    lay = layout(d, d_v, W, NS, copy)
     D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS",
                                                                     "OS", "BARS"))
     DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)
@@ -246,6 +295,13 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     # one bulk copy of the row's d (d_v) values; the stage's mbarrier completes when all TILE·(d + d_v) values
     # have landed. Only where every chunk of a row is data (the padding columns are never written).
     BULK = copy == "bulk" and D == d and DV == d_v and TILE == 16
+    # Whole tiles by tensor copies: lane 0 asks the copy engine for K's and V's boxes of TILE rows × 64 columns
+    # (the tensor maps ``ktm``, ``vtm``: kernels_gpu.tensor_map), which land swizzled; every other copy (query
+    # rows, a split's last tile) then writes the same swizzled layout, and every ldmatrix reads it.
+    TENSOR = copy == "tensor"
+    MBAR = BULK or TENSOR                    # whole tiles complete on an mbarrier per stage
+    BOX = TILE * 32                          # words of one swizzled box: TILE rows × 128 bytes
+    PAGE = page
     TILE_BYTES = TILE * (d + d_v) * 2
     # The forward ladder's steps (chapter 14), for a tile of TILE keys: the MMA into an accumulator tile, and the
     # online softmax of one of a lane's two rows — sized by d_v, the width of the Õ it rescales.
@@ -254,7 +310,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     pack = ptx.pack_f16x2 if storage == "float16" else ptx.pack_bf16x2
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
-    wait_oldest = ptx.cp_async_wait_one if NS == 2 else ptx.cp_async_wait_two   # all but the NS − 1 newest
+    # all but the NS − 1 newest groups
+    wait_oldest = {2: ptx.cp_async_wait_one, 3: ptx.cp_async_wait_two, 4: ptx.cp_async_wait_three}[NS]
     # 16-byte copies with the L2 told to fetch whole 128-byte lines (0.6-2.1 % faster than without the hint, batch
     # 1 to 32: ``decode_tc_l2_prefetch_ab.json``)
     copy16 = ptx.cp_async16_l2_128
@@ -303,15 +360,58 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                                16 if ok else 0)
         return copy_rows_any
 
-    copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW), make_copy_rows(CH_V, RSV, DVW)
+    @dev
+    def sw(base, row, chunk):
+        """The word of 16-byte chunk ``chunk`` of row ``row`` of a swizzled tile at word ``base`` (boxes of 64
+        columns, TILE rows; kernels_gpu.tensor_map.swizzled_word)."""
+        return base + (chunk >> 3) * BOX + row * 32 + (((chunk & 7) ^ (row & 7)) << 2)
+
+    @dev
+    def sw_even(lane_word, chunk):
+        """``sw`` for an even chunk, from ``lane_word`` = sw(base, row, chunk % 2) with ``base`` a multiple of 32
+        words: a row is 32 words, so the swizzle only flips bits 2-4 of the word index — one XOR with a constant
+        and one add per ldmatrix, where ``sw`` costs the compiler a register per (row, chunk) it hoists."""
+        return (lane_word ^ ((chunk & 7) << 2)) + (chunk >> 3) * BOX
+
+    def make_copy_rows_swizzled(CH: int, DWX: int):
+        """``copy_rows`` of the swizzled layout (query rows, a split's last tile; ``RSX`` unused)."""
+        @dev
+        def copy_rows_sw(sm, dst, X, first, sn, left, lane):
+            for e in range(lane, TILE * CH, 32):
+                r = e // CH
+                c = e - r * CH
+                ok = r < left and 4 * c < DWX
+                copy16(sm, sw(dst, r, c), X, first + r * sn + 4 * c if ok else first, 16 if ok else 0)
+        return copy_rows_sw
+
+    if TENSOR:
+        copy_k_rows, copy_v_rows = make_copy_rows_swizzled(CH_K, DW), make_copy_rows_swizzled(CH_V, DVW)
+    else:
+        copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW), make_copy_rows(CH_V, RSV, DVW)
     rows = cache_rows(page, simulator)
 
     @dev
     def copy_tile(sm, dst, bar, Kw, Vw, table, j0, hi, b, h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so,
-                  v_sh, v_sn):
+                  v_sh, v_sn, ktm, vtm):
         """Alg. 1 line 7: start the copy of keys j0 … j0 + TILE − 1 (K and V rows) into the stage at word ``dst``.
         A whole tile (BULK): one bulk copy per row, completing on the mbarrier at word ``bar``; otherwise 16 bytes
         per ``cp.async``, keys at or past ``hi`` and the columns between d and D zero-filled."""
+        if TENSOR and hi - j0 >= TILE:
+            # A whole tile by the copy engine: lane 0 announces its bytes and asks for K's and V's boxes at
+            # coordinates (column, row in the page or sequence, head, physical page or sequence).
+            if lane == 0:
+                phys = b
+                jr = j0
+                if PAGE > 0:
+                    p = j0 // PAGE
+                    phys = min(max(int64(table[uint64(b * max_pages + p)]), int64(0)), num_pages - 1)
+                    jr = j0 - p * PAGE
+                ptx.mbar_arrive_expect_tx(sm, bar, TILE_BYTES)
+                for x in range(D // 64):
+                    ptx.tensor_copy_4d(sm, dst + x * BOX, ktm, 64 * x, jr, h, phys, bar)
+                for x in range(DV // 64):
+                    ptx.tensor_copy_4d(sm, dst + V_OFF + x * BOX, vtm, 64 * x, jr, h, phys, bar)
+            return
         # the tile's first key in K and V; a paged tile lies in one page, so its rows follow at the row stride
         k_first, v_first = rows(table, b, h, j0, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
         if BULK and hi - j0 >= TILE:
@@ -330,7 +430,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
 
     @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
     def decode_split_tc(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
-                        max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2):
+                        max_pages, num_pages, capacity, k_so, k_sh, k_sn, v_so, v_sh, v_sn, scale2, ktm, vtm):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = cuda.laneid
@@ -350,7 +450,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         mine = warp * WARP_WORDS
         q_stage = mine + (NS - 1) * STAGE       # the warp's last stage: no tile lands there before iteration 0
         bars = BARS + warp * 2 * NS             # the warp's mbarriers, one per stage (8 bytes each)
-        if BULK:
+        if MBAR:
             if lane == 0:
                 for i in range(NS):
                     ptx.mbar_init(sm, bars + 2 * i, 1)
@@ -395,19 +495,26 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         for i in range(NS - 1):
             if i < count:
                 copy_tile(sm, mine + i * STAGE, bars + 2 * i, Kw, Vw, table, lo + (warp + i * W) * TILE, hi, b, h,
-                          lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
+                          lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn, ktm, vtm)
             ptx.cp_async_commit()
         # Line 4, second half: once the query rows have landed (the oldest group; the tiles' may still be in
         # flight), ldmatrix makes them A-fragments (lane: rows g, g + 8; words t, t + 4 of each 16-wide k-step).
         qa = cuda.local.array(Q_LEN, uint32)
         wait_oldest()
         ptx.syncwarp()
+        # (swizzled tiles: the lane's ldmatrix row at chunk 0 or 1, from which sw_even steps; row % 8 = lane % 8)
+        q_lane = sw(0, lane % 16, lane // 16)
+        k_lane = sw(0, lane % 8 + 8 * (lane // 16), (lane // 8) % 2)
+        v_lane = sw(V_OFF, lane % 8 + 8 * ((lane // 8) % 2), lane // 16)
         for kk in range(KS):
             # lanes 8u … 8u+7 address rows 8(u % 2) + 0…7, words 8kk + 4(u // 2): the fragment's four 8 × 8 tiles
-            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3] = ldmatrix(
-                sm, q_stage + (lane % 16) * RS + 8 * kk + 4 * (lane // 16))
+            if TENSOR:
+                q_at = sw_even(q_stage + q_lane, 2 * kk)
+            else:
+                q_at = q_stage + (lane % 16) * RS + 8 * kk + 4 * (lane // 16)
+            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3] = ldmatrix(sm, q_at)
         ptx.syncwarp()                          # every lane holds its fragments before iteration 0 refills the stage
-        if BULK:
+        if MBAR:
             ptx.fence_proxy_async()             # (the stage's cp.async writes ordered before the bulk copies')
         for i in range(count):
             j0 = lo + (warp + i * W) * TILE
@@ -417,10 +524,10 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             if i + NS - 1 < count:
                 nxt = (i + NS - 1) % NS
                 copy_tile(sm, mine + nxt * STAGE, bars + 2 * nxt, Kw, Vw, table, j0 + (NS - 1) * W * TILE, hi, b,
-                          h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn)
+                          h, lane, max_pages, num_pages, k_so, k_sh, k_sn, v_so, v_sh, v_sn, ktm, vtm)
             ptx.cp_async_commit()               # (an empty group at the end: the count stays regular)
             wait_oldest()                       # this lane's cp.async copies of tile i have landed ...
-            if BULK and hi - j0 >= TILE:
+            if MBAR and hi - j0 >= TILE:
                 # ... or, a bulk-copied tile, the stage's barrier has completed its (i // NS)-th phase: every tile
                 # before a split's last is whole, so a stage's bulk tiles are its first uses
                 while ptx.mbar_try_wait(sm, bars + 2 * (i % NS), (i // NS) % 2) == 0:
@@ -432,7 +539,10 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             for kk in range(KS):
                 for p in range(NT // 2):
                     # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
-                    k_row = stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    if TENSOR:
+                        k_row = sw_even(stage + k_lane + 512 * p, 2 * kk)
+                    else:
+                        k_row = stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
                     b0, b1, b2, b3 = ldmatrix(sm, k_row)
                     mma_into(s, 2 * p, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1)
                     mma_into(s, 2 * p + 1, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3)
@@ -453,7 +563,11 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 a3 = pack(s[8 * kk + 6], s[8 * kk + 7])
                 for p in range(NOV // 2):
                     # B: lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7, columns 16p + 8(u // 2) …
-                    v_row = stage + V_OFF + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RSV + 8 * p + 4 * (lane // 16)
+                    if TENSOR:
+                        v_row = sw_even(stage + v_lane + 512 * kk, 2 * p)
+                    else:
+                        v_row = (stage + V_OFF + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RSV + 8 * p
+                                 + 4 * (lane // 16))
                     b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
                     mma_into(o, 2 * p, a0, a1, a2, a3, b0, b1)
                     mma_into(o, 2 * p + 1, a0, a1, a2, a3, b2, b3)

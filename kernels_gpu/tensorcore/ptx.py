@@ -22,7 +22,8 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``cp_async_commit``,       ``cp.async.commit_group``,                          9.7.9.25.3.2, 9.7.9.25.3.3
     ``cp_async_wait_all``,     ``cp.async.wait_group N``: wait until at most N
     ``cp_async_wait_one``,     groups of this thread are still in flight
-    ``cp_async_wait_two``      (N = 0, 1, 2)
+    ``cp_async_wait_two``,     (N = 0, 1, 2, 3)
+    ``cp_async_wait_three``
     ``pack_f16x2``,            ``cvt.rn.{f16x2,bf16x2}.f32``: two floats rounded  9.7.9.21 (cvt)
     ``pack_bf16x2``            to nearest-even and packed, the first in the
                                low half
@@ -57,6 +58,14 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
                                first use); ``fence.proxy.async.shared::cta``
                                (shared memory written by ordinary stores or
                                cp.async ordered before later bulk copies)
+    ``tensor_copy_4d``         ``cp.async.bulk.tensor.4d.shared::cluster.global cp.async.bulk.tensor (PTX
+                               .tile.mbarrier::complete_tx::bytes``: one box    ISA 8.0, sm_90)
+                               of a 4-D tensor, described by a tensor map
+                               (``CUtensorMap``: 128 bytes in global memory, the
+                               array passed; :mod:`kernels_gpu.tensor_map`) at the given
+                               coordinates, global → shared by the copy
+                               engine, laid out (and swizzled) as the map
+                               says; no simulator twin
     ``griddep_wait``,          ``griddepcontrol.wait``: wait until the grid     9.7.13 (griddepcontrol)
     ``griddep_launch_          this one depends on has completed and its
     dependents``               writes are visible; ``griddepcontrol.launch_
@@ -92,11 +101,11 @@ from kernels_gpu.tensorcore import fragments as frag
 __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async16_l2_128",
     "cp_async_commit",
-    "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "pack_f16x2", "pack_bf16x2", "unpack_f16x2",
-    "unpack_bf16x2", "ex2",
+    "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "cp_async_wait_three", "pack_f16x2",
+    "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
-    "fence_mbarrier_init", "fence_proxy_async",
+    "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -350,6 +359,11 @@ def _cp_async_wait_two_twin():
     _land(_pending(), 2)
 
 
+def _cp_async_wait_three_twin():
+    """Simulator twin of ``cp.async.wait_group 3``: all but the three newest committed groups have landed."""
+    _land(_pending(), 3)
+
+
 def _pack_twin(dtype: str):
     def pack(lo, hi):
         return _pack(lo, hi, dtype)
@@ -465,6 +479,12 @@ def _mbar_try_wait_twin(smem, index, parity):
     return np.uint32(1 if done else 0)
 
 
+def _tensor_copy_twin(smem, s_index, tmap, c0, c1, c2, c3, bar_index):
+    """``tensor_copy_4d`` has no twin: a tensor map is an opaque object of the driver, which the simulator lacks
+    (the programs that use it take ``cp.async`` there)."""
+    raise NotImplementedError("tensor_copy_4d (cp.async.bulk.tensor) runs on a GPU only")
+
+
 def _fence_twin():
     """Simulator twin of ``fence.mbarrier_init`` and ``fence.proxy.async``: the simulator has one proxy and its
     stores are visible at once."""
@@ -578,6 +598,22 @@ def _build_gpu() -> dict:
             return context.get_dummy_value()
         return sig, codegen
 
+    @intrinsic
+    def tensor_copy_4d(typingctx, smem, s_index, tmap, c0, c1, c2, c3, bar_index):
+        sig = types.void(smem, s_index, tmap, c0, c1, c2, c3, bar_index)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            dst = shared_address(context, builder, a[0], args[0], args[1], a[1])
+            desc = builder.ptrtoint(context.make_array(a[2])(context, builder, args[2]).data, i64)
+            coords = [context.cast(builder, args[i], a[i], types.int32) for i in range(3, 7)]
+            bar = shared_address(context, builder, a[0], args[0], args[7], a[7])
+            asm(builder, ir.VoidType(), [dst, desc, *coords, bar],
+                "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}")
+            return context.get_dummy_value()
+        return sig, codegen
+
     def make_mbar_op(text):
         @intrinsic
         def op(typingctx, smem, index, value):
@@ -678,12 +714,14 @@ def _build_gpu() -> dict:
                 cp_async_wait_all=make_simple("cp.async.wait_group 0;"),
                 cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
                 cp_async_wait_two=make_simple("cp.async.wait_group 2;"),
+                cp_async_wait_three=make_simple("cp.async.wait_group 3;"),
                 pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
                 mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32,
                 griddep_wait=make_simple("griddepcontrol.wait;"),
                 griddep_launch_dependents=make_simple("griddepcontrol.launch_dependents;"),
-                bulk_copy=bulk_copy, mbar_init=make_mbar_op("mbarrier.init.shared::cta.b64 [$0], $1;"),
+                bulk_copy=bulk_copy, tensor_copy_4d=tensor_copy_4d,
+                mbar_init=make_mbar_op("mbarrier.init.shared::cta.b64 [$0], $1;"),
                 mbar_arrive_expect_tx=make_mbar_op("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"),
                 mbar_try_wait=mbar_try_wait,
                 fence_mbarrier_init=make_simple("fence.mbarrier_init.release.cluster;"),
@@ -696,12 +734,14 @@ def _build_twins() -> dict:
                 cp_async16_l2_128=_cp_async16_twin,
                 cp_async_commit=_cp_async_commit_twin, cp_async_wait_all=_cp_async_wait_all_twin,
                 cp_async_wait_one=_cp_async_wait_one_twin, cp_async_wait_two=_cp_async_wait_two_twin,
+                cp_async_wait_three=_cp_async_wait_three_twin,
                 pack_f16x2=_pack_twin("float16"),
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
                 syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin,
                 griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin,
-                bulk_copy=_bulk_copy_twin, mbar_init=_mbar_init_twin, mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
+                bulk_copy=_bulk_copy_twin, tensor_copy_4d=_tensor_copy_twin, mbar_init=_mbar_init_twin,
+                mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
                 mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin)
 
 

@@ -12,6 +12,9 @@ What it proves:
   full capacity, N_new = 1 and 3 (causal), GQA 1, 4 and 8, d = 64 and 128, the default split rule, one split and
   more splits than pages, float32, float16 and bfloat16 storage, a strided cache read in place: O and L per
   sequence within the rule;
+* whole tiles by tensor copies (the default) and by ``cp.async`` give bit-identical results, through the kept plan
+  on caches it was not made for too; tensor maps first made inside a graph capture serve the replay and the next
+  call;
 * the driver-level launch (the default) and numba's ordinary launch give bit-identical results; a call is
   bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result; the
   merge launched early (programmatic dependent launch) gives the bits of an ordinary launch; a q that is not
@@ -215,6 +218,68 @@ def test_a_repeated_call_runs_the_kept_plan(paged, S, monkeypatch):
     assert ran == [plan, plan] and len(decode._PLANS) == 1
     assert torch.equal(first.O, again.O) and torch.equal(first.L, again.L)
     check_decode(other, got.O, got.L, "float16")
+
+
+TENSOR_COPY = [  # (B, H_kv, G, N_new, d, page, max_pages, lengths, paged, num_splits)
+    (3, 2, 4, 1, 128, 16, 40, [300, 0, "full"], True, None),                # small pages, the split rule
+    (2, 8, 4, 1, 128, 256, 6, ["full", 777], False, 1),                     # contiguous, one split
+    (2, 2, 8, 3, 64, 64, 9, [500, "full"], True, 5),                         # d 64, 3 new tokens, GQA 8
+    (2, 2, 1, 2, 256, 32, 7, [129, "full"], False, None),                   # d 256 (four boxes a row), MHA
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("spec", TENSOR_COPY, ids=lambda s: f"B{s[0]}-G{s[2]}-new{s[3]}-d{s[4]}-p{s[5]}-"
+                                                             f"{'paged' if s[8] else 'contig'}-S{s[9]}")
+def test_tensor_copies_give_the_bits_of_cp_async(dtype, spec, monkeypatch):
+    """Whole tiles by the copy engine (``decode_tc.COPY = "tensor"``, the default on a GPU: tensor maps, swizzled
+    tiles) or by ``cp.async`` (padded tiles): the same arithmetic on the same values in the same order, so the
+    same bits. Two caches alternate and each is called twice, so the kept plan reads a cache it was not made for
+    (its maps are encoded for the new addresses) — with unused cache entries NaN, a tile read from the wrong
+    place shows."""
+    from kernels_gpu import decode, decode_tc, driver_launch
+    B, H_kv, G, N_new, d, page, max_pages, lengths, paged, S = spec
+    cases = [make_cache(40 + i, B=B, H_kv=H_kv, G=G, N_new=N_new, d=d, page=page, max_pages=max_pages,
+                        lengths=lengths, dtype=dtype, paged=paged) for i in range(2)]
+
+    def run(copy, c):
+        monkeypatch.setattr(decode_tc, "COPY", copy)
+        return kernels_gpu.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"],
+                                            c["block_table"], num_splits=S, **({} if paged else {"block_size": page}))
+    monkeypatch.setattr(decode, "_PLANS", driver_launch.PlanCache())
+    tensor = [run("tensor", c) for c in cases + cases]
+    assert [p.call.copy for p in decode._PLANS.values()] == ["tensor"]
+    monkeypatch.setattr(decode, "_PLANS", driver_launch.PlanCache())
+    plain = [run("cp.async", c) for c in cases]
+    torch.cuda.synchronize()
+    for i, (O, L) in enumerate(tensor):
+        assert torch.equal(O.view(torch.int16), plain[i % 2].O.view(torch.int16)), f"call {i}: O"
+        assert torch.equal(L, plain[i % 2].L), f"call {i}: L"
+    check_decode(cases[1], *tensor[3], dtype)
+
+
+def test_tensor_maps_first_made_inside_a_graph_capture():
+    """A cache first seen while a CUDA graph is being captured: its tensor maps are uploaded by a copy the graph
+    captures (nothing runs during a capture), so the replay reads them — and the next call outside the capture
+    uploads them again before using them."""
+    spec = dict(B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, dtype="float16")
+    warm, fresh = make_cache(50, lengths=[1500, "full"], **spec), make_cache(51, lengths=["full", 900], **spec)
+
+    def call(c):
+        return kernels_gpu.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["block_table"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(warm)                                           # compile, plan: the same shapes as ``fresh``
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        O_g, L_g = call(fresh)
+    graph.replay()
+    eager = call(fresh)
+    torch.cuda.synchronize()
+    assert torch.equal(O_g, eager.O) and torch.equal(L_g, eager.L)
+    check_decode(fresh, O_g, L_g, "float16")
 
 
 def test_decode_strided_cache_read_in_place():
