@@ -98,7 +98,7 @@ from kernels_gpu.tensorcore import ptx
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
            "DecodeTiling", "decode_tiling", "default_num_splits", "rounds_num_splits",
            "SPLIT_OVERHEAD", "load_words", "butterfly_sum",
-           "split_kernel", "merge_kernel", "PROGRAMS", "DecodePlan"]
+           "split_kernel", "merge_kernel", "tc_warps", "PROGRAMS", "DecodePlan"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -115,8 +115,8 @@ WORDS_IN_FLIGHT = 16
 LANE_FLOATS = 32
 #: warps per block in numba's simulator (which runs every thread as a Python thread); 4 on a GPU
 SIMULATOR_WARPS = 1
-#: warps of a tensor-core split program on a GPU (:mod:`kernels_gpu.decode_tc`)
-TC_WARPS = 4
+#: warps of a tensor-core split program on a GPU (:mod:`kernels_gpu.decode_tc`); None: :func:`tc_warps`' rule
+TC_WARPS = None
 
 
 # -- the 16-byte load --------------------------------------------------------------------------------------------
@@ -574,7 +574,12 @@ def merge_kernel(storage: str, d_v: int, simulator: bool):
     trip per row. The warps' (m, ℓ, Σ) then meet in shared memory by the same rule.
 
     (The first version gave a row one warp and took one split per trip: S round trips in a row. At batch 1 and 32
-    splits the merge launch took longer than the split programs' memory stream would have.)
+    splits the merge launch took longer than the split programs' memory stream would have. A warp per row taking
+    16 splits per trip, each lane computing every weight itself — no shared memory, no barrier, four rows a block —
+    was tried after Nsight Compute timed this launch at 5.6 µs against cuDNN's reduction's 4.5 (batch 1, 16k
+    keys, 16 splits): slower, 14.3 → 15.0 µs a step at 4k keys, 31.8 → 32.4 at 16k, 96.8 → 97.4 at 64k, batch 8
+    unchanged (H100, the two trees alternated twice: ``decode_merge_warp_per_row_{old,new}_{1,2}.json``) — a row's
+    loads from one warp instead of two, and a quarter of the blocks.)
 
     Reads S·(d_v + 1) floats per row, once; writes d_v values and L."""
     EPW = 1 if storage == "float32" else 2
@@ -998,12 +1003,25 @@ def _slots(kernel, args, threads: int, shared: int = 0) -> int:
 def _split_program(c: _Call, simulator: bool) -> tuple:
     """(kernel, threads, dynamic shared bytes) of the call's split program."""
     if c.program == "tensorcore":
-        warps = SIMULATOR_WARPS if simulator else TC_WARPS
+        warps = (SIMULATOR_WARPS if simulator else TC_WARPS if TC_WARPS is not None
+                 else tc_warps(c.B * c.H_kv * c.row_tiles, _sms()))
         stages = decode_tc.STAGES
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
                                           c.copy),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
+
+
+def tc_warps(programs: int, sms: int) -> int:
+    """Warps per tensor-core split program (:data:`TC_WARPS` = None): 4, or 2 where the programs outnumber the SMs
+    (then the split rule gives one split, and the SMs hold two programs or more).
+
+    Measured on an H100 with tensor copies (graph replay, cuDNN in the same rounds; ``decode_tc_tensor_knobs.json``,
+    ``decode_tc_tensor_warps2_b16_b32.json``): batch 32 (256 programs), 2 warps against 4 at 4k / 16k / 64k keys
+    180.3-181.3 / 694.3-701.6 / 2737.0 µs against 181.5-181.6 / 700.0-704.4 / 2768.6 (0.2-1.1 % faster); where
+    programs ≤ SMs 2 warps lose 17-21 % (batch 1 and 8: the split rule already gives one program per SM, so fewer
+    warps are fewer loads in flight per SM; batch 16, 128 programs: 419.1 against 352.4 µs at 16k)."""
+    return 2 if programs > sms else 4
 
 
 def _sms() -> int:

@@ -258,6 +258,26 @@ def test_tensor_copies_give_the_bits_of_cp_async(dtype, spec, monkeypatch):
     check_decode(cases[1], *tensor[3], dtype)
 
 
+def test_two_warp_programs_where_programs_outnumber_the_sms(monkeypatch):
+    """The split rule's two-warp programs (decode.tc_warps: more programs than SMs, one split): batch 40 × 8 KV
+    heads = 320 programs on an H100's 132 SMs, within the rule; the same call with four warps agrees to float32
+    rounding (the warps' merge order differs)."""
+    from kernels_gpu import decode
+    assert decode.tc_warps(320, 132) == 2 and decode.tc_warps(128, 132) == 4
+    case = make_cache(60, B=40, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=2, lengths=[511] * 39 + ["full"],
+                      dtype="bfloat16")
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
+    monkeypatch.setattr(decode, "_PLANS", {})
+    two = kernels_gpu.decode_attention(*args)
+    monkeypatch.setattr(decode, "TC_WARPS", 4)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    four = kernels_gpu.decode_attention(*args)
+    torch.cuda.synchronize()
+    check_decode(case, two.O, two.L, "bfloat16")
+    torch.testing.assert_close(two.O.float(), four.O.float(), atol=1e-2, rtol=0)
+    torch.testing.assert_close(two.L, four.L, atol=1e-5, rtol=1e-6)
+
+
 def test_tensor_maps_first_made_inside_a_graph_capture():
     """A cache first seen while a CUDA graph is being captured: its tensor maps are uploaded by a copy the graph
     captures (nothing runs during a capture), so the replay reads them — and the next call outside the capture
