@@ -1170,9 +1170,12 @@ class DecodePlan:
         self.d_v, self.paged = c.d_v, c.page > 0
         self.device = c.out.device
         # tensor copies: the maps hold the caches' addresses (kept per address by _MAPS); else the stand-ins
-        self.call = c
         self.no_maps = (() if c.program != "tensorcore" else
                         None if c.copy == "tensor" else tuple(x.ptr for x in _map_arrays(c)))
+        # the call's geometry, for the maps of the caches a later call brings — without the first call's tensors
+        # (a plan must not keep a cache alive)
+        self.call = c._replace(Qw=None, Kw=io.Flat(0, c.Kw.n, c.Kw.dtype), Vw=io.Flat(0, c.Vw.n, c.Vw.dtype),
+                               table=None, seqlens=None)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table) -> DecodeResult:
         import torch

@@ -302,6 +302,26 @@ def test_tensor_maps_first_made_inside_a_graph_capture():
     check_decode(fresh, O_g, L_g, "float16")
 
 
+def test_a_kept_plan_keeps_no_tensor_of_its_call(monkeypatch):
+    """The plan a call leaves behind holds shapes, strides and addresses' geometry, never the call's tensors: once
+    the caller drops its cache, the memory is free (a serving loop that replaces caches must not leak them)."""
+    import gc
+    import weakref
+
+    from kernels_gpu import decode
+    monkeypatch.setattr(decode, "_PLANS", {})
+    case = make_cache(70, B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=4, lengths=[700, "full"],
+                      dtype="float16")
+    kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                 case["block_table"])
+    torch.cuda.synchronize()
+    assert len(decode._PLANS) == 1
+    refs = [weakref.ref(case[k]) for k in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table")]
+    del case
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_decode_strided_cache_read_in_place():
     """A (B, N_max, H_kv, d) cache seen as (B, H_kv, N_max, d) through a transpose: read where it is."""
     case = make_cache(3, B=2, H_kv=4, G=2, N_new=1, d=128, page=256, max_pages=4, lengths=[900, 1024],
