@@ -181,8 +181,8 @@ runs 32 splits, 256 blocks, where the split rule here runs 16) and the merge 5.6
 17-21 % slower; batch 32: 0.2-0.9 % faster), the L2 asked for 128-byte lines or none instead of 256 (within
 ±2 %), 8 or 32 splits at batch 1 (slower: the split rule's 16 stands), letting the merge launch be scheduled at
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
-64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json`` — the merge's launch was already
-hidden). The full grid with tensor copies (and the
+64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
+``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor copies (and the
 two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32) is in ``benchmarks.decode``'s header: batch
 1 at 16k / 32k keys 0.71 / 0.84 of the copy rate, batch 8 and 32 from 16k 0.96-1.04; against cuDNN 1.001-1.006×
 at batch 32 from 16k keys and batch 8 from 64k, 0.95-0.99× elsewhere.
