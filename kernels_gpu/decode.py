@@ -960,8 +960,9 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
     if program == "tensorcore":
         row_tiles = -(-R // 16)                     # one 16-row MMA tile per program
         copy = decode_tc.COPY
-        # tensor copies: their maps are kept in PyTorch memory, for caches whose strides the copy engine can walk
-        if copy == "tensor" and not (kind == "torch-cuda"
+        # tensor copies: their maps are kept in PyTorch memory (the simulator's stand-ins aside), for caches whose
+        # strides the copy engine can walk
+        if copy == "tensor" and not ((kind == "torch-cuda" or rt.simulator_in_use())
                                      and _tensor_maps_apply(d_pad, dv_pad, k_strides, v_strides)):
             copy = "cp.async"
     return _Call(kind, storage, out, io.stream_of(kind, getattr(q, "device", None)), Qw, Kw, Vw, table_flat,
@@ -988,8 +989,11 @@ def _tensor_maps(c: _Call) -> list:
     maps = []
     for X, st, width in ((c.Kw, c.k_strides, c.d), (c.Vw, c.v_strides, c.d_v)):
         so, sh, sn = st[:3]
-        maps.append(tensor_map.encode_4d(X.ptr, 2, (width, rows, c.H_kv, outer), (4 * sn, 4 * sh, 4 * so),
-                                         (64, decode_tc.TILE, 1, 1)))
+        geometry = ((width, rows, c.H_kv, outer), (4 * sn, 4 * sh, 4 * so), (64, decode_tc.TILE, 1, 1))
+        if rt.simulator_in_use():
+            maps.append(tensor_map.simulated_map(X.numba_array(), *geometry))
+        else:
+            maps.append(tensor_map.encode_4d(X.ptr, 2, *geometry))
     return maps
 
 
@@ -1073,6 +1077,8 @@ def _map_arrays(c: _Call) -> tuple:
         if dev not in _NO_MAPS:
             _NO_MAPS[dev] = io._numba_flat(cuda.to_device(np.zeros(16, np.uint64)))
         return _NO_MAPS[dev], _NO_MAPS[dev]
+    if rt.simulator_in_use():                   # (stand-in maps, made for each call)
+        return tuple(io._numba_flat(cuda.to_device(m)) for m in _tensor_maps(c))
     from kernels_gpu.tensor_map import DeviceMaps
     if _MAPS is None:
         _MAPS = DeviceMaps()

@@ -182,10 +182,12 @@ runs 32 splits, 256 blocks, where the split rule here runs 16) and the merge 5.6
 ±2 %), 8 or 32 splits at batch 1 (slower: the split rule's 16 stands), letting the merge launch be scheduled at
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
 64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
-``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor copies (and the
-two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32) is in ``benchmarks.decode``'s header: batch
-1 at 16k / 32k keys 0.71 / 0.84 of the copy rate, batch 8 and 32 from 16k 0.96-1.04; against cuDNN 1.001-1.006×
-at batch 32 from 16k keys and batch 8 from 64k, 0.95-0.99× elsewhere.
+``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
+copies (and the two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32) is in ``benchmarks.decode``'s
+header: batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy rate, batch 8 and 32 from 16k 0.96-1.04; against cuDNN
+1.001-1.006× at batch 32 from 16k keys and batch 8 from 64k, 0.95-0.99× elsewhere. In numba's simulator the
+copy engine is a twin and the tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the
+GPU does (``test_tensorcore_program_tensor_copies``: the bits of ``cp.async``).
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ import math
 
 from numba import cuda, float32, int64, uint32, uint64
 
+from kernels_gpu import tensor_map
 from kernels_gpu.decode_io import cache_rows
 
 from kernels_gpu.tensorcore import ptx
@@ -210,8 +213,8 @@ STAGES = 2
 #: engine through a tensor map, swizzled; completion on an mbarrier per stage), "bulk" (one ``cp.async.bulk`` per
 #: row) or "cp.async" (16 bytes per lane and instruction, completion by commit groups). A split's last, partial
 #: tile, the query rows and head sizes that are not multiples of 16 always take ``cp.async`` (zero fill); "tensor"
-#: applies on a GPU, to PyTorch CUDA caches with head sizes multiples of 64 (kernels_gpu.decode falls back to
-#: "cp.async" elsewhere, the simulator included).
+#: applies to head sizes multiples of 64, on PyTorch CUDA caches (and in numba's simulator, with stand-in maps):
+#: kernels_gpu.decode falls back to "cp.async" elsewhere.
 COPY = "tensor"
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
@@ -255,9 +258,9 @@ def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY)
 
 
 def tensor_copy_applies(d: int, d_v: int, simulator: bool) -> bool:
-    """Whether whole tiles may travel by tensor copies (``copy="tensor"``): on a GPU (the simulator has no tensor
-    maps), head sizes multiples of 64 (boxes of 64 columns, 128 bytes)."""
-    return not simulator and d % 64 == 0 and d_v % 64 == 0
+    """Whether whole tiles may travel by tensor copies (``copy="tensor"``): head sizes multiples of 64 (boxes of 64
+    columns, 128 bytes). (In numba's simulator too: its tensor maps are stand-ins, kernels_gpu.tensor_map.)"""
+    return d % 64 == 0 and d_v % 64 == 0
 
 
 def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY) -> int:
@@ -278,8 +281,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     if copy not in ("bulk", "cp.async", "tensor"):
         raise ValueError(f"copy must be 'bulk', 'cp.async' or 'tensor', got {copy!r}")
     if copy == "tensor" and not tensor_copy_applies(d, d_v, simulator):
-        raise ValueError(f"tensor copies need a GPU and head sizes multiples of 64, got d = {d}, d_v = {d_v}"
-                         f"{' in the simulator' if simulator else ''}")
+        raise ValueError(f"tensor copies need head sizes multiples of 64, got d = {d}, d_v = {d_v}")
     W = warps
     THREADS = 32 * W
     NS = stages
@@ -366,18 +368,17 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                                16 if ok else 0)
         return copy_rows_any
 
+    # The swizzled layout's addresses (kernels_gpu.tensor_map, where the CPU tests check them): the word of chunk
+    # ``chunk`` of row ``row`` of a tile at ``base``, and the step from a lane's word at chunk 0 or 1 to an even one.
+    swizzled_word, swizzled_step = dev(tensor_map.swizzled_word), dev(tensor_map.swizzled_step)
+
     @dev
     def sw(base, row, chunk):
-        """The word of 16-byte chunk ``chunk`` of row ``row`` of a swizzled tile at word ``base`` (boxes of 64
-        columns, TILE rows; kernels_gpu.tensor_map.swizzled_word)."""
-        return base + (chunk >> 3) * BOX + row * 32 + (((chunk & 7) ^ (row & 7)) << 2)
+        return swizzled_word(base, row, chunk, BOX)
 
     @dev
     def sw_even(lane_word, chunk):
-        """``sw`` for an even chunk, from ``lane_word`` = sw(base, row, chunk % 2) with ``base`` a multiple of 32
-        words: a row is 32 words, so the swizzle only flips bits 2-4 of the word index — one XOR with a constant
-        and one add per ldmatrix, where ``sw`` costs the compiler a register per (row, chunk) it hoists."""
-        return (lane_word ^ ((chunk & 7) << 2)) + (chunk >> 3) * BOX
+        return swizzled_step(lane_word, chunk, BOX)
 
     def make_copy_rows_swizzled(CH: int, DWX: int):
         """``copy_rows`` of the swizzled layout (query rows, a split's last tile; ``RSX`` unused)."""

@@ -228,6 +228,48 @@ def test_tensorcore_program_bulk_copies(name, monkeypatch):
     assert rows and set(rows) <= {2 * spec["d"], 2 * spec["d_v"]}
 
 
+TENSOR_CASES = {
+    # paged, a split's partial last tile and an idle slot; 3 splits and the merge
+    "paged16-d64-gqa4-S3": (dict(paged=True, B=3, H_kv=1, G=4, N_new=1, d=64, d_v=64, block=16, blocks=4,
+                                 lengths=[53, 0, 64]), dict(num_splits=3)),
+    # contiguous, d_v = 2 boxes a row, 2 new tokens (causal), one split
+    "contig-d64-dv128-new2": (dict(paged=False, B=1, H_kv=2, G=2, N_new=2, d=64, d_v=128, block=16, blocks=3,
+                                   lengths=[41]), dict(num_splits=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(TENSOR_CASES))
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_tensorcore_program_tensor_copies(name, storage, monkeypatch):
+    """decode_tc.COPY = "tensor" (the default): whole tiles by tensor copies — here the simulator's copy engine and
+    stand-in tensor maps (kernels_gpu.tensor_map), which write the tiles swizzled —, the query rows and a split's
+    partial last tile by cp.async into the same swizzled layout. The oracle's answer, the bits of the cp.async
+    program (same arithmetic, same order), and four-word boxes of 16 rows were really copied."""
+    from kernels_gpu import decode_tc
+    from kernels_gpu.tensorcore import ptx
+    spec, kw = TENSOR_CASES[name]
+    case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
+    if storage == "bfloat16":
+        for k in ("q", "k_cache", "v_cache"):
+            case[k] = torch.from_numpy(case[k]).to(torch.bfloat16)
+    boxes = []
+    copy = ptx.tensor_copy_4d
+
+    def counted(sm, s_index, tmap, c0, c1, c2, c3, bar):
+        boxes.append((int(c0), int(c1)))
+        copy(sm, s_index, tmap, c0, c1, c2, c3, bar)
+    monkeypatch.setattr(ptx, "tensor_copy_4d", counted)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    O, L = run_decode(case, kernel="tensorcore", **kw)
+    assert boxes and {c0 for c0, _ in boxes} <= {0, 64} and all(c1 % 16 == 0 for _, c1 in boxes)
+    monkeypatch.setattr(decode_tc, "COPY", "cp.async")
+    O_c, L_c = run_decode(case, kernel="tensorcore", **kw)
+    as_bits = (lambda x: x.view(torch.int16)) if storage == "bfloat16" else (lambda x: np.asarray(x).view(np.int16))
+    assert np.array_equal(np.asarray(as_bits(O)), np.asarray(as_bits(O_c))) and np.array_equal(L, L_c)
+    if storage == "float16":
+        check_against_oracle(case, O, L, storage="float16")
+
+
 def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
     """Two warps (split-K inside the program, the warps' merge through shared memory), three stages per warp
     (cp.async.wait_group 2), bfloat16 tensors; the partials equal the oracle on their blocks'

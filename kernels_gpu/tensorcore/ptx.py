@@ -61,11 +61,12 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``tensor_copy_4d``         ``cp.async.bulk.tensor.4d.shared::cluster.global cp.async.bulk.tensor (PTX
                                .tile.mbarrier::complete_tx::bytes``: one box    ISA 8.0, sm_90)
                                of a 4-D tensor, described by a tensor map
-                               (``CUtensorMap``: 128 bytes in global memory, the
-                               array passed; :mod:`kernels_gpu.tensor_map`) at the given
-                               coordinates, global → shared by the copy
-                               engine, laid out (and swizzled) as the map
-                               says; no simulator twin
+                               (``CUtensorMap``: 128 bytes in global memory,
+                               the array passed; :mod:`kernels_gpu.tensor_map`)
+                               at the given coordinates, global → shared by
+                               the copy engine, laid out (and swizzled) as the
+                               map says; the bytes count down the mbarrier's
+                               transaction count as they land
     ``griddep_wait``,          ``griddepcontrol.wait``: wait until the grid     9.7.13 (griddepcontrol)
     ``griddep_launch_          this one depends on has completed and its
     dependents``               writes are visible; ``griddepcontrol.launch_
@@ -79,9 +80,10 @@ that emulates the instruction exactly, so the same kernel source runs in numba's
 (mma, ldmatrix, shfl) make the 32 lanes of the warp meet at a barrier, exchange their registers, and each lane
 takes what the fragment tables say it gets (:mod:`~kernels_gpu.tensorcore.fragments`). ``cp.async`` is emulated as
 *asynchronous*: a copy lands only when a ``cp_async_wait_*`` says its group may have completed, so a kernel that
-reads a tile before waiting for it reads stale data in the simulator too. Bulk copies likewise land only when a
-lane tries to wait on their mbarrier, whose phases the twin keeps as the hardware does (arrivals and a transaction
-count, which may go below zero when bytes land before they are announced). The mma twin rounds once, after an exact
+reads a tile before waiting for it reads stale data in the simulator too. Bulk and tensor copies likewise land only
+when a lane tries to wait on their mbarrier, whose phases the twin keeps as the hardware does (arrivals and a
+transaction count, which may go below zero when bytes land before they are announced); a tensor copy's map is a
+stand-in (:func:`kernels_gpu.tensor_map.simulated_map`), and its box lands swizzled as the copy engine writes it. The mma twin rounds once, after an exact
 sum; the hardware's internal accumulation may differ in the last bits of float32 (the GPU tests bound it).
 
 Every warp-level function must be called by all 32 lanes of the warp, together (as on the hardware: the ``.sync``
@@ -480,9 +482,18 @@ def _mbar_try_wait_twin(smem, index, parity):
 
 
 def _tensor_copy_twin(smem, s_index, tmap, c0, c1, c2, c3, bar_index):
-    """``tensor_copy_4d`` has no twin: a tensor map is an opaque object of the driver, which the simulator lacks
-    (the programs that use it take ``cp.async`` there)."""
-    raise NotImplementedError("tensor_copy_4d (cp.async.bulk.tensor) runs on a GPU only")
+    """Simulator twin of ``cp.async.bulk.tensor.4d … mbarrier::complete_tx::bytes``: the box of the stand-in tensor
+    map ``tmap`` (:func:`kernels_gpu.tensor_map.simulated_map`: the driver's maps are opaque) at coordinates (c0,
+    c1, c2, c3), swizzled as the copy engine writes it (:func:`kernels_gpu.tensor_map.simulated_box`), queued on the
+    mbarrier at word ``bar_index`` as a bulk copy is: it lands when a lane next tries to wait on that barrier."""
+    from kernels_gpu import tensor_map
+    s = int(s_index)
+    if s % 32:
+        raise RuntimeError("tensor_copy_4d: the shared-memory destination must be 128-byte aligned")
+    data = tensor_map.simulated_box(getattr(tmap, "_ary", tmap), (c0, c1, c2, c3), 4 * s)
+    bar = _mbar_bar(bar_index)
+    with _STATE_LOCK:
+        bar["queue"].append((smem, s, data))
 
 
 def _fence_twin():
