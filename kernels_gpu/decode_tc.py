@@ -272,9 +272,10 @@ def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str =
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
                     stages: int = STAGES, copy: str = COPY):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
-    causal masking, shared-memory stages per warp (2 or 3: 1 or 2 tiles on their way while one is computed), how
+    causal masking, shared-memory stages per warp (2 to 4: 1 to 3 tiles on their way while one is computed), how
     whole tiles are copied (:data:`COPY`). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays;
-    the same launch arguments); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps
+    the same launch arguments), then ``ktm``, ``vtm``: the tensor maps of K and V (16 uint64 words each; read only
+    with ``copy="tensor"``); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps
     threads; :func:`shared_bytes` of dynamic shared memory."""
     if stages not in (2, 3, 4):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
@@ -547,7 +548,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 for p in range(NT // 2):
                     # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
                     if TENSOR:
-                        k_row = sw_even(stage + k_lane + 512 * p, 2 * kk)
+                        k_row = sw_even(stage + k_lane + 16 * 32 * p, 2 * kk)       # (16 rows × 32 words)
                     else:
                         k_row = stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
                     b0, b1, b2, b3 = ldmatrix(sm, k_row)
@@ -571,7 +572,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 for p in range(NOV // 2):
                     # B: lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7, columns 16p + 8(u // 2) …
                     if TENSOR:
-                        v_row = sw_even(stage + v_lane + 512 * kk, 2 * p)
+                        v_row = sw_even(stage + v_lane + 16 * 32 * kk, 2 * p)
                     else:
                         v_row = (stage + V_OFF + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RSV + 8 * p
                                  + 4 * (lane // 16))
