@@ -188,6 +188,13 @@ header: batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy rate, batch 8 and 32 f
 1.001-1.006× at batch 32 from 16k keys and batch 8 from 64k, 0.95-0.99× elsewhere. In numba's simulator the
 copy engine is a twin and the tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the
 GPU does (``test_tensorcore_program_tensor_copies``: the bits of ``cp.async``).
+
+Where batch 1 stands (Nsight Compute, one call each, ``decode_tc_tensor_ncu_b1_splits.txt``): the split
+programs take 12.3 µs at 4k keys and 30.2 at 16k with the rule's 16 splits, 12.7 and 30.6 with cuDNN's 32, 12.7
+and 31.5 with 24; cuDNN's split kernel 11.5 and 28.9. So the gap is not the split count: this program's own time
+is 0.8-1.3 µs longer than cuDNN's kernel's, for the same bytes, at the same 69-72 % of the DRAM peak over the
+launch — fixed costs of a program (its prologue, its epilogue's merge of the warps through shared memory), which
+the graph step cannot hide. The merge launch (5.6 µs alone, against cuDNN's 4.5) is mostly hidden behind it.
 """
 
 from __future__ import annotations
