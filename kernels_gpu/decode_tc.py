@@ -194,7 +194,11 @@ programs take 12.3 µs at 4k keys and 30.2 at 16k with the rule's 16 splits, 12.
 and 31.5 with 24; cuDNN's split kernel 11.5 and 28.9. So the gap is not the split count: this program's own time
 is 0.8-1.3 µs longer than cuDNN's kernel's, for the same bytes, at the same 69-72 % of the DRAM peak over the
 launch — fixed costs of a program (its prologue, its epilogue's merge of the warps through shared memory), which
-the graph step cannot hide. The merge launch (5.6 µs alone, against cuDNN's 4.5) is mostly hidden behind it.
+the graph step cannot hide. The merge launch (5.6 µs alone, against cuDNN's 4.5) is mostly hidden behind it. One
+such cost tried: the sequence's length, on which the split's first copy waits, loaded before the query rows' copies
+instead of after them (an inline-PTX block is a barrier to the compiler, so the load stayed where it was written):
+no change, 14.2-14.5 against 14.2-14.3 µs at 4k keys, 32.2 against 32.1-32.2 at 16k (the trees alternated twice,
+``decode_tc_seqlen_first_{old,new}_{1,2}.json``; not kept).
 """
 
 from __future__ import annotations
