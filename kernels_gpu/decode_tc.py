@@ -179,7 +179,9 @@ runs 32 splits, 256 blocks, where the split rule here runs 16) and the merge 5.6
 4.5. What did not help, with tensor copies (``decode_tc_tensor_stages_warps.json``, ``decode_tc_tensor_knobs
 .json``): 3 or 4 stages (0-2 % slower), 8 warps (within ±0.3 %), 3 warps (1-7 % slower), 2 warps (batch 1 and 8:
 17-21 % slower; batch 32: 0.2-0.9 % faster), the L2 asked for 128-byte lines or none instead of 256 (within
-±2 %), 8 or 32 splits at batch 1 (slower: the split rule's 16 stands), letting the merge launch be scheduled at
+±2 %), 8 or 32 splits at batch 1 (slower: the split rule's 16 stands), 3 or 4 splits at batch 8, with 2, 4 or 8
+warps (4k to 16k keys: within 0.5 % or up to 6 % slower than the rule's 2 splits of 4 warps,
+``decode_tc_tensor_b8_splits.json``), letting the merge launch be scheduled at
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
 64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
 ``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
