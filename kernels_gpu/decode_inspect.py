@@ -93,7 +93,7 @@ def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, cau
     sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
            (types.int64,) * 16 + (types.float32,) + (types.uint64[::1],) * 2)
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-    cap = decode_tc.register_cap(d, d)                          # as split_kernel_tc asks of the compiler
+    cap = decode_tc.register_cap(d, d, copy)                    # as split_kernel_tc asks of the compiler
     return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps, copy=copy,
                 shared_bytes=decode_tc.shared_bytes(d, d, warps, decode_tc.STAGES, copy), mma=ptx.count("mma.sync"),
                 ldmatrix=ptx.count("ldmatrix"), cp_async=ptx.count("cp.async.cg"),

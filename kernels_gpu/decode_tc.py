@@ -206,6 +206,18 @@ at most, 4 SMs not at all (128 programs on 132 SMs), in 54.9 k cycles elapsed; c
 blocks leave no SM idle: the 8 SMs with one block are active 37.4 k) in 53.4 k — the same 67 MB from DRAM, 3.4 M
 against 3.2 M warp instructions, one warp per scheduler here against 1.9 there (7.1 against 13.6 cycles between a
 warp's instructions). The busiest SM streams the same 1024 keys in both; the difference is how fast it does.
+
+**No register cap with tensor copies** (same day). Nsight Compute's stall sampling (``decode_tc_tensor_ncu_stalls
+.txt``, batch 1 at 16k and batch 32 at 4k) put the largest share of a warp's 7.0 cycles between instructions on
+the L1TEX scoreboard, 2.7 (38 %): waits for local or global memory — and with tensor copies the loop reads no
+global memory, but it did read the 40 bytes ptxas spilled under the cap of 168 registers. That cap bought three
+programs per SM, which the split rule and :func:`kernels_gpu.decode.tc_warps` no longer ask for (at most one
+four-warp program per SM, or two-warp ones), so tensor copies are compiled uncapped (:func:`register_cap`): 206
+registers, no spill. Prediction: batch 1 and 8 a few per cent faster, batch 32 unchanged. Measured (the two trees
+alternated twice, cuDNN in every run; ``decode_tc_tensor_nocap_{old,new}_{1,2}.json``), time over cuDNN's before →
+after: batch 1 at 16k 1.040-1.041 → 1.015-1.018, at 64k 1.014-1.015 → 1.000-1.004, at 4k 1.050-1.053 →
+1.014-1.047; batch 8 at 4k 1.031-1.034 → 1.016-1.018, at 32k 1.019-1.022 → 1.009-1.013; batch 32 at 4k
+1.007 → 0.995-1.003, at 16k 0.998-1.007 → 0.993-1.002.
 """
 
 from __future__ import annotations
@@ -241,10 +253,12 @@ LN2 = 0.6931471805599453
 REGISTER_CAP = 168
 
 
-def register_cap(d: int, d_v: int) -> int | None:
-    """The ``max_registers`` the program is compiled with: :data:`REGISTER_CAP` for head sizes up to 128, else None
-    (the compiler's own choice)."""
-    return REGISTER_CAP if max(d, d_v) <= 128 else None
+def register_cap(d: int, d_v: int, copy: str = COPY) -> int | None:
+    """The ``max_registers`` the program is compiled with: :data:`REGISTER_CAP` for head sizes up to 128 with
+    ``cp.async`` or bulk copies, else None (the compiler's own choice). Tensor copies take no cap: the split rule
+    and :func:`kernels_gpu.decode.tc_warps` never ask an SM for more than one four-warp program (or two of two
+    warps), so 206 registers (ptxas, d = 128) cost no residency, where the cap of 168 spilled 40 bytes."""
+    return REGISTER_CAP if max(d, d_v) <= 128 and copy != "tensor" else None
 
 
 def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
@@ -452,7 +466,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             copy_k_rows(sm, dst, Kw, k_first, k_sn, hi - j0, lane)
             copy_v_rows(sm, dst + V_OFF, Vw, v_first, v_sn, hi - j0, lane)
 
-    cap = None if simulator else register_cap(d, d_v)
+    cap = None if simulator else register_cap(d, d_v, copy)
 
     @cuda.jit(**({} if cap is None else dict(max_registers=cap)))
     def decode_split_tc(Qw, Kw, Vw, table, seqlens, Ow, L, Opart, Lpart, H_q, H_kv, N_new, R, S, row_tiles, block,
