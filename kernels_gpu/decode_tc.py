@@ -218,7 +218,12 @@ registers, no spill. Prediction: batch 1 and 8 a few per cent faster, batch 32 u
 alternated twice, cuDNN in every run; ``decode_tc_tensor_nocap_{old,new}_{1,2}.json``), time over cuDNN's before →
 after: batch 1 at 16k 1.040-1.041 → 1.015-1.018, at 64k 1.014-1.015 → 1.000-1.004, at 4k 1.050-1.053 →
 1.014-1.047; batch 8 at 4k 1.031-1.034 → 1.016-1.018, at 32k 1.019-1.022 → 1.009-1.013; batch 32 at 4k
-1.007 → 0.995-1.003, at 16k 0.998-1.007 → 0.993-1.002.
+1.007 → 0.995-1.003, at 16k 0.998-1.007 → 0.993-1.002. Sampled again uncapped (batch 1, 16k keys,
+``decode_tc_tensor_ncu_stalls_nocap.txt``): the split programs take 29.8 µs against cuDNN's 28.9 (30.2 before);
+of 3004 stall samples 1295 wait on the long scoreboard — now the tiles themselves (mbarrier) — and 792 on
+fixed-latency dependencies ("wait": 26 %, cuDNN's kernel 7.5 %): S = Q Kᵀ is two chains of 8 dependent MMAs per
+16-key tile. Next to try: S's even and odd k-steps into two sets of accumulators (four chains of 4), or 32-key
+tiles.
 """
 
 from __future__ import annotations
