@@ -24,7 +24,8 @@ Modules: :mod:`kernels_gpu.runtime` (device checks, layouts, interop), :mod:`ker
 :mod:`kernels_gpu.flash1`, :mod:`kernels_gpu.flash2` (the kernels), :mod:`kernels_gpu.counting` (global-memory
 traffic counted in the simulator), :mod:`kernels_gpu.sanitize` (one launch of each kernel, for compute-sanitizer),
 :mod:`kernels_gpu.decode` and :mod:`kernels_gpu.varlen` (inference: split-KV decoding from a paged KV cache, packed
-batches).
+batches; the decoding program's tiles come by Hopper's copy engine, through the tensor maps of
+:mod:`kernels_gpu.tensor_map`).
 """
 
 import numpy as _np
