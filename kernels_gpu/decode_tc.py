@@ -364,12 +364,26 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     copy16 = ptx.cp_async16_l2_128
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, forceinline=True)
 
-    def make_copy_rows(CH: int, RSX: int, DWX: int):
+    # The swizzled layout's addresses (kernels_gpu.tensor_map, where the CPU tests check them): the word of chunk
+    # ``chunk`` of row ``row`` of a tile at ``base``, and the step from a lane's word at chunk 0 or 1 to an even one.
+    swizzled_word, swizzled_step = dev(tensor_map.swizzled_word), dev(tensor_map.swizzled_step)
+
+    @dev
+    def sw(base, row, chunk):
+        return swizzled_word(base, row, chunk, BOX)
+
+    @dev
+    def sw_even(lane_word, chunk):
+        return swizzled_step(lane_word, chunk, BOX)
+
+    def make_copy_rows(CH: int, RSX: int, DWX: int, swizzled: bool = False):
         """A device function ``copy_rows(sm, dst, X, first, sn, left, lane)``: start the copy of the TILE rows of X
-        from word ``first`` on (row stride ``sn`` words) into shared memory at word ``dst`` (row stride RSX), CH
-        chunks of 16 bytes per row (columns past DWX words and rows from ``left`` on are zero-filled: source size
-        0, the address then ``first``, which exists)."""
-        if 32 % CH == 0 and TILE % (32 // CH) == 0:
+        from word ``first`` on (row stride ``sn`` words) into shared memory at word ``dst`` (row stride RSX, or —
+        ``swizzled`` — the tensor copies' swizzled layout, ``sw``), CH chunks of 16 bytes per row (columns past DWX
+        words and rows from ``left`` on are zero-filled: source size 0, the address then ``first``, which
+        exists)."""
+        SWIZZLED = swizzled
+        if not swizzled and 32 % CH == 0 and TILE % (32 // CH) == 0:
             RP = 32 // CH                    # rows one copy instruction of the warp covers
             STEPS = TILE // RP
 
@@ -398,42 +412,17 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
 
         @dev
         def copy_rows_any(sm, dst, X, first, sn, left, lane):
-            # (chunk counts that do not divide a warp: d = 40, 48, 80, …)
+            # (chunk counts that do not divide a warp: d = 40, 48, 80, …; and the swizzled layout, used only for
+            # the query rows and a split's last tile)
             for e in range(lane, TILE * CH, 32):
                 r = e // CH
                 c = e - r * CH
                 ok = r < left and 4 * c < DWX
-                copy16(sm, dst + r * RSX + 4 * c, X, first + r * sn + 4 * c if ok else first,
-                               16 if ok else 0)
+                to = sw(dst, r, c) if SWIZZLED else dst + r * RSX + 4 * c
+                copy16(sm, to, X, first + r * sn + 4 * c if ok else first, 16 if ok else 0)
         return copy_rows_any
 
-    # The swizzled layout's addresses (kernels_gpu.tensor_map, where the CPU tests check them): the word of chunk
-    # ``chunk`` of row ``row`` of a tile at ``base``, and the step from a lane's word at chunk 0 or 1 to an even one.
-    swizzled_word, swizzled_step = dev(tensor_map.swizzled_word), dev(tensor_map.swizzled_step)
-
-    @dev
-    def sw(base, row, chunk):
-        return swizzled_word(base, row, chunk, BOX)
-
-    @dev
-    def sw_even(lane_word, chunk):
-        return swizzled_step(lane_word, chunk, BOX)
-
-    def make_copy_rows_swizzled(CH: int, DWX: int):
-        """``copy_rows`` of the swizzled layout (query rows, a split's last tile; ``RSX`` unused)."""
-        @dev
-        def copy_rows_sw(sm, dst, X, first, sn, left, lane):
-            for e in range(lane, TILE * CH, 32):
-                r = e // CH
-                c = e - r * CH
-                ok = r < left and 4 * c < DWX
-                copy16(sm, sw(dst, r, c), X, first + r * sn + 4 * c if ok else first, 16 if ok else 0)
-        return copy_rows_sw
-
-    if TENSOR:
-        copy_k_rows, copy_v_rows = make_copy_rows_swizzled(CH_K, DW), make_copy_rows_swizzled(CH_V, DVW)
-    else:
-        copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW), make_copy_rows(CH_V, RSV, DVW)
+    copy_k_rows, copy_v_rows = make_copy_rows(CH_K, RS, DW, TENSOR), make_copy_rows(CH_V, RSV, DVW, TENSOR)
     rows = cache_rows(page, simulator)
 
     @dev

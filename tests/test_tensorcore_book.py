@@ -452,7 +452,7 @@ def test_backward_kernel_times_of_v5_v6_v7_on_one_machine():
     by = {(r.rung, r.d, r.warps, r.B_r): r for r in rows}
     # v6 and v7 change only the key-block kernel: at each tile shape the dQ kernel (v5's) stays within noise,
     # and at the default shapes the key-block kernel is faster than v5's
-    for (rung, d, w, b), r in by.items():
+    for (_rung, d, w, b), r in by.items():
         assert math.isclose(r.dq_ms, by["v5", d, w, b].dq_ms, rel_tol=0.05)
     for d, tile in ((64, (4, 64)), (128, (4, 32))):
         assert by[("v7", d) + tile].key_block_ms < by[("v6", d) + tile].key_block_ms * 1.05
