@@ -289,7 +289,7 @@ def tensorcore_width(d: int, d_v: int) -> int:
 #: kernels_gpu.fast's forward version per padded width: v6 up to 64, v8 (stream-K over the last wave) above
 #: (the measured choice, ``benchmarks.impls.FAST_FORWARD``), and the backward version.
 FAST_FORWARD = {64: "v6", 256: "v8"}
-FAST_BACKWARD = "v2"
+FAST_BACKWARD = "v3"
 
 
 def _fast_wide_tilings():

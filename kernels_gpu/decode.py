@@ -1011,7 +1011,7 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
                  else tc_warps(c.B * c.H_kv * c.row_tiles, _sms()))
         stages = decode_tc.STAGES
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
-                                          c.copy),
+                                          c.copy, decode_tc.CHAINS),
                 32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 

@@ -88,7 +88,8 @@ def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, cau
     from kernels_gpu import decode_tc
     _compile_without_gpu()
     copy = decode_tc.COPY if copy is None else copy
-    kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False, decode_tc.STAGES, copy)
+    kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False, decode_tc.STAGES, copy,
+                                       decode_tc.CHAINS)
     I = getattr(types, index)
     sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
            (types.int64,) * 16 + (types.float32,) + (types.uint64[::1],) * 2)

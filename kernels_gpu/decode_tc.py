@@ -224,6 +224,16 @@ of 3004 stall samples 1295 wait on the long scoreboard — now the tiles themsel
 fixed-latency dependencies ("wait": 26 %, cuDNN's kernel 7.5 %): S = Q Kᵀ is two chains of 8 dependent MMAs per
 16-key tile. Next to try: S's even and odd k-steps into two sets of accumulators (four chains of 4), or 32-key
 tiles.
+
+**Two accumulator chains for S** (:data:`CHAINS` = 2, 2026-11-26). S's odd k-steps go into a second set of eight
+accumulators, added to the first after the last k-step: four chains of four MMAs per tile instead of two of eight.
+ptxas: the same 206 registers, no spill, 32 MMAs. Prediction: the fixed-latency share of the stalls halved, the
+split programs at batch 1, 16k keys 29.8 → 29.0-29.3 µs (2-3 %). Measured (``python -m benchmarks.decode_variants
+--variants chains=1 chains=2 --rounds 5``, seven shapes, cuDNN in every round; ``decode_tc_chains_ab.json``):
+graph time 31.3 → 31.1 µs at batch 1, 16k keys, 95.2 → 94.9 at 64k, 52.8 → 52.5 at batch 8, 4k, 353.2 → 352.8 at
+batch 8, 32k, 698.1 → 697.3 at batch 32, 16k, unchanged at batch 1, 4k and batch 32, 4k: faster at five shapes of
+seven, by 0.1-0.7 %, a third of the prediction. Kept (the default). cuDNN in the same rounds: 30.6, 95.3, 51.9,
+351.5, 695.2 µs.
 """
 
 from __future__ import annotations
@@ -235,7 +245,6 @@ from numba import cuda, float32, int64, uint32, uint64
 
 from kernels_gpu import tensor_map
 from kernels_gpu.decode_io import cache_rows
-
 from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import Config, make_steps
 
@@ -252,6 +261,9 @@ STAGES = 2
 #: applies to head sizes multiples of 64, on PyTorch CUDA caches (and in numba's simulator, with stand-in maps):
 #: kernels_gpu.decode falls back to "cp.async" elsewhere.
 COPY = "tensor"
+#: independent accumulator sets of S = Q Kᵀ per warp tile: 1 (each 16 × 8 tile of S one chain of d / 16 dependent
+#: MMAs) or 2 (even and odd k-steps apart, two chains of half the length, added after the last k-step)
+CHAINS = 2
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
@@ -308,7 +320,7 @@ def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str =
 
 @functools.lru_cache(maxsize=None)
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
-                    stages: int = STAGES, copy: str = COPY):
+                    stages: int = STAGES, copy: str = COPY, chains: int = CHAINS):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
     causal masking, shared-memory stages per warp (2 to 4: 1 to 3 tiles on their way while one is computed), how
     whole tiles are copied (:data:`COPY`). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays;
@@ -317,6 +329,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     threads; :func:`shared_bytes` of dynamic shared memory."""
     if stages not in (2, 3, 4):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
+    if chains not in (1, 2):
+        raise ValueError(f"chains must be 1 or 2, got {chains}")
     if copy not in ("bulk", "cp.async", "tensor"):
         raise ValueError(f"copy must be 'bulk', 'cp.async' or 'tensor', got {copy!r}")
     if copy == "tensor" and not tensor_copy_applies(d, d_v, simulator):
@@ -324,6 +338,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     W = warps
     THREADS = 32 * W
     NS = stages
+    CHAINS = chains
     lay = layout(d, d_v, W, NS, copy)
     D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS",
                                                                     "OS", "BARS"))
@@ -516,6 +531,7 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         # Alg. 1 line 5, per warp: Õ = 0, ℓ = 0, m = −∞.
         o = cuda.local.array(O_LEN, float32)
         s = cuda.local.array(S_LEN, float32)
+        s2 = cuda.local.array(S_LEN, float32)   # (CHAINS = 2: S's odd k-steps)
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
         zero(o, O_LEN)
@@ -569,8 +585,12 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                     pass
             ptx.syncwarp()                      # ... and the other lanes' too
 
-            # Line 8: S = Q Kᵀ, the warp's 16 rows × TILE keys.
+            # Line 8: S = Q Kᵀ, the warp's 16 rows × TILE keys; with CHAINS = 2 the even k-steps accumulate into
+            # s and the odd ones into s2, added at the end: each accumulator tile's MMAs form two chains of KS / 2
+            # that overlap, instead of one chain of KS, each MMA waiting on the one before.
             zero(s, S_LEN)
+            if CHAINS == 2:
+                zero(s2, S_LEN)
             for kk in range(KS):
                 for p in range(NT // 2):
                     # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
@@ -579,8 +599,15 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                     else:
                         k_row = stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
                     b0, b1, b2, b3 = ldmatrix(sm, k_row)
-                    mma_into(s, 2 * p, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1)
-                    mma_into(s, 2 * p + 1, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3)
+                    if CHAINS == 2 and kk % 2 == 1:
+                        mma_into(s2, 2 * p, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1)
+                        mma_into(s2, 2 * p + 1, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3)
+                    else:
+                        mma_into(s, 2 * p, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1)
+                        mma_into(s, 2 * p + 1, qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3)
+            if CHAINS == 2:
+                for e in range(S_LEN):
+                    s[e] += s2[e]
 
             # Lines 9-10: the online softmax; the mask only where a key of the tile can be invisible to a row:
             # past the split, or (causal) past n − N_new, the first new token's last key.

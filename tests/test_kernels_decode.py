@@ -270,6 +270,26 @@ def test_tensorcore_program_tensor_copies(name, storage, monkeypatch):
         check_against_oracle(case, O, L, storage="float16")
 
 
+@pytest.mark.parametrize("name", ["contig-d40-gqa8-S5", "paged16-gqa4-S3"])
+def test_tensorcore_program_one_or_two_accumulator_chains(name, monkeypatch):
+    """decode_tc.CHAINS: S = Q Kᵀ with its odd k-steps in a second set of accumulators (d = 40: three k-steps, an
+    odd count; d = 16: one, the second set stays zero) or in one chain; both the oracle's answer, and they differ
+    by the order of float32 additions only."""
+    from kernels_gpu import decode_tc
+    spec, kw = TC_CASES[name]
+    case = decode_case(sum(map(ord, name)) + 1, dtype=np.float16, **spec)
+    out = {}
+    for chains in (1, 2):
+        monkeypatch.setattr(decode_tc, "CHAINS", chains)
+        monkeypatch.setattr(decode, "_PLANS", {})
+        out[chains] = run_decode(case, kernel="tensorcore", **kw)
+        check_against_oracle(case, *out[chains], storage="float16")
+    finite = np.isfinite(out[1][1])
+    assert np.array_equal(finite, np.isfinite(out[2][1]))
+    np.testing.assert_allclose(out[1][1][finite], out[2][1][finite], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1][0], np.float32), np.asarray(out[2][0], np.float32), atol=2e-3)
+
+
 def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
     """Two warps (split-K inside the program, the warps' merge through shared memory), three stages per warp
     (cp.async.wait_group 2), bfloat16 tensors; the partials equal the oracle on their blocks'

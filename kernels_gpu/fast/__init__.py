@@ -6,6 +6,7 @@ import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba co
 from kernels_gpu.fast import (
     flash2_backward_v1,
     flash2_backward_v2,
+    flash2_backward_v3,
     flash2_forward_v1,
     flash2_forward_v2,
     flash2_forward_v3,
@@ -23,9 +24,10 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
             "v7": flash2_forward_v7.flash2_forward, "v8": flash2_forward_v8.flash2_forward}
 
 #: the fast FA2 backward versions: name → ``flash2_backward(Q, K, V, O, L, dO, causal=, scale=, tiling=)``
-BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward}
+BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
+                     "v3": flash2_backward_v3.flash2_backward}
 
 __all__ = ["VERSIONS", "BACKWARD_VERSIONS", "Tiling", "flash2_backward_v1", "flash2_backward_v2",
-           "flash2_forward_v1", "flash2_forward_v2",
+           "flash2_backward_v3",           "flash2_forward_v1", "flash2_forward_v2",
            "flash2_forward_v3", "flash2_forward_v4", "flash2_forward_v5", "flash2_forward_v6", "flash2_forward_v7",
            "flash2_forward_v8"]

@@ -96,6 +96,7 @@ from fa2edu.flash2 import Flash2Backward
 from kernels_gpu import runtime as rt
 from kernels_gpu.fast import tiled
 from kernels_gpu.flash2 import preprocess_kernel
+from kernels_gpu.tensorcore import ptx
 
 __all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS",
            "cast_kernel", "run_backward", "teaching_preprocess"]
@@ -156,10 +157,13 @@ def check_tiling(tiling: BackwardTiling, d: int, d_v: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max_registers: int | None = None):
+def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max_registers: int | None = None,
+                  vector_red: bool = False):
     """The kernel for one tile shape and head sizes (compile-time constants); ``max_registers`` caps ptxas's
-    registers per thread (more resident blocks per SM, at the price of spills), GPU only."""
+    registers per thread (more resident blocks per SM, at the price of spills), GPU only. ``vector_red``: dQ's
+    atomic additions four floats per instruction (``red.global.add.v4.f32``, fast backward v3) instead of one."""
     check_tiling(tiling, d, d_v)
+    VECTOR_RED = vector_red
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
     KC = B_c // NY                      # rows of dK_j, dV_j per thread
@@ -371,9 +375,16 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                 if row < N_q:
                     base = ((z * H_q + h) * N_q + row) * d
                     for q in range(TQ):
-                        for e in range(4):
-                            cuda.atomic.add(dQf, base + 4 * tx + 4 * NX * q + e,
-                                            dq[r * TD + q * 4 + e] * float32(LN2))
+                        x = r * TD + q * 4
+                        if VECTOR_RED:
+                            # (v3) the chunk's four floats by one instruction: 16-byte aligned, as d is a
+                            # multiple of 4·NX
+                            ptx.red_add_v4_f32(dQf, base + 4 * tx + 4 * NX * q, dq[x] * float32(LN2),
+                                               dq[x + 1] * float32(LN2), dq[x + 2] * float32(LN2),
+                                               dq[x + 3] * float32(LN2))
+                        else:
+                            for e in range(4):
+                                cuda.atomic.add(dQf, base + 4 * tx + 4 * NX * q + e, dq[x + e] * float32(LN2))
 
         # Alg. 2 line 17: write dK_j (times τ), dV_j to HBM, once (summed over the GQA group already); float16
         # storage rounds here.
@@ -426,9 +437,11 @@ def teaching_preprocess(O4, dO4, D, d_v: int) -> None:
     preprocess_kernel(64, d_v)[(rt.grid_size(N_q, 64), Z, H_q), 64](O4, dO4, D)
 
 
-def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storage, preprocess) -> Flash2Backward:
+def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storage, preprocess,
+                 vector_red: bool = False) -> Flash2Backward:
     """The body of :func:`flash2_backward` (same arguments), with the launch of Alg. 2 line 4 passed in:
-    ``preprocess(O4, dO4, D, d_v)`` fills D (Z, H_q, N_q) with rowsum(dO ∘ O) (a later rung changes only that)."""
+    ``preprocess(O4, dO4, D, d_v)`` fills D (Z, H_q, N_q) with rowsum(dO ∘ O) (v2 changes only that), and
+    ``vector_red``: dQ's additions by vector reductions (v3, :func:`make_backward`)."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     N_q, d, d_v = layout_.N_q, layout_.d, layout_.d_v
@@ -453,7 +466,7 @@ def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storag
     dQ = rt.device_zeros((Z, H_q, N_q, d))
     dK = rt.device_empty((Z, H_kv, layout_.N_k, d), storage=storage)
     dV = rt.device_empty((Z, H_kv, layout_.N_k, d_v), storage=storage)
-    kernel = make_backward(tiling, d, d_v, simulator, max_registers)
+    kernel = make_backward(tiling, d, d_v, simulator, max_registers, vector_red)
     dynamic = 4 * size if size > tiled.STATIC_FLOATS else 0
     args = (K4, V4, L4, D, dQ.reshape(-1), dK, dV, _flat(Q4, "Q"), _flat(dO4, "dO"), np.int64(H_q),
             np.int64(N_q), np.float32(tau), np.float32(float(tau) * LOG2E), bool(causal))

@@ -73,6 +73,10 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
                                dependents``: this block lets the dependent
                                grid start early (programmatic dependent
                                launch; both are no-ops in a launch without it)
+    ``red_add_v4_f32``         ``red.global.add.v4.f32``: four consecutive      red (vector types: PTX
+                               floats added atomically into global memory by    ISA 8.1, sm_90)
+                               one instruction (16-byte aligned); each of the
+                               four additions is atomic, not the four together
     =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
@@ -107,7 +111,7 @@ __all__ = [
     "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
-    "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d",
+    "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -453,7 +457,10 @@ def _bulk_copy_twin(smem, s_index, gmem, g_index, nbytes, bar_index):
         raise ValueError(f"bulk_copy: the size must be a positive multiple of 16 bytes, got {n}")
     if s % 4 or g % 4:
         raise RuntimeError("bulk_copy: source and destination must be 16-byte aligned")
-    flat = np.asarray(getattr(gmem, "_ary", gmem)).reshape(-1)
+    a = np.asarray(getattr(gmem, "_ary", gmem))
+    if not a.flags.c_contiguous:
+        raise ValueError("red_add_v4_f32: gmem must be C-contiguous (its flat index is the address)")
+    flat = a.reshape(-1)
     if g + n // 4 > flat.size:
         raise IndexError(f"bulk_copy: words {g} … {g + n // 4 - 1} are past the source's {flat.size}")
     data = np.array(flat[g:g + n // 4], copy=True)
@@ -499,6 +506,23 @@ def _tensor_copy_twin(smem, s_index, tmap, c0, c1, c2, c3, bar_index):
 def _fence_twin():
     """Simulator twin of ``fence.mbarrier_init`` and ``fence.proxy.async``: the simulator has one proxy and its
     stores are visible at once."""
+
+
+def _red_add_v4_f32_twin(gmem, index, x0, x1, x2, x3):
+    """Simulator twin of ``red.global.add.v4.f32 [gmem + 4·index], {x0, x1, x2, x3}``: four atomic additions into
+    the C-contiguous float32 array ``gmem`` at flat ``index`` … ``index + 3`` (16-byte aligned, as the hardware
+    requires)."""
+    from numba.cuda.simulator import kernelapi  # (the lock the simulator's own atomic adds take)
+    i = int(index)
+    if i % 4:
+        raise RuntimeError("red_add_v4_f32: the address must be 16-byte aligned (index a multiple of 4)")
+    a = np.asarray(getattr(gmem, "_ary", gmem))
+    if not a.flags.c_contiguous:
+        raise ValueError("red_add_v4_f32: gmem must be C-contiguous (its flat index is the address)")
+    flat = a.reshape(-1)
+    for e, x in enumerate((x0, x1, x2, x3)):
+        with kernelapi.addlock:
+            flat[i + e] += x
 
 
 def _shfl_xor_twin(value, mask):
@@ -625,6 +649,19 @@ def _build_gpu() -> dict:
             return context.get_dummy_value()
         return sig, codegen
 
+    @intrinsic
+    def red_add_v4_f32(typingctx, gmem, index, x0, x1, x2, x3):
+        sig = types.void(gmem, index, x0, x1, x2, x3)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            dst = global_address(context, builder, a[0], args[0], args[1], a[1])
+            xs = [context.cast(builder, args[i], a[i], types.float32) for i in range(2, 6)]
+            asm(builder, ir.VoidType(), [dst, *xs], "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+                "l,f,f,f,f,~{memory}")
+            return context.get_dummy_value()
+        return sig, codegen
+
     def make_mbar_op(text):
         @intrinsic
         def op(typingctx, smem, index, value):
@@ -736,7 +773,7 @@ def _build_gpu() -> dict:
                 mbar_arrive_expect_tx=make_mbar_op("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"),
                 mbar_try_wait=mbar_try_wait,
                 fence_mbarrier_init=make_simple("fence.mbarrier_init.release.cluster;"),
-                fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"))
+                fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"), red_add_v4_f32=red_add_v4_f32)
 
 
 def _build_twins() -> dict:
@@ -753,7 +790,8 @@ def _build_twins() -> dict:
                 griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin,
                 bulk_copy=_bulk_copy_twin, tensor_copy_4d=_tensor_copy_twin, mbar_init=_mbar_init_twin,
                 mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
-                mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin)
+                mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin,
+                red_add_v4_f32=_red_add_v4_f32_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())
