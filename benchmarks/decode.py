@@ -48,22 +48,23 @@ padding fraction (the work saved grows with n², not n).
 
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
-0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26, the full grid, the tensor-core program of
-:mod:`kernels_gpu.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor maps), its split
-rule of one program per SM, two-warp programs where the programs outnumber the SMs, no register cap, the merge
-launched early; graphs of at least 4 calls, 2 rounds; ``benchmarks/results/nvidia-h100/decode.json``, copy rate
-3008 GB/s), graph times at 4k … 128k:
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26 20:30 UTC, the full grid, the tensor-core
+program of :mod:`kernels_gpu.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor maps),
+S = Q Kᵀ in two accumulator chains, its split rule of one program per SM, two-warp programs where the programs
+outnumber the SMs, no register cap, the merge launched early; graphs of at least 4 calls, 2 rounds;
+``benchmarks/results/nvidia-h100/decode.json``, copy rate 2992 GB/s), graph times at 4k … 128k:
 
-* batch 1: 39 %, 54 %, 71 %, 84 %, 93 %, 97 % of the copy rate (the 80 % target from 16k: met except at 16k);
-  batch 8: 84-104 % (98-104 % from 16k: met); batch 32: 99-105 % (103-105 % from 16k: met);
-* num_splits = 1 is 7.5-8.4× slower at batch 1 from 32k (target ≥ 3×: met); paged 1.00-1.02× contiguous, bit
-  for bit the same output (target within 10 %: met);
-* against SDPA's best backend (cuDNN at every shape), graph time: batch 32 from 16k keys and batch 8 from 64k
-  1.002-1.008× (faster, by less than a percent), batch 32 at 4k and 8k 0.99-1.00×, batch 8 to 32k 0.975-0.99×,
-  batch 1 0.98-0.997× from 8k keys and 0.945× at 4k (target faster: missed at 12 of 18 shapes, 11 of them by
-  less than 2.5 %). The run before tensor copies (``cp.async``, same harness, 2026-11-26 09:36): 0.94-0.97×
-  everywhere;
-* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
+* batch 1: 37 %, 55 %, 72 %, 81 %, 91 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k);
+  batch 8: 84-104 % (97-104 % from 16k: met); batch 32: 99-105 % (103-105 % from 16k: met);
+* num_splits = 1 is 6.9-8.1× slower at batch 1 from 32k (target ≥ 3×: met); paged 1.00-1.02× contiguous from 16k
+  keys (1.07 at batch 1, 8k), bit for bit the same output (target within 10 %: met);
+* against SDPA's best backend (cuDNN at every shape), graph time: 1.00-1.045× (as fast or faster) at batch 1 with
+  8k, 16k and 128k keys, batch 8 from 64k and batch 32 from 16k (8 of 18 shapes); 0.99-0.998× at 5 more, 0.974-
+  0.984× at batch 8 with 4k and 16k keys, 0.96× at batch 1 with 4k and 32k keys (target faster: missed at 10 of 18
+  shapes). The run before the two accumulator chains (same day, 19:16): as fast or faster at 6 shapes,
+  0.945-0.997× at the others; batch 1 moves by ±3 % between runs of the same program (0.958 at 32k here, 0.99
+  then), the larger batches by under 1 %. Before tensor copies (``cp.async``, 09:36): 0.94-0.97× everywhere;
+* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 4.9× faster than padded, same
   output (target: met).
 
 The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k keys, batch 8

@@ -185,12 +185,12 @@ warps (4k to 16k keys: within 0.5 % or up to 6 % slower than the rule's 2 splits
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
 64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
 ``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
-copies (the two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32, and — below — no register cap)
-is in ``benchmarks.decode``'s header: batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy rate, batch 8 and 32 from
-16k 0.98-1.05; against cuDNN 1.002-1.008× at batch 32 from 16k keys and batch 8 from 64k, 0.975-0.997× elsewhere
-but at batch 1 with 4k keys (0.945). In numba's simulator the
-copy engine is a twin and the tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the
-GPU does (``test_tensorcore_program_tensor_copies``: the bits of ``cp.async``).
+copies (the two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32, and — below — no register cap) was
+(the run of 19:16; ``benchmarks.decode``'s header has the latest): batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy
+rate, batch 8 and 32 from 16k 0.98-1.05; against cuDNN 1.002-1.008× at batch 32 from 16k keys and batch 8 from 64k,
+0.975-0.997× elsewhere but at batch 1 with 4k keys (0.945). In numba's simulator the copy engine is a twin and the
+tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the GPU does
+(``test_tensorcore_program_tensor_copies``: the bits of ``cp.async``).
 
 Where batch 1 stands (Nsight Compute, one call each, ``decode_tc_tensor_ncu_b1_splits.txt``): the split
 programs take 12.3 µs at 4k keys and 30.2 at 16k with the rule's 16 splits, 12.7 and 30.6 with cuDNN's 32, 12.7
