@@ -235,6 +235,14 @@ batch 8, 32k, 698.1 → 697.3 at batch 32, 16k, unchanged at batch 1, 4k and bat
 seven, by 0.1-0.7 %, a third of the prediction. Kept (the default). cuDNN in the same rounds: 30.6, 95.3, 51.9,
 351.5, 695.2 µs. GPU tests with it (``gpu_tests_decode_chains.log``): 56 passed; compute-sanitizer memcheck of
 ``kernels_gpu.decode_sanitize`` (``sanitizer_decode_chains_memcheck.log``): 0 errors.
+
+**Tried, not kept: the tensor maps prefetched.** Lane 0 of each warp issuing ``prefetch.tensormap`` for K's and
+V's maps at the program's start, before the query rows' copy, so that the first tensor copy would not wait for
+the map's 128 bytes (the maps live in global memory, not in the launch's parameters). Prediction: batch 1 at 4k
+keys 14.1 → 13.8 µs, 16k 0.5-1 % faster, batch 8 and 32 unchanged. Measured (a ``prefetch`` knob of
+``benchmarks.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1 /
+20.7 / 31.6 / 52.8 µs without, 14.1 / 20.9 / 31.4 / 52.9 with, at batch 1 with 4k / 8k / 16k / 32k keys; batch 8
+and 32 at 4k within 0.1 µs — no change: the map's fetch is not on the program's critical path. Taken out again.
 """
 
 from __future__ import annotations
