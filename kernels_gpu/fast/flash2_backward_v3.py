@@ -53,6 +53,18 @@ the loads were not waiting on latency alone but on the shared-memory pipe (about
 tile against 10 k FFMAs; L1 62 % busy in v2), which issuing them earlier does not widen. Reverted; what would
 widen it is fewer shared-memory loads per FFMA (larger register tiles, which 255 registers do not leave room for)
 or tensor cores.
+
+**Tried after v3, not kept: warps of 4 × 8 threads.** Fewer wavefronts for the same loads instead: with
+t = ty·NX + tx a warp is 2 rows × 16 columns of the thread grid, so a load picked by tx (rows of K_j, V_j; columns
+4·tx + … of dO_i, Q_i, K_j) touches 16 distinct 16-byte chunks, two wavefronts; as a 4 × 8 patch (lane ℓ at row
+ℓ // 8, column ℓ % 8 of its warp's patch) one, and a ty-picked load 4 chunks instead of 2, still one — about 35 %
+fewer wavefronts per tile, the same loads, FFMAs, registers (255 / 168, no spill) and sums (dK, dV bit for bit
+v3's in the simulator). Prediction: 1.15-1.3× faster if the shared-memory pipe binds. Measured
+(``fast_backward_v4_warp_tiles_ab.json``, v3 beside it): d = 128 29.47 / 30.42 → 28.99 / 29.88 TFLOP/s
+non-causal, 27.42 / 29.32 → 26.97 / 28.80 causal (1.6-1.8 % slower), d = 64 0.6-1.5 % faster. Neither the
+loads' latency nor the pipe's wavefronts is what holds this kernel at 44 % of the FMA pipe; with two warps per
+scheduler, what is left is issue itself: each scheduler has 0.93 eligible warps per cycle, and the next lever is
+more of them, which 255 registers and 167 KiB of shared memory per 256-thread block rule out. Reverted.
 """
 
 from __future__ import annotations
