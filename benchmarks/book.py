@@ -159,10 +159,21 @@ def _profile_for(name: str):
     return None
 
 
+#: results files of other harnesses that a device folder may hold beside the kernel timings: Nsight Compute's byte
+#: counts (profiles, not timings) and the multi-GPU ring's (one configuration timed per dtype and ring size, which
+#: the (impl, pass, d, causal, N) key of :class:`Run` does not tell apart)
+OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json")
+
+
+def _timing_files(folder: Path, pattern: str = "*.json") -> list[Path]:
+    """The kernel-timing results files of ``folder`` matching ``pattern``, sorted: :data:`OTHER_HARNESSES` aside."""
+    return [p for p in sorted(folder.glob(pattern)) if not any(p.match(other) for other in OTHER_HARNESSES)]
+
+
 def device(folder=None) -> Device:
     """The device summary of a results folder; ceilings and properties from its newest file that has them."""
     folder = _folder(folder)
-    runs = [run(p.name, folder) for p in sorted(folder.glob("*.json")) if p.name != "ncu_io.json"]
+    runs = [run(p.name, folder) for p in _timing_files(folder)]
     dates = sorted(str(r.header["date"])[:10] for r in runs if r.header.get("date"))
     full = max((r for r in runs if "ceilings" in r.header), key=lambda r: str(r.header["date"]))
     props, ceilings = full.header["device_properties"], full.header["ceilings"]
@@ -182,12 +193,10 @@ class FileSummary(NamedTuple):
 
 
 def inventory(folder=None, pattern: str = "*.json") -> list[FileSummary]:
-    """Every results file of the folder (``ncu_io.json`` aside: it holds profiles, not timings), oldest first."""
+    """Every kernel-timing results file of the folder (:data:`OTHER_HARNESSES` aside), oldest first."""
     folder = _folder(folder)
     out = []
-    for path in sorted(folder.glob(pattern)):
-        if path.name == "ncu_io.json":
-            continue
+    for path in _timing_files(folder, pattern):
         r = run(path.name, folder)
         why = Counter((x["status"], re.sub(r"[\d.]+", "#", str(x["error"])).split(":")[0])
                       for x in r.records if x["status"] != "ok")
