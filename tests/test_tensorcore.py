@@ -126,6 +126,21 @@ def test_cp_async_twin_reads_a_strided_source_in_address_order():
     assert sm.tolist() == view[1, 2, 3, 4:8].tolist()
 
 
+def test_vector_reduction_twin_adds_four_aligned_floats():
+    """``red.global.add.v4.f32``'s twin adds four consecutive floats at a 16-byte aligned index, into a flat view
+    of the array (as the GPU adds at ``gmem + 4·index``); a misaligned index or a strided array is refused, as the
+    hardware would fault or add elsewhere."""
+    acc = np.zeros((2, 8), dtype=np.float32)
+    ptx.red_add_v4_f32(acc.reshape(-1), 4, 1.0, 2.0, 3.0, 4.0)
+    ptx.red_add_v4_f32(acc.reshape(-1), 4, 0.5, 0.5, 0.5, 0.5)
+    ptx.red_add_v4_f32(acc.reshape(-1), 12, -1.0, 0.0, 0.0, 1.0)
+    assert acc.tolist() == [[0, 0, 0, 0, 1.5, 2.5, 3.5, 4.5], [0, 0, 0, 0, -1, 0, 0, 1]]
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        ptx.red_add_v4_f32(acc.reshape(-1), 2, 1.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ptx.red_add_v4_f32(acc.T, 0, 1.0, 1.0, 1.0, 1.0)
+
+
 @pytest.mark.parametrize("module", ["steps", "backward_steps"])
 @pytest.mark.parametrize("which", ["copy_kv_async", "copy_kv_async_inc"])
 def test_tile_copies_follow_the_strides(module, which):
