@@ -26,7 +26,8 @@ def loop_table(path: str, min_share: float = 0.01) -> str:
     """The per-loop summary of an ncu SASS source page in CSV (see the module's docstring): one line per loop
     holding at least ``min_share`` of the samples — offsets from the kernel's first instruction, instructions,
     share of all samples, the three commonest opcodes, the stall reasons over 3 % of the loop's samples."""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     header, data = rows[start], [r for r in rows[start + 1:] if len(r) == len(rows[start])]
     at, src, samples = header.index("Address"), header.index("Source"), header.index(

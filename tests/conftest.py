@@ -1,6 +1,9 @@
-"""Hypothesis profiles: no deadline (NumPy tiling is slow by design); CI bounds the example count."""
+"""Hypothesis profiles: no deadline (NumPy tiling is slow by design); CI bounds the example count. The
+``ptx_calls`` fixture: which warp-level instructions a simulated kernel issued, and with what."""
 
 import os
+
+import pytest
 
 # kernels_gpu: numba's CUDA simulator unless FA2EDU_GPU=1 asks for the real GPU (set before numba is imported).
 # Tests marked `gpu` run only with FA2EDU_GPU=1 (`FA2EDU_GPU=1 pytest -m gpu tests/gpu`); otherwise they are skipped.
@@ -11,7 +14,6 @@ if os.environ.get("FA2EDU_GPU") != "1":
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("FA2EDU_GPU") == "1":
         return
-    import pytest
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run `FA2EDU_GPU=1 pytest -m gpu tests/gpu` on the device")
     for item in items:
         if "gpu" in item.keywords:
@@ -27,3 +29,21 @@ settings.register_profile("dev", deadline=None, max_examples=60,
 settings.register_profile("thorough", deadline=None, max_examples=500,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture
+def ptx_calls(monkeypatch):
+    """``ptx_calls("bulk_copy")`` → a list that, from then on, receives the arguments of every call of that
+    :mod:`kernels_gpu.tensorcore.ptx` function (in the simulator, its twin, which still runs): how a test sees
+    which copies or reductions a kernel really issued."""
+    from kernels_gpu.tensorcore import ptx
+
+    def spy(name: str) -> list:
+        calls, original = [], getattr(ptx, name)
+
+        def recorded(*args):
+            calls.append(args)
+            return original(*args)
+        monkeypatch.setattr(ptx, name, recorded)
+        return calls
+    return spy

@@ -207,24 +207,18 @@ def test_tensorcore_program_matches_oracle(name):
 
 
 @pytest.mark.parametrize("name", ["paged16-gqa4-S3", "contig-new3-dv32-S1"])
-def test_tensorcore_program_bulk_copies(name, monkeypatch):
+def test_tensorcore_program_bulk_copies(name, monkeypatch, ptx_calls):
     """decode_tc.COPY = "bulk": whole tiles by cp.async.bulk (a row per lane, an mbarrier per stage), the split's
     partial last tile and the query rows by cp.async; the same answer as the oracle, and bulk copies were made."""
     from kernels_gpu import decode_tc
-    from kernels_gpu.tensorcore import ptx
     monkeypatch.setattr(decode_tc, "COPY", "bulk")
     monkeypatch.setattr(decode, "_PLANS", {})
-    rows = []
-    bulk = ptx.bulk_copy
-
-    def counted(sm, s_index, gmem, g_index, nbytes, bar):
-        rows.append(int(nbytes))
-        bulk(sm, s_index, gmem, g_index, nbytes, bar)
-    monkeypatch.setattr(ptx, "bulk_copy", counted)
+    calls = ptx_calls("bulk_copy")                      # (sm, s_index, gmem, g_index, nbytes, bar)
     spec, kw = TC_CASES[name]
     case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
     O, L = run_decode(case, kernel="tensorcore", **kw)
     check_against_oracle(case, O, L, storage="float16")
+    rows = [int(c[4]) for c in calls]
     assert rows and set(rows) <= {2 * spec["d"], 2 * spec["d_v"]}
 
 
@@ -240,27 +234,21 @@ TENSOR_CASES = {
 
 @pytest.mark.parametrize("name", list(TENSOR_CASES))
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
-def test_tensorcore_program_tensor_copies(name, storage, monkeypatch):
+def test_tensorcore_program_tensor_copies(name, storage, monkeypatch, ptx_calls):
     """decode_tc.COPY = "tensor" (the default): whole tiles by tensor copies — here the simulator's copy engine and
     stand-in tensor maps (kernels_gpu.tensor_map), which write the tiles swizzled —, the query rows and a split's
     partial last tile by cp.async into the same swizzled layout. The oracle's answer, the bits of the cp.async
     program (same arithmetic, same order), and four-word boxes of 16 rows were really copied."""
     from kernels_gpu import decode_tc
-    from kernels_gpu.tensorcore import ptx
     spec, kw = TENSOR_CASES[name]
     case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
     if storage == "bfloat16":
         for k in ("q", "k_cache", "v_cache"):
             case[k] = torch.from_numpy(case[k]).to(torch.bfloat16)
-    boxes = []
-    copy = ptx.tensor_copy_4d
-
-    def counted(sm, s_index, tmap, c0, c1, c2, c3, bar):
-        boxes.append((int(c0), int(c1)))
-        copy(sm, s_index, tmap, c0, c1, c2, c3, bar)
-    monkeypatch.setattr(ptx, "tensor_copy_4d", counted)
+    calls = ptx_calls("tensor_copy_4d")                 # (sm, s_index, tmap, c0, c1, c2, c3, bar)
     monkeypatch.setattr(decode, "_PLANS", {})
     O, L = run_decode(case, kernel="tensorcore", **kw)
+    boxes = [(int(c[3]), int(c[4])) for c in calls]
     assert boxes and {c0 for c0, _ in boxes} <= {0, 64} and all(c1 % 16 == 0 for _, c1 in boxes)
     monkeypatch.setattr(decode_tc, "COPY", "cp.async")
     O_c, L_c = run_decode(case, kernel="tensorcore", **kw)

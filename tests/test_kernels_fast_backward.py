@@ -80,24 +80,18 @@ def test_v2_matches_oracle(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
 
 
 @pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", [CASES[1], CASES[3]])
-def test_v3_matches_oracle_and_v2(tiling, Z, H_q, H_kv, N_q, N_k, d, causal, monkeypatch):
+def test_v3_matches_oracle_and_v2(tiling, Z, H_q, H_kv, N_q, N_k, d, causal, ptx_calls):
     """v3 (dQ by vector reductions, four floats each) against the oracle, on cases where several column blocks add
     into the same rows of dQ; its gradients are v2's up to the order of float32 additions; the reductions really
     were four-wide, 16-byte aligned, and as many as the scalar ones over four."""
-    from kernels_gpu.tensorcore import ptx
-    calls = []
-    red = ptx.red_add_v4_f32
-
-    def counted(gmem, index, x0, x1, x2, x3):
-        calls.append(int(index))
-        red(gmem, index, x0, x1, x2, x3)
-    monkeypatch.setattr(ptx, "red_add_v4_f32", counted)
+    reductions = ptx_calls("red_add_v4_f32")             # (gmem, index, x0, x1, x2, x3)
     Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, "v3")) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
     got = _check(Q, K, V, dO, causal, tiling, version="v3")
     O, L = (np.asarray(x, np.float32) for x in fa2edu.flash2_forward(Q, K, V, causal=causal)[:2])
     want = BACKWARD_VERSIONS["v2"](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    calls = [int(c[1]) for c in reductions]
     assert calls and all(i % 4 == 0 for i in calls)
     assert len(calls) <= Z * H_q * N_q * d * -(-N_k // tiling.B_c) // 4
 
