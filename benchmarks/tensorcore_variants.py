@@ -8,7 +8,7 @@ tiles and copies, only the warps' partitioning differs) and SDPA flash for scale
 memory the kernel moves (:func:`kernels_gpu.tensorcore.traffic.shared_memory_traffic`: copies in, operand loads,
 split-K's exchange), its rate, its bytes per FLOP and the block's shared-memory footprint.
 
-**TF32.** For each d and N: the TF32 forward (``kernels_gpu.tensorcore.TF32["tf32"]``), kernels_gpu.fast's float32
+**TF32.** For each d and N: the TF32 and 3xTF32 forwards (``kernels_gpu.tensorcore.TF32``), kernels_gpu.fast's float32
 forward (v6 for d ≤ 64, v8 beyond: what ``fa2edu.distributed`` runs on CUDA float32), PyTorch SDPA's
 memory-efficient backend in float32, its math backend in float32 with TF32 matmuls off (the default) and on
 (``torch.backends.cuda.matmul.allow_tf32``: what the Triton tutorial's users get without knowing). The math backend
@@ -35,7 +35,7 @@ from benchmarks.results_io import utc_now
 from benchmarks.tensorcore import GRID_N, HIDDEN, TOKENS, forward_flops, sdpa_flash, time_ms
 
 PARTITION_IMPLS = ("split-q", "split-k", "sdpa_flash")
-PRECISION_IMPLS = ("tf32", "fast_fp32", "sdpa_mem_efficient_fp32", "sdpa_math_fp32", "sdpa_math_tf32")
+PRECISION_IMPLS = ("tf32", "3xtf32", "fast_fp32", "sdpa_mem_efficient_fp32", "sdpa_math_fp32", "sdpa_math_tf32")
 
 
 @contextlib.contextmanager
@@ -66,8 +66,9 @@ def precision_impl(name: str, d: int, causal: bool):
     from kernels_gpu.fast import VERSIONS as FAST
     from kernels_gpu.tensorcore import TF32
 
-    if name == "tf32":
-        return lambda q, k, v: torch.as_tensor(TF32["tf32"](q, k, v, causal=causal).O, device=q.device)
+    if name in TF32:
+        forward = TF32[name]
+        return lambda q, k, v: torch.as_tensor(forward(q, k, v, causal=causal).O, device=q.device)
     if name == "fast_fp32":
         fast = FAST["v6" if d <= 64 else "v8"]
         return lambda q, k, v: torch.as_tensor(fast(q, k, v, causal=causal).O, device=q.device)
@@ -128,7 +129,7 @@ def ptxas_reports(ds) -> list:
     """Registers and spills of the new kernels (``kernels_gpu.tensorcore.inspect_ptx``); empty without ptxas."""
     from kernels_gpu.tensorcore import inspect_ptx
     out = []
-    for version, dtype in (("splitq", "float16"), ("splitk", "float16"), ("tf32", "float32")):
+    for version, dtype in (("splitq", "float16"), ("splitk", "float16"), ("tf32", "float32"), ("3xtf32", "float32")):
         for d in ds:
             try:
                 out.append(inspect_ptx.report(version, d, dtype))
@@ -195,6 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", default="partitioning,precision", help="which groups to run")
     parser.add_argument("--math-max-N", type=int, default=4096, help="longest N for SDPA's math backend")
     parser.add_argument("--error-N", type=int, default=2048, help="the shape of the float64 error comparison")
+    parser.add_argument("--precision-impls", default=",".join(PRECISION_IMPLS),
+                        help="which implementations the precision group runs")
     args = parser.parse_args(argv)
 
     import numba
@@ -216,9 +219,10 @@ def main(argv=None) -> int:
     if "partitioning" in parts:
         run_grid("partitioning", PARTITION_IMPLS, "float16", ds, Ns, causals, args.math_max_N, result["records"])
     if "precision" in parts:
+        impls = args.precision_impls.split(",")
         for d in ds:
-            result["float64_errors"] += float64_errors(PRECISION_IMPLS, d, args.error_N, False)
-        run_grid("precision", PRECISION_IMPLS, "float32", ds, Ns, causals, args.math_max_N, result["records"])
+            result["float64_errors"] += float64_errors(impls, d, args.error_N, False)
+        run_grid("precision", impls, "float32", ds, Ns, causals, args.math_max_N, result["records"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

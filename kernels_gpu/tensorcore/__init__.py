@@ -26,7 +26,10 @@ Section 3.3 (FA2's warps splitting Q against FA1's warps splitting K/V and mergi
 and loads otherwise; :mod:`~kernels_gpu.tensorcore.traffic` counts their shared-memory bytes), and ``TF32``
 maps ``"tf32"`` to :func:`~kernels_gpu.tensorcore.flash2_forward_tf32.flash2_forward_tf32`, a **TF32** forward for
 float32 inputs (``mma.m16n8k8`` on operands rounded to 10-bit mantissas: errors ~1e-3, not float32's ~1e-6;
-opt-in, never the float32 default).
+opt-in, never the float32 default), and ``"3xtf32"`` to
+:func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.flash2_forward_3xtf32`, the same kernel with each operand split
+into two tf32 values and three MMAs per product: float32's accuracy from the tensor cores (CUTLASS's 3xTF32, what
+PyTorch's memory-efficient SDPA runs for float32).
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -93,14 +96,20 @@ BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_back
 #: with Sᵀ, dPᵀ in one loop: that kernel 21-28 % faster than v5's in ``tensorcore_backward_tiles_v7.json``)
 flash2_backward = flash2_backward_v7.flash2_backward
 
-from kernels_gpu.tensorcore import flash2_forward_splitk, flash2_forward_splitq, flash2_forward_tf32  # noqa: E402
+from kernels_gpu.tensorcore import (  # noqa: E402
+    flash2_forward_3xtf32,
+    flash2_forward_splitk,
+    flash2_forward_splitq,
+    flash2_forward_tf32,
+)
 
 #: FA2 Section 3.3: the two work partitionings between warps, same signature as ``VERSIONS``' (d ≤ 128)
 PARTITIONING = {"split-k": flash2_forward_splitk.flash2_forward, "split-q": flash2_forward_splitq.flash2_forward}
 
-#: TF32 forwards for float32 inputs (labelled, opt-in): name → ``f(Q, K, V, causal=False, scale=None) ->
-#: Flash2ForwardTF32(O, L)`` with ``.precision == "tf32"``
-TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32}
+#: tensor-core forwards for float32 inputs (labelled, opt-in): name → ``f(Q, K, V, causal=False, scale=None) ->
+#: (O, L)`` whose ``.precision`` names the arithmetic: "tf32" (operands rounded to tf32) or "3xtf32" (each operand
+#: split into two tf32 values, three products: float32's accuracy)
+TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32, "3xtf32": flash2_forward_3xtf32.flash2_forward_3xtf32}
 
 __all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward", "PARTITIONING",
            "TF32"]

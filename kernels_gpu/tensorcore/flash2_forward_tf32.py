@@ -75,7 +75,7 @@ from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",
-           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE"]
+           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE", "run"]
 
 #: the unit roundoff of tf32 under round-to-nearest (10 mantissa bits): 2⁻¹¹
 UNIT_ROUNDOFF_TF32 = 2.0 ** -11
@@ -107,19 +107,24 @@ class Flash2ForwardTF32(NamedTuple):
 @dataclass(frozen=True)
 class TF32Config:
     """Compile-time constants of the TF32 kernel: head dimension d (a multiple of 8), W warps of 16 query rows
-    (B_r = 16·W), B_c keys per K/V tile (a multiple of 8), causal or not, simulator or GPU."""
+    (B_r = 16·W), B_c keys per K/V tile (a multiple of 8), causal or not, simulator or GPU, and ``products``: 1
+    (TF32: each operand rounded to tf32, one MMA per product) or 3 (3xTF32,
+    :mod:`~kernels_gpu.tensorcore.flash2_forward_3xtf32`: each operand split into big + small, three MMAs)."""
 
     d: int
     B_c: int
     causal: bool
     simulated: bool
     warps: int = 4
+    products: int = 1
 
     def __post_init__(self):
         if self.d % 8 or not 8 <= self.d <= MAX_HEAD_DIM:
             raise ValueError(f"d must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {self.d}")
         if self.B_c % 8 or self.B_c < 8:
             raise ValueError(f"B_c must be a positive multiple of 8, got {self.B_c}")
+        if self.products not in (1, 3):
+            raise ValueError(f"products must be 1 (TF32) or 3 (3xTF32), got {self.products}")
 
     @property
     def B_r(self) -> int:
@@ -145,13 +150,13 @@ class TF32Config:
         return self.d // 8
 
 
-def config_for(d: int, dtype: str, causal: bool, simulated: bool) -> TF32Config:
+def config_for(d: int, dtype: str, causal: bool, simulated: bool, products: int = 1) -> TF32Config:
     """The tile shape: 4 warps (B_r = 64); B_c = 32 keys up to d = 128 (Q_i and two stages of K_j, V_j: 101 KiB at
     d = 128, two blocks per SM), 16 beyond (133 KiB at d = 256). ``dtype``: the inputs' element type, "float32"
     (the rungs' signature, so that :mod:`~kernels_gpu.tensorcore.inspect_ptx` compiles this kernel as theirs)."""
     if dtype != "float32":
         raise ValueError(f"the TF32 kernel takes float32 inputs (dtype 'float32'), got {dtype!r}")
-    return TF32Config(d=d, B_c=32 if d <= 128 else 16, causal=causal, simulated=simulated)
+    return TF32Config(d=d, B_c=32 if d <= 128 else 16, causal=causal, simulated=simulated, products=products)
 
 
 def shared_words(cfg: TF32Config) -> int:
@@ -171,7 +176,7 @@ def make_kernel(cfg: TF32Config):
     S_LEN, O_LEN = 4 * NT, 4 * NO            # register-array lengths (compile-time constants)
     causal = cfg.causal
     neg_inf = float32(-math.inf)
-    cvt, mma, shfl_xor, ex2 = ptx.cvt_tf32, ptx.mma_tf32, ptx.shfl_xor, ptx.ex2
+    cvt, split, mma, shfl_xor, ex2 = ptx.cvt_tf32, ptx.split_tf32, ptx.mma_tf32, ptx.shfl_xor, ptx.ex2
 
     def make_copy_rows(ROWS: int):
         DR = T // CH                         # rows between a thread's consecutive copies
@@ -217,6 +222,12 @@ def make_kernel(cfg: TF32Config):
             x[k] = float32(0.0)
 
     @jit
+    def add_into(x, y, n):
+        """x[0 … n−1] += y[0 … n−1] (float32 additions on the FMA units: rounded to nearest)."""
+        for k in range(n):
+            x[k] += y[k]
+
+    @jit
     def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
         """acc[4n … 4n+3] += A·B for one 16 × 8 × 8 product (``mma.sync.m16n8k8`` with tf32 operands, f32
         accumulators): the accumulator tile n of S or O, updated in place."""
@@ -225,6 +236,51 @@ def make_kernel(cfg: TF32Config):
         acc[4 * n + 1] = c1
         acc[4 * n + 2] = c2
         acc[4 * n + 3] = c3
+
+    # 3xTF32 accumulates in stages, as CUTLASS's 3xTF32 GEMMs do: the tensor core adds an MMA's products into its
+    # accumulator with truncation, not rounding to nearest (the error has a sign), and 3xTF32 issues three MMAs per
+    # product — a chain of 3·d/8 of them for S and 3·N_k/8 for Õ would drift by ~10⁻⁵. So each group of KG k-steps
+    # of S and each K/V tile's Õ += P̃V go into zeroed accumulators (s_part, o_part), added to S and Õ by float32
+    # additions: chains of at most 3·KG and 3·B_c/8 MMAs (12 at B_c = 32), the rest rounded to nearest.
+    STAGED = cfg.products == 3
+    KG = 4
+
+    # The operands of one product, from the float32 values of its A registers (four) and B registers (two), and the
+    # product itself. TF32: each value rounded to tf32, one MMA. 3xTF32: each value split into big + small
+    # (``split_tf32``), and A·B ≈ A_small·B_big + A_big·B_small + A_big·B_big — the small terms first, so that they
+    # are added while the accumulator is still small; A_small·B_small (~2⁻²² of A·B) is left out.
+    if cfg.products == 1:
+        @jit
+        def a_operands(x0, x1, x2, x3):
+            return cvt(x0), cvt(x1), cvt(x2), cvt(x3)
+
+        @jit
+        def b_operands(x0, x1):
+            return cvt(x0), cvt(x1)
+
+        @jit
+        def product(acc, n, a, b):
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])
+    else:
+        @jit
+        def a_operands(x0, x1, x2, x3):
+            h0, l0 = split(x0)
+            h1, l1 = split(x1)
+            h2, l2 = split(x2)
+            h3, l3 = split(x3)
+            return h0, h1, h2, h3, l0, l1, l2, l3
+
+        @jit
+        def b_operands(x0, x1):
+            h0, l0 = split(x0)
+            h1, l1 = split(x1)
+            return h0, h1, l0, l1
+
+        @jit
+        def product(acc, n, a, b):
+            mma_into(acc, n, a[4], a[5], a[6], a[7], b[0], b[1])      # A_small · B_big
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[2], b[3])      # A_big · B_small
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])      # A_big · B_big
 
     @jit
     def row_softmax(s, o, m, l, h, row, col0, N_k, scale_log2, diag, mask_tile):
@@ -300,6 +356,9 @@ def make_kernel(cfg: TF32Config):
         sm = cuda.shared.array(0, float32)    # dynamic shared memory: Q_i, K_j, V_j as float32
         s = cuda.local.array(S_LEN, float32)
         o = cuda.local.array(O_LEN, float32)
+        # 3xTF32's staging accumulators (see ``STAGED``); unused (and compiled away) with one product
+        s_part = cuda.local.array(S_LEN, float32)
+        o_part = cuda.local.array(O_LEN, float32)
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
         row0 = i * B_r + 16 * warp + g        # this lane's first row; its second is row0 + 8
@@ -335,17 +394,19 @@ def make_kernel(cfg: TF32Config):
             cuda.syncthreads()                # ... and everyone's
 
             # Line 8: S_ij = Q_i K_jᵀ for the warp's 16 rows, 8-wide k-steps; every operand register is one
-            # shared load rounded to tf32 (cvt.rna) on its way in.
+            # shared load rounded to tf32 (cvt.rna) — or split into two tf32 values — on its way in.
             zero(s, S_LEN)
             for kk in range(NO):
-                a0 = cvt(sm[q_at + 8 * kk])
-                a1 = cvt(sm[q_at + 8 * RS + 8 * kk])
-                a2 = cvt(sm[q_at + 8 * kk + 4])
-                a3 = cvt(sm[q_at + 8 * RS + 8 * kk + 4])
+                if STAGED and kk % KG == 0:
+                    zero(s_part, S_LEN)
+                a = a_operands(sm[q_at + 8 * kk], sm[q_at + 8 * RS + 8 * kk], sm[q_at + 8 * kk + 4],
+                               sm[q_at + 8 * RS + 8 * kk + 4])
                 for n in range(NT):
                     # B = K_jᵀ: b0 = K_j[8n + g][8kk + t], b1 = K_j[8n + g][8kk + t + 4]
                     k_at = K_OFF + stage + (8 * n + g) * RS + 8 * kk + t
-                    mma_into(s, n, a0, a1, a2, a3, cvt(sm[k_at]), cvt(sm[k_at + 4]))
+                    product(s_part if STAGED else s, n, a, b_operands(sm[k_at], sm[k_at + 4]))
+                if STAGED and (kk % KG == KG - 1 or kk == NO - 1):
+                    add_into(s, s_part, S_LEN)
 
             # Lines 9-10: the online softmax; the mask only on tiles that can hold a key invisible to some row of
             # the block: past N_k, or (causal) past the first row's diagonal.
@@ -356,14 +417,15 @@ def make_kernel(cfg: TF32Config):
             # Line 10 (second half): Õ_i += P̃_ij V_j, one 8-key k-step per tile of S. A comes from the lane's own
             # accumulators with the keys in the order 0, 2, 4, 6, 1, 3, 5, 7 (a0…a3 = c0, c2, c1, c3), so V's
             # rows follow that order: b0 = V_j[8kk + 2t][8n + g], b1 = V_j[8kk + 2t + 1][8n + g].
+            if STAGED:
+                zero(o_part, O_LEN)
             for kk in range(NT):
-                a0 = cvt(s[4 * kk])
-                a1 = cvt(s[4 * kk + 2])
-                a2 = cvt(s[4 * kk + 1])
-                a3 = cvt(s[4 * kk + 3])
+                a = a_operands(s[4 * kk], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3])
                 v_at = V_OFF + stage + (8 * kk + 2 * t) * RS + g
                 for n in range(NO):
-                    mma_into(o, n, a0, a1, a2, a3, cvt(sm[v_at + 8 * n]), cvt(sm[v_at + RS + 8 * n]))
+                    product(o_part if STAGED else o, n, a, b_operands(sm[v_at + 8 * n], sm[v_at + RS + 8 * n]))
+            if STAGED:
+                add_into(o, o_part, O_LEN)
             cuda.syncthreads()                # stage j mod 2 is free for tile j + 2
 
         ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)
@@ -377,8 +439,8 @@ def make_kernel(cfg: TF32Config):
 def _contiguous(x, name: str):
     """The kernel addresses Q, K, V through flat indices (cp.async): a device array must be C-contiguous."""
     if not x.is_c_contiguous():
-        raise ValueError(f"{name} must be C-contiguous for the TF32 kernel (its copies address rows by flat index); "
-                         f"make it contiguous first")
+        raise ValueError(f"{name} must be C-contiguous for the TF32 and 3xTF32 kernels (their copies address rows by "
+                         f"flat index); make it contiguous first")
     return x
 
 
@@ -391,16 +453,22 @@ def flash2_forward_tf32(Q, K, V, causal=False, scale=None) -> Flash2ForwardTF32:
     numba device arrays out. d a multiple of 8 up to 256, d_v = d; GQA/MQA by head mapping; ``causal``: bottom-right
     aligned; ``scale``: τ, default 1/√d. Cost: 4·N_q·N_k·d FLOPs per (batch, head) (half of it skipped when causal);
     HBM reads N_q·d + 2·N_k·d·T_r floats, writes N_q·d + N_q. Errors: :func:`tf32_error_bound`."""
+    return Flash2ForwardTF32(*run(Q, K, V, causal, scale, products=1))
+
+
+def run(Q, K, V, causal, scale, products: int):
+    """Check the inputs, launch the kernel with ``products`` MMAs per product (1: TF32, 3: 3xTF32), return (O, L)."""
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d = layout.d
+    name = "TF32" if products == 1 else "3xTF32"
     if layout.d_v != d:
-        raise ValueError(f"V's head dimension must equal Q's for the TF32 kernel: d = {d}, d_v = {layout.d_v}")
+        raise ValueError(f"V's head dimension must equal Q's for the {name} kernel: d = {d}, d_v = {layout.d_v}")
     if d % 8 or d > MAX_HEAD_DIM:
-        raise ValueError(f"the TF32 kernel takes head dimensions that are multiples of 8 up to {MAX_HEAD_DIM}, "
+        raise ValueError(f"the {name} kernel takes head dimensions that are multiples of 8 up to {MAX_HEAD_DIM}, "
                          f"got d = {d}")
     Q4, K4, V4 = _contiguous(Q4, "Q"), _contiguous(K4, "K"), _contiguous(V4, "V")
     simulated = rt.simulator_in_use()
-    cfg = config_for(d, "float32", bool(causal), simulated)
+    cfg = config_for(d, "float32", bool(causal), simulated, products)
     kernel = make_kernel(cfg)
     O = rt.device_empty((layout.Z, layout.H_q, layout.N_q, d))
     L = rt.device_empty((layout.Z, layout.H_q, layout.N_q))
@@ -408,7 +476,7 @@ def flash2_forward_tf32(Q, K, V, causal=False, scale=None) -> Flash2ForwardTF32:
     nbytes = 4 * shared_words(cfg)
     driver_launch.launch(kernel, (rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0, args,
                          nbytes)
-    return Flash2ForwardTF32(rt.finish(O, layout, (layout.N_q, d)), rt.finish(L, layout, (layout.N_q,)))
+    return rt.finish(O, layout, (layout.N_q, d)), rt.finish(L, layout, (layout.N_q,))
 
 
 # -- the error it may make, and the error it makes beside float32 ---------------------------------------------------

@@ -41,6 +41,11 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``cvt_tf32``               ``cvt.rna.tf32.f32``: a float rounded to tf32    9.7.9.21 (cvt)
                                (10 mantissa bits; nearest, ties away from
                                zero), as the 32 bits the mma takes
+    ``split_tf32``             x → (big, small), both tf32: big = x rounded to   9.7.9.21 (cvt), 9.7.3
+                               tf32 (``cvt.rna``, low 13 bits cleared), small =  (sub)
+                               (x − big) rounded to tf32 — big + small carries
+                               ~21 of float32's 24 significand bits (the
+                               operands of 3xTF32's three products)
     ``bulk_copy``              ``cp.async.bulk.shared::cluster.global.mbarrier  cp.async.bulk (PTX ISA
                                ::complete_tx::bytes``: one contiguous run of a    8.0, sm_90)
                                multiple of 16 bytes, global → shared, by the
@@ -109,7 +114,7 @@ __all__ = [
     "cp_async_commit",
     "cp_async_wait_all", "cp_async_wait_one", "cp_async_wait_two", "cp_async_wait_three", "pack_f16x2",
     "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
-    "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "tf32_round", "griddep_wait",
+    "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "split_tf32", "tf32_round", "griddep_wait",
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
     "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32",
 ]
@@ -279,6 +284,15 @@ def _mma_tf32_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 def _cvt_tf32_twin(x):
     """Simulator twin of ``cvt.rna.tf32.f32``: the tf32 nearest to ``x`` (ties away from zero), as its 32 bits."""
     return np.uint32(tf32_round(np.float32(x)).view(np.uint32))
+
+
+def _split_tf32_twin(x):
+    """Simulator twin of :func:`split_tf32`: ``(big, small)`` as the 32 bits of two tf32 values, big = tf32(x),
+    small = tf32(x − big) (float32 subtraction, exact: big is x with its low bits rounded away)."""
+    x = np.float32(x)
+    big = tf32_round(x)
+    small = tf32_round(np.float32(x - big))
+    return np.uint32(big.view(np.uint32)), np.uint32(small.view(np.uint32))
 
 
 def _ldmatrix_twin(trans: bool):
@@ -739,6 +753,22 @@ def _build_gpu() -> dict:
         return types.uint32(x), codegen
 
     @intrinsic
+    def split_tf32(typingctx, x):
+        # big's low 13 bits are cleared explicitly (the ISA leaves a .tf32 result's low bits unspecified), so that
+        # big is exactly the float the mma reads and x − big is exact; the outputs are written last (no early
+        # clobber of x)
+        text = ("{ .reg .b32 b; .reg .f32 h, r; cvt.rna.tf32.f32 b, $2; and.b32 b, b, 0xFFFFE000; mov.b32 h, b; "
+                "sub.f32 r, $2, h; cvt.rna.tf32.f32 $1, r; mov.b32 $0, b; }")
+        sig = types.UniTuple(types.uint32, 2)(x)
+
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            res = asm(builder, ir.LiteralStructType([i32, i32]), [v], text, "=r,=r,f", side_effect=False)
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(res, i) for i in range(2)])
+        return sig, codegen
+
+    @intrinsic
     def ex2(typingctx, x):
         def codegen(context, builder, signature, args):
             v = context.cast(builder, args[0], signature.args[0], types.float32)
@@ -765,7 +795,7 @@ def _build_gpu() -> dict:
                 cp_async_wait_three=make_simple("cp.async.wait_group 3;"),
                 pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
-                mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32,
+                mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32, split_tf32=split_tf32,
                 griddep_wait=make_simple("griddepcontrol.wait;"),
                 griddep_launch_dependents=make_simple("griddepcontrol.launch_dependents;"),
                 bulk_copy=bulk_copy, tensor_copy_4d=tensor_copy_4d,
@@ -787,6 +817,7 @@ def _build_twins() -> dict:
                 pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
                 syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin,
+                split_tf32=_split_tf32_twin,
                 griddep_wait=_griddep_twin, griddep_launch_dependents=_griddep_twin,
                 bulk_copy=_bulk_copy_twin, tensor_copy_4d=_tensor_copy_twin, mbar_init=_mbar_init_twin,
                 mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,

@@ -1,0 +1,107 @@
+"""3xTF32 on tensor cores in numba's CUDA simulator: the big/small split of a float32 (``ptx.split_tf32``'s twin)
+against its definition, and the 3xTF32 forward against the float64 oracle — within the bound of
+:func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.error_bound` and at float32's accuracy, hundreds of times
+closer than the TF32 rung on the same inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fa2edu
+import kernels_gpu.runtime as rt
+from kernels_gpu.tensorcore import TF32, ptx
+from kernels_gpu.tensorcore.flash2_forward_3xtf32 import PRODUCT_ERROR, Flash2Forward3xTF32, error_bound
+
+forward_3x = TF32["3xtf32"]
+u = 2.0 ** -11
+
+
+# -- the split ------------------------------------------------------------------------------------------------------
+
+def _split_all(x):
+    pairs = [ptx.split_tf32(np.float32(v)) for v in x]
+    big = np.array([p[0] for p in pairs], dtype=np.uint32)
+    small = np.array([p[1] for p in pairs], dtype=np.uint32)
+    return big, small
+
+
+def test_split_gives_two_tf32_values_that_carry_the_float():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(2000), rng.standard_normal(200) * 1e30,
+                        rng.standard_normal(200) * 1e-30]).astype(np.float32)
+    big, small = _split_all(x)
+    assert not ((big & 0x1FFF) | (small & 0x1FFF)).any()          # both are tf32 values: the mma takes them
+    b, s = big.view(np.float32).astype(np.float64), small.view(np.float32).astype(np.float64)
+    x64 = x.astype(np.float64)
+    assert (np.abs(x64 - b) <= u * np.abs(x64)).all()               # big: x rounded to tf32
+    assert (np.abs(x64 - b - s) <= u * u * np.abs(x64)).all()       # big + small: ~22 bits of x's 24
+    assert (np.abs(x64 - b - s) > 0).any()                          # ... not all of them
+
+
+def test_split_of_a_tf32_value_has_no_small_part():
+    x = ptx.tf32_round(np.random.default_rng(1).standard_normal(100).astype(np.float32))
+    big, small = _split_all(x)
+    assert np.array_equal(big.view(np.float32), x) and not small.any()
+
+
+# -- the forward against the float64 oracle ---------------------------------------------------------------------------
+
+CASES = [  # (Q shape, K/V shape, causal, scale of Q and K)
+    ((1, 2, 37, 24), (1, 1, 50, 24), True, 1.0),      # GQA, bottom-right causal with N_q < N_k, d % 16 = 8
+    ((2, 1, 20, 40), (2, 1, 45, 40), False, 1.0),     # a partial row block, two K/V tiles (one partial), d = 40
+    ((1, 1, 90, 16), (1, 1, 30, 16), True, 1.0),      # N_q > N_k causal: 60 rows see no key (O = 0, L = +inf)
+    ((1, 1, 33, 32), (1, 1, 70, 32), False, 5.0),     # extreme logits (scores in the hundreds)
+]
+IDS = ["gqa-causal", "ragged-d40", "masked-rows", "extreme-logits"]
+
+
+def _inputs(shape_q, shape_kv, seed, scale):
+    rng = np.random.default_rng(seed)
+    Q = (rng.standard_normal(shape_q) * scale).astype(np.float32)
+    K = (rng.standard_normal(shape_kv) * scale).astype(np.float32)
+    V = rng.standard_normal(shape_kv).astype(np.float32)
+    return Q, K, V
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_3xtf32_forward_within_bound(case, poisoned):
+    shape_q, shape_kv, causal, scale = CASES[case]
+    Q, K, V = _inputs(shape_q, shape_kv, case, scale)
+    res = forward_3x(Q, K, V, causal=causal)
+    assert isinstance(res, Flash2Forward3xTF32) and res.precision == "3xtf32"
+    O, L = res
+    assert O.dtype == np.float32 and L.dtype == np.float32 and O.shape == Q.shape and L.shape == Q.shape[:-1]
+    O_ref, L_ref = fa2edu.attention_reference(*(x.astype(np.float64) for x in (Q, K, V)), causal=causal)
+    seen = np.isfinite(L_ref)
+    assert not np.isnan(O).any() and not np.isnan(L).any()
+    assert np.array_equal(np.isinf(L), ~seen) and (O[~seen] == 0).all()
+    bound_O, bound_L = error_bound(Q, K, V)
+    err = np.abs(O - np.where(seen[..., None], O_ref, 0.0))
+    assert (err <= bound_O).all(), (err.max(), bound_O.min())
+    assert (np.abs(L[seen] - L_ref[seen]) <= bound_L[seen] + 2.0 ** -20 * (1 + np.abs(L_ref[seen]))).all()
+
+
+def test_float32_accuracy_where_tf32_has_tf32s():
+    """The same inputs through the TF32 rung and this one: TF32 misses by ~1e-4, 3xTF32 by float32's ~1e-6 — and its
+    worst-case bound is itself within a small multiple of float32's unit roundoff."""
+    Q, K, V = _inputs((1, 1, 30, 32), (1, 1, 45, 32), seed=11, scale=1.0)
+    O_ref, _ = fa2edu.attention_reference(*(x.astype(np.float64) for x in (Q, K, V)), causal=True)
+    err_3x = np.abs(forward_3x(Q, K, V, causal=True).O - O_ref).max()
+    err_1x = np.abs(TF32["tf32"](Q, K, V, causal=True).O - O_ref).max()
+    assert err_3x < 4e-6 < 1e-4 < err_1x
+    assert 100 * err_3x < err_1x
+    assert PRODUCT_ERROR < 16 * 2.0 ** -24
+
+
+def test_bad_input_names_the_kernel():
+    Q = np.zeros((4, 12), np.float32)
+    with pytest.raises(ValueError, match="3xTF32 kernel takes head dimensions that are multiples of 8"):
+        forward_3x(Q, Q, Q)
+    with pytest.raises(ValueError, match="V's head dimension must equal Q's for the 3xTF32 kernel"):
+        forward_3x(np.zeros((4, 16), np.float32), np.zeros((4, 16), np.float32), np.zeros((4, 24), np.float32))
