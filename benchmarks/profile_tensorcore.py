@@ -4,7 +4,8 @@
         python -m benchmarks.profile_tensorcore v6 v7 --N 4096 --d 128
 
 One launch per rung (batch × N = 16k tokens, hidden 2048, as in :mod:`benchmarks.tensorcore`), so ``-c`` = the
-number of rungs profiles each once. The report (warp stall reasons, pipe utilisation, shared-memory wavefronts)
+number of rungs profiles each once. A rung is a name of ``kernels_gpu.tensorcore.VERSIONS`` or of ``TF32`` (float32
+inputs: ``--dtype float32``). The report (warp stall reasons, pipe utilisation, shared-memory wavefronts)
 is what a rung's header cites when a measurement misses its prediction.
 """
 
@@ -16,7 +17,7 @@ import argparse
 def main(argv=None) -> None:
     import torch
 
-    from kernels_gpu.tensorcore import VERSIONS
+    from kernels_gpu.tensorcore import TF32, VERSIONS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rungs", nargs="+")
@@ -29,7 +30,7 @@ def main(argv=None) -> None:
     tdt = getattr(torch, args.dtype)
     Q, K, V = (torch.randn(batch, heads, args.N, args.d, device="cuda", dtype=tdt) for _ in range(3))
     for rung in args.rungs:
-        VERSIONS[rung](Q, K, V, causal=args.causal)
+        (VERSIONS[rung] if rung in VERSIONS else TF32[rung])(Q, K, V, causal=args.causal)
     torch.cuda.synchronize()
 
 

@@ -35,7 +35,8 @@ from benchmarks.results_io import utc_now
 from benchmarks.tensorcore import GRID_N, HIDDEN, TOKENS, forward_flops, sdpa_flash, time_ms
 
 PARTITION_IMPLS = ("split-q", "split-k", "sdpa_flash")
-PRECISION_IMPLS = ("tf32", "3xtf32", "fast_fp32", "sdpa_mem_efficient_fp32", "sdpa_math_fp32", "sdpa_math_tf32")
+PRECISION_IMPLS = ("tf32", "3xtf32", "3xtf32-planes", "fast_fp32", "sdpa_mem_efficient_fp32", "sdpa_math_fp32",
+                   "sdpa_math_tf32")
 
 
 @contextlib.contextmanager
@@ -129,7 +130,8 @@ def ptxas_reports(ds) -> list:
     """Registers and spills of the new kernels (``kernels_gpu.tensorcore.inspect_ptx``); empty without ptxas."""
     from kernels_gpu.tensorcore import inspect_ptx
     out = []
-    for version, dtype in (("splitq", "float16"), ("splitk", "float16"), ("tf32", "float32"), ("3xtf32", "float32")):
+    for version, dtype in (("splitq", "float16"), ("splitk", "float16"), ("tf32", "float32"), ("3xtf32", "float32"),
+                           ("3xtf32_planes", "float32")):
         for d in ds:
             try:
                 out.append(inspect_ptx.report(version, d, dtype))

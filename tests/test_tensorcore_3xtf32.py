@@ -69,12 +69,23 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(rt, "poison_outputs", True)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
-def test_3xtf32_forward_within_bound(case, poisoned):
-    shape_q, shape_kv, causal, scale = CASES[case]
-    Q, K, V = _inputs(shape_q, shape_kv, case, scale)
-    res = forward_3x(Q, K, V, causal=causal)
-    assert isinstance(res, Flash2Forward3xTF32) and res.precision == "3xtf32"
+#: the planes form takes head dimensions that are multiples of 16, and tiles of 16 keys and 128 query rows
+PLANES_CASES = [
+    ((1, 2, 37, 32), (1, 1, 50, 32), True, 1.0),      # GQA, bottom-right causal with N_q < N_k, a partial tile
+    ((2, 1, 20, 48), (2, 1, 45, 48), False, 1.0),     # three K/V tiles (the raw and plane stages both reused)
+    ((1, 1, 150, 16), (1, 1, 30, 16), True, 1.0),     # N_q > N_k causal: 120 rows see no key, two row blocks
+    ((1, 1, 33, 32), (1, 1, 70, 32), False, 5.0),     # extreme logits (scores in the hundreds)
+]
+RUNS = [("3xtf32", c) for c in CASES] + [("3xtf32-planes", c) for c in PLANES_CASES]
+RUN_IDS = [f"first-{i}" for i in IDS] + [f"planes-{i}" for i in IDS]
+
+
+@pytest.mark.parametrize("form, case", RUNS, ids=RUN_IDS)
+def test_3xtf32_forward_within_bound(form, case, poisoned):
+    shape_q, shape_kv, causal, scale = case
+    Q, K, V = _inputs(shape_q, shape_kv, RUNS.index((form, case)), scale)
+    res = TF32[form](Q, K, V, causal=causal)
+    assert res.precision == "3xtf32" and (form != "3xtf32" or isinstance(res, Flash2Forward3xTF32))
     O, L = res
     assert O.dtype == np.float32 and L.dtype == np.float32 and O.shape == Q.shape and L.shape == Q.shape[:-1]
     O_ref, L_ref = fa2edu.attention_reference(*(x.astype(np.float64) for x in (Q, K, V)), causal=causal)
@@ -100,6 +111,8 @@ def test_float32_accuracy_where_tf32_has_tf32s():
 
 
 def test_bad_input_names_the_kernel():
+    with pytest.raises(ValueError, match="planes kernel takes head dimensions that are multiples of 16 up to 128"):
+        TF32["3xtf32-planes"](*(np.zeros((4, 24), np.float32),) * 3)
     Q = np.zeros((4, 12), np.float32)
     with pytest.raises(ValueError, match="3xTF32 kernel takes head dimensions that are multiples of 8"):
         forward_3x(Q, Q, Q)

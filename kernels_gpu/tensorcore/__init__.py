@@ -98,6 +98,7 @@ flash2_backward = flash2_backward_v7.flash2_backward
 
 from kernels_gpu.tensorcore import (  # noqa: E402
     flash2_forward_3xtf32,
+    flash2_forward_3xtf32_planes,
     flash2_forward_splitk,
     flash2_forward_splitq,
     flash2_forward_tf32,
@@ -108,8 +109,9 @@ PARTITIONING = {"split-k": flash2_forward_splitk.flash2_forward, "split-q": flas
 
 #: tensor-core forwards for float32 inputs (labelled, opt-in): name → ``f(Q, K, V, causal=False, scale=None) ->
 #: (O, L)`` whose ``.precision`` names the arithmetic: "tf32" (operands rounded to tf32) or "3xtf32" (each operand
-#: split into two tf32 values, three products: float32's accuracy)
-TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32, "3xtf32": flash2_forward_3xtf32.flash2_forward_3xtf32}
+#: split into two tf32 values, three products: float32's accuracy; "3xtf32-planes" splits K and V once per tile)
+TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32, "3xtf32": flash2_forward_3xtf32.flash2_forward_3xtf32,
+        "3xtf32-planes": flash2_forward_3xtf32_planes.flash2_forward_3xtf32_planes}
 
 __all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward", "PARTITIONING",
            "TF32"]

@@ -69,7 +69,11 @@ tokens, non-causal, TFLOP/s by the FA2 model; error: largest |O − O_float64| a
   235 registers at d = 128, 155 at d = 64 (the first form: 150, 99), no spills, 204 MMAs in the unrolled loops.
 
 So float32's accuracy on tensor cores costs this rung 1.6-1.8× SDPA's time at d = 128: the per-use split (four
-instructions for every operand register, by every warp that loads it) is what SDPA's kernel does not pay.
+instructions for every operand register, by every warp that loads it — in fact about ten on sm_90, where ptxas
+expands each ``cvt.rna.tf32.f32`` into five) is what SDPA's kernel does not pay. Since ``split_tf32`` rounds on the
+bits (two instructions per rounding; :mod:`~kernels_gpu.tensorcore.flash2_forward_3xtf32_planes`, step 2) this rung
+runs at 24.8 / 26.9 / 28.6 TFLOP/s at d = 128 and 27.0 / 28.9 / 32.5 at d = 64 (N = 2048 / 4096 / 16384,
+``tensorcore_3xtf32_planes.json``); the planes form, which splits each value once, is the faster 3xTF32 forward.
 """
 
 from __future__ import annotations

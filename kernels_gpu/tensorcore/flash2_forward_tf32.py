@@ -164,123 +164,50 @@ def shared_words(cfg: TF32Config) -> int:
     return cfg.B_r * cfg.RS + 4 * cfg.B_c * cfg.RS
 
 
-@functools.lru_cache(maxsize=None)
-def make_kernel(cfg: TF32Config):
-    """The TF32 kernel for one configuration (compiled on first launch)."""
-    jit = device(cfg.simulated)
-    B_r, B_c, T, RS, NT, NO, d = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO, cfg.d
+def make_copy_rows(jit, d: int, RS: int, T: int, ROWS: int):
+    """``copy_rows(sm, off, X, z, h, row0, N, tid)``: T threads start the ``cp.async`` copies of ROWS rows of d
+    floats (rows row0 … of X[z, h], C-contiguous) into ``sm`` from word ``off`` on, RS words per row."""
     CH = d // 4                              # 16-byte chunks (four floats) per row
-    K_OFF = B_r * RS                         # float offsets of the tiles in the one shared array: Q_i, then
-    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
-    STAGE = 2 * B_c * RS
-    S_LEN, O_LEN = 4 * NT, 4 * NO            # register-array lengths (compile-time constants)
-    causal = cfg.causal
-    neg_inf = float32(-math.inf)
-    cvt, split, mma, shfl_xor, ex2 = ptx.cvt_tf32, ptx.split_tf32, ptx.mma_tf32, ptx.shfl_xor, ptx.ex2
-
-    def make_copy_rows(ROWS: int):
-        DR = T // CH                         # rows between a thread's consecutive copies
-        if T % CH or ROWS % DR:              # (d = 8, 24, 40, …: the chunks of a row do not divide the threads)
-            @jit
-            def copy_rows(sm, off, X, z, h, row0, N, tid):
-                """Start the copy of rows row0 … row0 + ROWS − 1 of X[z, h] (float32, C-contiguous) into ``sm``
-                from float ``off`` on (row stride RS) with ``cp.async``, 16 bytes per copy; rows past N are filled
-                with zeros (source size 0; the source address clamped to a row that exists). FA2 Alg. 1 lines 4,
-                7: load Q_i, K_j, V_j from HBM to SRAM (as float32: the conversion to tf32 comes with the loads
-                into registers)."""
-                first = ((z * X.shape[1] + h) * X.shape[2] + row0) * d
-                for e in range(tid, ROWS * CH, T):
-                    r = e // CH
-                    c = e - r * CH
-                    valid = row0 + r < N
-                    ptx.cp_async16(sm, off + r * RS + 4 * c, X, first + r * d + 4 * c if valid else first,
-                                   16 if valid else 0)
-            return copy_rows
-        STEPS = ROWS // DR
-
+    DR = T // CH                             # rows between a thread's consecutive copies
+    if T % CH or ROWS % DR:                  # (d = 8, 24, 40, …: the chunks of a row do not divide the threads)
         @jit
-        def copy_rows_inc(sm, off, X, z, h, row0, N, tid):
-            """The same copy with the addressing computed once: a thread copies chunk ``tid % CH`` of rows
-            ``tid // CH + k·DR`` (as v9's copies do for 16-bit tiles)."""
-            c = tid % CH
-            r0 = tid // CH
-            rem = N - row0 - r0                  # copy k reads a row of X iff k·DR < rem
+        def copy_rows(sm, off, X, z, h, row0, N, tid):
+            """Start the copy of rows row0 … row0 + ROWS − 1 of X[z, h] (float32, C-contiguous) into ``sm``
+            from float ``off`` on (row stride RS) with ``cp.async``, 16 bytes per copy; rows past N are filled
+            with zeros (source size 0; the source address clamped to a row that exists). FA2 Alg. 1 lines 4,
+            7: load Q_i, K_j, V_j from HBM to SRAM (as float32: the conversion to tf32 comes with the loads
+            into registers)."""
             first = ((z * X.shape[1] + h) * X.shape[2] + row0) * d
-            src = first + r0 * d + 4 * c
-            dst = off + r0 * RS + 4 * c
-            for k in range(STEPS):
-                valid = k * DR < rem
-                ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * d if valid else first, 16 if valid else 0)
-        return copy_rows_inc
-
-    copy_q, copy_kv = make_copy_rows(B_r), make_copy_rows(B_c)
-
-    @jit
-    def zero(x, n):
-        """x[0 … n−1] = 0."""
-        for k in range(n):
-            x[k] = float32(0.0)
+            for e in range(tid, ROWS * CH, T):
+                r = e // CH
+                c = e - r * CH
+                valid = row0 + r < N
+                ptx.cp_async16(sm, off + r * RS + 4 * c, X, first + r * d + 4 * c if valid else first,
+                               16 if valid else 0)
+        return copy_rows
+    STEPS = ROWS // DR
 
     @jit
-    def add_into(x, y, n):
-        """x[0 … n−1] += y[0 … n−1] (float32 additions on the FMA units: rounded to nearest)."""
-        for k in range(n):
-            x[k] += y[k]
+    def copy_rows_inc(sm, off, X, z, h, row0, N, tid):
+        """The same copy with the addressing computed once: a thread copies chunk ``tid % CH`` of rows
+        ``tid // CH + k·DR`` (as v9's copies do for 16-bit tiles)."""
+        c = tid % CH
+        r0 = tid // CH
+        rem = N - row0 - r0                  # copy k reads a row of X iff k·DR < rem
+        first = ((z * X.shape[1] + h) * X.shape[2] + row0) * d
+        src = first + r0 * d + 4 * c
+        dst = off + r0 * RS + 4 * c
+        for k in range(STEPS):
+            valid = k * DR < rem
+            ptx.cp_async16(sm, dst + k * DR * RS, X, src + k * DR * d if valid else first, 16 if valid else 0)
+    return copy_rows_inc
 
-    @jit
-    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
-        """acc[4n … 4n+3] += A·B for one 16 × 8 × 8 product (``mma.sync.m16n8k8`` with tf32 operands, f32
-        accumulators): the accumulator tile n of S or O, updated in place."""
-        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
-        acc[4 * n] = c0
-        acc[4 * n + 1] = c1
-        acc[4 * n + 2] = c2
-        acc[4 * n + 3] = c3
 
-    # 3xTF32 accumulates in stages, as CUTLASS's 3xTF32 GEMMs do: the tensor core adds an MMA's products into its
-    # accumulator with truncation, not rounding to nearest (the error has a sign), and 3xTF32 issues three MMAs per
-    # product — a chain of 3·d/8 of them for S and 3·N_k/8 for Õ would drift by ~10⁻⁵. So each group of KG k-steps
-    # of S and each K/V tile's Õ += P̃V go into zeroed accumulators (s_part, o_part), added to S and Õ by float32
-    # additions: chains of at most 3·KG and 3·B_c/8 MMAs (12 at B_c = 32), the rest rounded to nearest.
-    STAGED = cfg.products == 3
-    KG = 4
-
-    # The operands of one product, from the float32 values of its A registers (four) and B registers (two), and the
-    # product itself. TF32: each value rounded to tf32, one MMA. 3xTF32: each value split into big + small
-    # (``split_tf32``), and A·B ≈ A_small·B_big + A_big·B_small + A_big·B_big — the small terms first, so that they
-    # are added while the accumulator is still small; A_small·B_small (~2⁻²² of A·B) is left out.
-    if cfg.products == 1:
-        @jit
-        def a_operands(x0, x1, x2, x3):
-            return cvt(x0), cvt(x1), cvt(x2), cvt(x3)
-
-        @jit
-        def b_operands(x0, x1):
-            return cvt(x0), cvt(x1)
-
-        @jit
-        def product(acc, n, a, b):
-            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])
-    else:
-        @jit
-        def a_operands(x0, x1, x2, x3):
-            h0, l0 = split(x0)
-            h1, l1 = split(x1)
-            h2, l2 = split(x2)
-            h3, l3 = split(x3)
-            return h0, h1, h2, h3, l0, l1, l2, l3
-
-        @jit
-        def b_operands(x0, x1):
-            h0, l0 = split(x0)
-            h1, l1 = split(x1)
-            return h0, h1, l0, l1
-
-        @jit
-        def product(acc, n, a, b):
-            mma_into(acc, n, a[4], a[5], a[6], a[7], b[0], b[1])      # A_small · B_big
-            mma_into(acc, n, a[0], a[1], a[2], a[3], b[2], b[3])      # A_big · B_small
-            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])      # A_big · B_big
+def make_softmax(jit, NT: int, NO: int, causal: bool):
+    """``(row_softmax, finish_row)`` for a warp's 16 rows held as m16n8 accumulator tiles: S in NT tiles of 8 keys,
+    Õ in NO tiles of 8 columns (lane (g, t) holds rows g and g + 8, columns 2t, 2t + 1 of each)."""
+    neg_inf = float32(-math.inf)
+    shfl_xor, ex2 = ptx.shfl_xor, ptx.ex2
 
     @jit
     def row_softmax(s, o, m, l, h, row, col0, N_k, scale_log2, diag, mask_tile):
@@ -341,6 +268,101 @@ def make_kernel(cfg: TF32Config):
             if t == 0:
                 L[z, head, row] = math.inf if total == float32(0.0) else \
                     float32(m[h] * (scale_log2 * float32(LN2)) + math.log(total))
+
+    return row_softmax, finish_row
+
+
+def make_accumulators(jit):
+    """``(zero, add_into, mma_into)``: zero a register array, add one into another, one tf32 MMA into tile n."""
+    mma = ptx.mma_tf32
+
+    @jit
+    def zero(x, n):
+        """x[0 … n−1] = 0."""
+        for k in range(n):
+            x[k] = float32(0.0)
+
+    @jit
+    def add_into(x, y, n):
+        """x[0 … n−1] += y[0 … n−1] (float32 additions on the FMA units: rounded to nearest)."""
+        for k in range(n):
+            x[k] += y[k]
+
+    @jit
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        """acc[4n … 4n+3] += A·B for one 16 × 8 × 8 product (``mma.sync.m16n8k8`` with tf32 operands, f32
+        accumulators): the accumulator tile n of S or O, updated in place."""
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+        acc[4 * n] = c0
+        acc[4 * n + 1] = c1
+        acc[4 * n + 2] = c2
+        acc[4 * n + 3] = c3
+
+    return zero, add_into, mma_into
+
+
+@functools.lru_cache(maxsize=None)
+def make_kernel(cfg: TF32Config):
+    """The TF32 kernel for one configuration (compiled on first launch)."""
+    jit = device(cfg.simulated)
+    B_r, B_c, T, RS, NT, NO, d = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO, cfg.d
+    K_OFF = B_r * RS                         # float offsets of the tiles in the one shared array: Q_i, then
+    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
+    STAGE = 2 * B_c * RS
+    S_LEN, O_LEN = 4 * NT, 4 * NO            # register-array lengths (compile-time constants)
+    causal = cfg.causal
+    neg_inf = float32(-math.inf)
+    cvt, split = ptx.cvt_tf32, ptx.split_tf32
+
+    copy_q, copy_kv = make_copy_rows(jit, d, RS, T, B_r), make_copy_rows(jit, d, RS, T, B_c)
+
+    # 3xTF32 accumulates in stages, as CUTLASS's 3xTF32 GEMMs do: the tensor core adds an MMA's products into its
+    # accumulator with truncation, not rounding to nearest (the error has a sign), and 3xTF32 issues three MMAs per
+    # product — a chain of 3·d/8 of them for S and 3·N_k/8 for Õ would drift by ~10⁻⁵. So each group of KG k-steps
+    # of S and each K/V tile's Õ += P̃V go into zeroed accumulators (s_part, o_part), added to S and Õ by float32
+    # additions: chains of at most 3·KG and 3·B_c/8 MMAs (12 at B_c = 32), the rest rounded to nearest.
+    STAGED = cfg.products == 3
+    KG = 4
+
+    # The operands of one product, from the float32 values of its A registers (four) and B registers (two), and the
+    # product itself. TF32: each value rounded to tf32, one MMA. 3xTF32: each value split into big + small
+    # (``split_tf32``), and A·B ≈ A_small·B_big + A_big·B_small + A_big·B_big — the small terms first, so that they
+    # are added while the accumulator is still small; A_small·B_small (~2⁻²² of A·B) is left out.
+    if cfg.products == 1:
+        @jit
+        def a_operands(x0, x1, x2, x3):
+            return cvt(x0), cvt(x1), cvt(x2), cvt(x3)
+
+        @jit
+        def b_operands(x0, x1):
+            return cvt(x0), cvt(x1)
+
+        @jit
+        def product(acc, n, a, b):
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])
+    else:
+        @jit
+        def a_operands(x0, x1, x2, x3):
+            h0, l0 = split(x0)
+            h1, l1 = split(x1)
+            h2, l2 = split(x2)
+            h3, l3 = split(x3)
+            return h0, h1, h2, h3, l0, l1, l2, l3
+
+        @jit
+        def b_operands(x0, x1):
+            h0, l0 = split(x0)
+            h1, l1 = split(x1)
+            return h0, h1, l0, l1
+
+        @jit
+        def product(acc, n, a, b):
+            mma_into(acc, n, a[4], a[5], a[6], a[7], b[0], b[1])      # A_small · B_big
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[2], b[3])      # A_big · B_small
+            mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])      # A_big · B_big
+
+    row_softmax, finish_row = make_softmax(jit, NT, NO, causal)
+    zero, add_into, mma_into = make_accumulators(jit)
 
     @cuda.jit
     def flash2_forward_tf32_kernel(Q, K, V, O, L, N_q, N_k, G, scale):

@@ -44,8 +44,9 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
     ``split_tf32``             x → (big, small), both tf32: big = x rounded to   9.7.9.21 (cvt), 9.7.3
                                tf32 (``cvt.rna``, low 13 bits cleared), small =  (sub)
                                (x − big) rounded to tf32 — big + small carries
-                               ~21 of float32's 24 significand bits (the
-                               operands of 3xTF32's three products)
+                               ~22 of float32's 24 significand bits (the
+                               operands of 3xTF32's three products); x a float
+                               or its 32 bits (from ``ldmatrix``)
     ``bulk_copy``              ``cp.async.bulk.shared::cluster.global.mbarrier  cp.async.bulk (PTX ISA
                                ::complete_tx::bytes``: one contiguous run of a    8.0, sm_90)
                                multiple of 16 bytes, global → shared, by the
@@ -288,8 +289,9 @@ def _cvt_tf32_twin(x):
 
 def _split_tf32_twin(x):
     """Simulator twin of :func:`split_tf32`: ``(big, small)`` as the 32 bits of two tf32 values, big = tf32(x),
-    small = tf32(x − big) (float32 subtraction, exact: big is x with its low bits rounded away)."""
-    x = np.float32(x)
+    small = tf32(x − big) (float32 subtraction, exact: big is x with its low bits rounded away). ``x``: a float32,
+    or its 32 bits as an unsigned integer (what :func:`ldmatrix_x4` returns)."""
+    x = np.uint32(x).view(np.float32) if isinstance(x, (np.unsignedinteger, int)) else np.float32(x)
     big = tf32_round(x)
     small = tf32_round(np.float32(x - big))
     return np.uint32(big.view(np.uint32)), np.uint32(small.view(np.uint32))
@@ -360,6 +362,8 @@ def _land(groups: list, keep: int) -> None:
     committed = groups[:-1]
     while len(committed) > keep:
         for smem, s, data in committed.pop(0):
+            if data.dtype != smem.dtype and data.dtype.itemsize == smem.dtype.itemsize:
+                data = data.view(smem.dtype)          # bytes are bytes: float32 rows into a uint32 array
             smem.reshape(-1)[s:s + 4] = data
     groups[:] = committed + [groups[-1]]
 
@@ -754,16 +758,23 @@ def _build_gpu() -> dict:
 
     @intrinsic
     def split_tf32(typingctx, x):
-        # big's low 13 bits are cleared explicitly (the ISA leaves a .tf32 result's low bits unspecified), so that
-        # big is exactly the float the mma reads and x − big is exact; the outputs are written last (no early
-        # clobber of x)
-        text = ("{ .reg .b32 b; .reg .f32 h, r; cvt.rna.tf32.f32 b, $2; and.b32 b, b, 0xFFFFE000; mov.b32 h, b; "
-                "sub.f32 r, $2, h; cvt.rna.tf32.f32 $1, r; mov.b32 $0, b; }")
+        # Both roundings are cvt.rna's, done on the bits: half of the dropped range (0x1000) added to the magnitude,
+        # the 13 low bits cleared — two integer instructions, where ptxas expands cvt.rna.tf32.f32 on sm_90 into
+        # about five (an infinity test and a select around the same addition). Equal to cvt.rna for every finite
+        # x (a carry into the exponent is the rounding up it should be; past the largest tf32 it gives infinity);
+        # a NaN with a payload above 0x7FFFF000 would not survive, and fa2edu's inputs are finite. big is exactly
+        # the float the mma reads, x − big is exact, and the outputs are written last (no early clobber of x).
+        # x: a float32, or the 32 bits of one (an unsigned integer, as ldmatrix returns them)
+        bits = isinstance(x, types.Integer)
+        text = ("{ .reg .b32 w, b, c; .reg .f32 x, h, r; mov.b32 w, $2; mov.b32 x, w; "
+                "add.u32 b, w, 0x1000; and.b32 b, b, 0xFFFFE000; mov.b32 h, b; sub.f32 r, x, h; mov.b32 c, r; "
+                "add.u32 c, c, 0x1000; and.b32 c, c, 0xFFFFE000; mov.b32 $1, c; mov.b32 $0, b; }")
         sig = types.UniTuple(types.uint32, 2)(x)
 
         def codegen(context, builder, signature, args):
-            v = context.cast(builder, args[0], signature.args[0], types.float32)
-            res = asm(builder, ir.LiteralStructType([i32, i32]), [v], text, "=r,=r,f", side_effect=False)
+            v = context.cast(builder, args[0], signature.args[0], types.uint32 if bits else types.float32)
+            res = asm(builder, ir.LiteralStructType([i32, i32]), [v], text, "=r,=r," + ("r" if bits else "f"),
+                      side_effect=False)
             return context.make_tuple(builder, signature.return_type,
                                       [builder.extract_value(res, i) for i in range(2)])
         return sig, codegen

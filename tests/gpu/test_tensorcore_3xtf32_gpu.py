@@ -29,8 +29,17 @@ import kernels_gpu.runtime as rt  # noqa: E402
 from kernels_gpu.tensorcore import TF32, ptx  # noqa: E402
 from kernels_gpu.tensorcore.flash2_forward_3xtf32 import error_bound  # noqa: E402
 
-forward_3x = TF32["3xtf32"]
-IDS = [f"{s[0]}x{s[1]}-{'causal' if s[2] else 'full'}" for s in SHAPES]
+FORMS = ("3xtf32", "3xtf32-planes")
+
+
+def _takes(form, shape) -> bool:
+    """The planes form takes head dimensions that are multiples of 16 up to 128."""
+    d = shape[0][-1]
+    return form == "3xtf32" or (d % 16 == 0 and d <= 128)
+
+
+RUNS = [(form, shape) for form in FORMS for shape in SHAPES if _takes(form, shape)]
+IDS = [f"{form}-{s[0]}x{s[1]}-{'causal' if s[2] else 'full'}" for form, s in RUNS]
 
 
 @pytest.fixture(autouse=True)
@@ -78,10 +87,10 @@ def _sdpa_fp32(Q, K, V, causal):
         return torch.nn.functional.scaled_dot_product_attention(Q, kr, vr, attn_mask=mask).nan_to_num(0.0)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_3xtf32_forward_within_bound_and_flash_attn_rule(shape):
+@pytest.mark.parametrize("form, shape", RUNS, ids=IDS)
+def test_3xtf32_forward_within_bound_and_flash_attn_rule(form, shape):
     Q, K, V, causal = _inputs(shape, seed=hash(shape[0]) % 2**31)
-    res = forward_3x(Q, K, V, causal=causal)
+    res = TF32[form](Q, K, V, causal=causal)
     torch.cuda.synchronize()
     assert res.precision == "3xtf32"
     O, L = (torch.as_tensor(x, device="cuda") for x in res)
@@ -99,19 +108,22 @@ def test_3xtf32_forward_within_bound_and_flash_attn_rule(shape):
     assert err.max().item() <= 2 * err_pt + 2.0 ** -20, (err.max().item(), err_pt)
 
 
-def test_3xtf32_extreme_logits():
+@pytest.mark.parametrize("form", FORMS)
+def test_3xtf32_extreme_logits(form):
     """Scores in the hundreds: the split keeps float32's relative accuracy at any magnitude."""
     Q, K, V, causal = _inputs(((1, 4, 600, 64), (1, 4, 600, 64), True), seed=5, scale=4.0)
-    O = torch.as_tensor(forward_3x(Q, K, V, causal=True).O, device="cuda")
+    O = torch.as_tensor(TF32[form](Q, K, V, causal=True).O, device="cuda")
     O_ref, _ = reference(Q, K, V, True)
     err = (O.double() - O_ref).abs().max().item()
     err_pt = (_sdpa_fp32(Q, K, V, True).double() - O_ref).abs().max().item()
     assert err <= 2 * err_pt + 2.0 ** -20, (err, err_pt)
 
 
-def test_3xtf32_deterministic():
+@pytest.mark.parametrize("form", FORMS)
+def test_3xtf32_deterministic(form):
+    """Bit-identical over 100 reruns (the planes form's two plane stages are where a race would hide)."""
     Q, K, V = (torch.randn(2, 8, 1024, 64, device="cuda") for _ in range(3))
-    O0, L0 = (torch.as_tensor(x, device="cuda").clone() for x in forward_3x(Q, K, V, causal=True))
+    O0, L0 = (torch.as_tensor(x, device="cuda").clone() for x in TF32[form](Q, K, V, causal=True))
     for _ in range(99):
-        O, L = (torch.as_tensor(x, device="cuda") for x in forward_3x(Q, K, V, causal=True))
+        O, L = (torch.as_tensor(x, device="cuda") for x in TF32[form](Q, K, V, causal=True))
         assert torch.equal(O, O0) and torch.equal(L, L0)
