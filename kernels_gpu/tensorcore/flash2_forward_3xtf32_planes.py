@@ -26,8 +26,9 @@ for 384 MMAs. It ran at 25-28 TFLOP/s where PyTorch's own 3xTF32 (SDPA memory-ef
   integer addition and a mask, two instructions, where ptxas expands ``cvt.rna.tf32.f32`` on sm_90 into five.
 * **Eight warps, B_r = 128, B_c = 16**, d a multiple of 16 up to 128: at d = 128 Q_i's planes 132 KB, two raw
   stages 33 KB, the K/V planes 37 KB — 202 KB, one block per SM (d = 64: 104 KB, two).
-* Staged accumulation as in the first form (chains of at most 12 MMAs, summed by float32 additions); Õ += P̃V runs
-  over pairs of Õ tiles, each pair's products summed in eight zeroed registers.
+* Staged accumulation as in the first form (chains of at most 12 MMAs, summed by float32 additions), with each
+  product's big·big MMA and its two cross-term MMAs in separate accumulators (two independent chains per tile);
+  Õ += P̃V runs over pairs of Õ tiles, each pair's products summed in zeroed registers.
 
 Cost per (batch, head): the first form's HBM traffic with B_r = 128 (half the K/V reads); per warp and 16-key tile
 at d = 128, ~1030 instructions for 192 MMAs (SASS), and per block and tile one split pass of 2·B_c·d values (16
@@ -56,18 +57,31 @@ memory-efficient float32 in every run):
    .json``): d = 128 24.4 / 26.3 / 28.5, d = 64 21.8 / 23.3 / 25.0 (the first form with the same split: 24.9 / 26.4
    / 28.8 and 28.8 / 29.9 / 32.8).
 3. **Q_i split once into planes** (one plane stage for K, V to make room) **and the split pass at fixed per-thread
-   offsets with unsigned indices** (this file; ``tensorcore_3xtf32_planes.json``): d = 128 **32.7 / 35.1 / 40.0**,
-   d = 64 **30.4 / 33.0 / 37.5** — faster than kernels_gpu.fast's float32 forward in the same run (28.9 / 33.4 / 37.3
+   offsets with unsigned indices** (``tensorcore_3xtf32_planes_one_chain.json``): d = 128 32.7 / 35.1 / 40.0,
+   d = 64 30.4 / 33.0 / 37.5 — faster than kernels_gpu.fast's float32 forward in the same run (28.9 / 33.4 / 37.3
    and 27.6 / 28.9 / 33.9) at every point, and than SDPA at d = 64, N = 16384 (35.0); SDPA memory-efficient at d = 128:
    44.6 / 45.9 / 44.4 (0.73-0.90× of it). Error at N = 2048: 6.2e-7 (d = 128) and 3.7e-7 (d = 64), SDPA 5.5e-7 and
    5.3e-7. GPU tests (``gpu_tests_tensorcore_3xtf32_planes.log``; both forms, the shapes of the tensor-core ladder
    that each takes, within :func:`error_bound` and flash-attn's rule against SDPA float32, extreme logits, 100
-   identical reruns): 13 passed. ptxas: 173 registers at d = 128, 130 at d = 64, no spills.
+   identical reruns): 13 passed. ptxas: 173 registers at d = 128, 130 at d = 64, no spills. What limited it
+   (Nsight Compute, ``ncu_3xtf32_planes_one_chain_d128.txt``, d = 128, N = 4096): 1.24 instructions per cycle,
+   0.38 eligible warps per scheduler, 6.5 cycles between a warp's instructions, the tensor pipe 38 % busy —
+   latency, not issue: two warps per scheduler, each warp's MMAs in two dependent chains (S's two 8-key tiles; Õ's
+   two tiles of a pair), three MMAs deep per k-step.
+4. **Two chains per tile** (the cross terms in their own accumulators; this file, ``tensorcore_3xtf32_planes
+   .json``). Predicted: the tensor pipe toward 50 %, d = 128 at N = 4096 35.1 → 40-45. Measured: d = 128 **34.2 /
+   38.1 / 41.2**, d = 64 **31.4 / 32.3 / 35.8**; kernels_gpu.fast 30.5 / 33.3 / 38.0 and 29.2 / 31.5 / 34.2, SDPA
+   memory-efficient 45.5 / 45.6 / 44.9 and 35.1 / 35.6 / 35.8 in the same run — +3-9 % at d = 128, a third of the
+   prediction, −2 to +3 % at d = 64; kept (faster at d = 128, and the error fell: 4.7e-7 at d = 128, 2.2e-7 at
+   d = 64, below SDPA's 5.5e-7 and 5.3e-7). Two pairs of Õ tiles per step as well (eight chains) took 255
+   registers with spills at d = 128 and was not run. GPU tests (``gpu_tests_tensorcore_3xtf32_planes_chains.log``,
+   this form's cases): 5 passed. ptxas: 185 registers at d = 128, 132 at d = 64, no spills.
 
-What limits it now (Nsight Compute, ``ncu_3xtf32_planes_d128.txt``, d = 128, N = 4096): 1.24 instructions per
-cycle, 0.38 eligible warps per scheduler, 6.5 cycles between a warp's instructions, the tensor pipe 38 % busy —
-latency, not issue: two warps per scheduler, and each warp's MMAs in two dependent chains (S's two 8-key tiles; Õ's
-two tiles of a pair), three MMAs deep per k-step.
+So the float32-accurate tensor-core forward is now the fastest float32 forward fa2edu has at d = 64 and 128 on this
+H200, at 0.75-0.92× SDPA's own 3xTF32 kernel at d = 128 (1.0× at d = 64, N = 16384). What is left is the gap at
+d = 128 — one block of eight warps per SM, and the block's split pass between two barriers with nothing to overlap
+it — and the backward: fa2edu's float32 op spends about three quarters of its time there, so a 3xTF32 backward (five
+products, the same planes) is what would move ``fa2edu.torch.flash_attention``'s float32 speed.
 """
 
 from __future__ import annotations
@@ -207,6 +221,8 @@ def make_kernel(cfg: PlanesConfig):
     V_BIG = 2 * B_c * RS
     V_SMALL = V_BIG + d * VS
     S_LEN, O_LEN, PA_LEN = 4 * NT, 4 * NO, 8 * NT
+    PAIRS = 1                                 # pairs of Õ tiles per step of Õ += P̃V
+    O_PART = 8 * PAIRS
     KG = stage_steps(NO)                      # k-steps of S per staged sum
     causal = cfg.causal
     neg_inf = float32(-math.inf)
@@ -222,6 +238,14 @@ def make_kernel(cfg: PlanesConfig):
         mma_into(acc, n, a[4], a[5], a[6], a[7], bh0, bh1)
         mma_into(acc, n, a[0], a[1], a[2], a[3], bl0, bl1)
         mma_into(acc, n, a[0], a[1], a[2], a[3], bh0, bh1)
+
+    @jit
+    def product_parts(big, cross, n, a, bh0, bh1, bl0, bl1):
+        """The same three MMAs into two accumulators: A_big·B_big into ``big``, the two cross terms into ``cross``
+        — two independent chains where ``product`` has one."""
+        mma_into(cross, n, a[4], a[5], a[6], a[7], bh0, bh1)
+        mma_into(cross, n, a[0], a[1], a[2], a[3], bl0, bl1)
+        mma_into(big, n, a[0], a[1], a[2], a[3], bh0, bh1)
 
     @jit
     def a_operands(x0, x1, x2, x3):
@@ -309,8 +333,10 @@ def make_kernel(cfg: PlanesConfig):
         sm = cuda.shared.array(0, uint32)     # dynamic shared memory, 32-bit words: float32 tiles and tf32 planes
         s = cuda.local.array(S_LEN, float32)
         s_part = cuda.local.array(S_LEN, float32)
+        s_cross = cuda.local.array(S_LEN, float32)
         o = cuda.local.array(O_LEN, float32)
-        o_part = cuda.local.array(8, float32)
+        o_part = cuda.local.array(O_PART, float32)
+        o_cross = cuda.local.array(O_PART, float32)
         pa = cuda.local.array(PA_LEN, uint32)  # P̃'s split A fragments, one k-step per 8 words
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
@@ -369,6 +395,7 @@ def make_kernel(cfg: PlanesConfig):
             zero(s, S_LEN)
             for kg in range(NO // KG):
                 zero(s_part, S_LEN)
+                zero(s_cross, S_LEN)
                 for k4 in range(KG):
                     kk = kg * KG + k4
                     qb0, qb1, qb2, qb3 = ldmatrix(sm, q_at + 8 * kk)
@@ -378,8 +405,9 @@ def make_kernel(cfg: PlanesConfig):
                         k_at = planes + (16 * np_ + b_row) * RS + 8 * kk + b_col
                         kb0, kb1, kb2, kb3 = ldmatrix(sm, k_at)
                         ks0, ks1, ks2, ks3 = ldmatrix(sm, k_at + K_SMALL)
-                        product(s_part, 2 * np_, a, kb0, kb1, ks0, ks1)
-                        product(s_part, 2 * np_ + 1, a, kb2, kb3, ks2, ks3)
+                        product_parts(s_part, s_cross, 2 * np_, a, kb0, kb1, ks0, ks1)
+                        product_parts(s_part, s_cross, 2 * np_ + 1, a, kb2, kb3, ks2, ks3)
+                add_into(s_part, s_cross, S_LEN)
                 add_into(s, s_part, S_LEN)
 
             # Lines 9-10: the online softmax (masks only where a key can be invisible to some row of the block).
@@ -394,18 +422,20 @@ def make_kernel(cfg: PlanesConfig):
                 a = a_operands(s[4 * kk], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3])
                 for e in range(8):
                     pa[8 * kk + e] = a[e]
-            for np_ in range(NO // 2):
-                zero(o_part, 8)
-                v_at = planes + V_BIG + (16 * np_ + b_row) * VS + b_col
+            for step in range(NO // (2 * PAIRS)):
+                zero(o_part, O_PART)
+                zero(o_cross, O_PART)
                 for kk in range(NT):
                     a = (pa[8 * kk], pa[8 * kk + 1], pa[8 * kk + 2], pa[8 * kk + 3], pa[8 * kk + 4],
                          pa[8 * kk + 5], pa[8 * kk + 6], pa[8 * kk + 7])
-                    vb0, vb1, vb2, vb3 = ldmatrix(sm, v_at + 8 * kk)
-                    vs0, vs1, vs2, vs3 = ldmatrix(sm, v_at + 8 * kk + d * VS)
-                    product(o_part, 0, a, vb0, vb1, vs0, vs1)
-                    product(o_part, 1, a, vb2, vb3, vs2, vs3)
-                for e in range(8):
-                    o[8 * np_ + e] += o_part[e]
+                    for q in range(PAIRS):
+                        v_at = planes + V_BIG + (16 * (PAIRS * step + q) + b_row) * VS + b_col + 8 * kk
+                        vb0, vb1, vb2, vb3 = ldmatrix(sm, v_at)
+                        vs0, vs1, vs2, vs3 = ldmatrix(sm, v_at + d * VS)
+                        product_parts(o_part, o_cross, 2 * q, a, vb0, vb1, vs0, vs1)
+                        product_parts(o_part, o_cross, 2 * q + 1, a, vb2, vb3, vs2, vs3)
+                for e in range(O_PART):
+                    o[8 * PAIRS * step + e] += o_part[e] + o_cross[e]
 
         ptx.cp_async_wait_all()
         # Lines 12-15.
