@@ -89,91 +89,52 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import numpy as np
 from numba import cuda, float32, uint32
 
-import kernels_gpu.runtime as rt
-from kernels_gpu import driver_launch
 from kernels_gpu.tensorcore import ptx
-from kernels_gpu.tensorcore.flash2_forward_3xtf32 import error_bound
+from kernels_gpu.tensorcore.flash2_forward_3xtf32 import Flash2Forward3xTF32, error_bound
+from kernels_gpu.tensorcore.flash2_forward_tf32 import PTX_SIGNATURE as PTX_SIGNATURE_TF32
 from kernels_gpu.tensorcore.flash2_forward_tf32 import (
-    _contiguous,
+    TF32Config,
+    launch_forward,
     make_accumulators,
     make_copy_rows,
     make_softmax,
 )
 from kernels_gpu.tensorcore.steps import LOG2E, device
 
-__all__ = ["flash2_forward_3xtf32_planes", "Flash2Forward3xTF32Planes", "PlanesConfig", "config_for", "make_kernel",
+__all__ = ["flash2_forward_3xtf32_planes", "PlanesConfig", "config_for", "make_kernel",
            "shared_words", "error_bound", "MAX_HEAD_DIM", "PTX_SIGNATURE"]
 
 MAX_HEAD_DIM = 128
 
 
-def _ptx_signature():
-    from numba import types
-    f32 = types.float32[:, :, :, ::1]
-    return (f32, f32, f32, f32, types.float32[:, :, ::1], types.int32, types.int32, types.int32, types.float32)
-
-
-#: the kernel's argument types, for ``python -m kernels_gpu.tensorcore.inspect_ptx 3xtf32_planes --dtype float32``
-PTX_SIGNATURE = _ptx_signature()
-
-
-class Flash2Forward3xTF32Planes(NamedTuple):
-    """``(O, L)`` of the 3xTF32 forward with split planes — float32 O (…, N_q, d) and L (…, N_q), natural-log units,
-    +inf on rows that see no key; ``precision`` names the arithmetic."""
-
-    O: object
-    L: object
-    precision = "3xtf32"
+#: the kernel's argument types (the TF32 rung's), for ``python -m kernels_gpu.tensorcore.inspect_ptx 3xtf32_planes
+#: --dtype float32``
+PTX_SIGNATURE = PTX_SIGNATURE_TF32
 
 
 @dataclass(frozen=True)
-class PlanesConfig:
-    """Compile-time constants: head dimension d (a multiple of 16, at most 128), W warps of 16 query rows
-    (B_r = 16·W), B_c keys per tile (a multiple of 16), causal or not, simulator or GPU."""
+class PlanesConfig(TF32Config):
+    """The TF32 rung's compile-time constants (d, B_c, causal, simulated, W warps of 16 query rows, B_r = 16·W;
+    ``products`` is 3) with this form's limits: d a multiple of 16 up to 128, B_c a multiple of 16."""
 
-    d: int
-    causal: bool
-    simulated: bool
     warps: int = 8
-    B_c: int = 16
+    products: int = 3
 
     def __post_init__(self):
         if self.d % 16 or not 16 <= self.d <= MAX_HEAD_DIM:
             raise ValueError(f"d must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {self.d}")
         if self.B_c % 16 or self.B_c < 16:
             raise ValueError(f"B_c must be a positive multiple of 16, got {self.B_c}")
-
-    @property
-    def B_r(self) -> int:
-        return 16 * self.warps
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    @property
-    def RS(self) -> int:
-        """Words per row of Q_i, of a raw K/V tile and of a K plane: d + 4 (16-byte rows; ldmatrix's 8 rows of a
-        matrix fall in 8 different groups of 4 banks)."""
-        return self.d + 4
+        if self.products != 3:
+            raise ValueError(f"the planes form makes three products per product (3xTF32), got {self.products}")
 
     @property
     def VS(self) -> int:
         """Words per row of a Vᵀ plane (one row per column of V): B_c + 4."""
         return self.B_c + 4
-
-    @property
-    def NT(self) -> int:
-        return self.B_c // 8
-
-    @property
-    def NO(self) -> int:
-        return self.d // 8
 
     @property
     def raw_stage(self) -> int:
@@ -192,7 +153,7 @@ def config_for(d: int, dtype: str, causal: bool, simulated: bool) -> PlanesConfi
     """Eight warps (B_r = 128) and 16-key tiles. ``dtype``: the inputs' type, "float32" (for ``inspect_ptx``)."""
     if dtype != "float32":
         raise ValueError(f"the 3xTF32 kernels take float32 inputs (dtype 'float32'), got {dtype!r}")
-    return PlanesConfig(d=d, causal=causal, simulated=simulated)
+    return PlanesConfig(d=d, B_c=16, causal=causal, simulated=simulated)
 
 
 def shared_words(cfg: PlanesConfig) -> int:
@@ -445,25 +406,12 @@ def make_kernel(cfg: PlanesConfig):
     return flash2_forward_3xtf32_planes_kernel
 
 
-def flash2_forward_3xtf32_planes(Q, K, V, causal=False, scale=None) -> Flash2Forward3xTF32Planes:
+def flash2_forward_3xtf32_planes(Q, K, V, causal=False, scale=None) -> Flash2Forward3xTF32:
     """FA2 forward in 3xTF32 with K and V split once per tile: float32 Q (…, N_q, d), K, V (…, N_k, d) — NumPy,
     numba device arrays or CUDA tensors (C-contiguous) — d a multiple of 16 up to 128, d_v = d; GQA by head mapping;
     ``causal`` bottom-right; ``scale`` τ (default 1/√d). Returns ``(O, L)`` as the first form does, with its error
     bound (:func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.error_bound`). Cost: 4·N_q·N_k·d FLOPs per (batch,
     head), as 3× as many tensor-core FLOPs; HBM reads N_q·d + 2·N_k·d·⌈N_q / 128⌉ floats, writes N_q·(d + 1)."""
-    layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
-    d = layout.d
-    if layout.d_v != d:
-        raise ValueError(f"V's head dimension must equal Q's for the 3xTF32 kernels: d = {d}, d_v = {layout.d_v}")
-    if d % 16 or d > MAX_HEAD_DIM:
-        raise ValueError(f"the 3xTF32 planes kernel takes head dimensions that are multiples of 16 up to "
-                         f"{MAX_HEAD_DIM}, got d = {d}")
-    Q4, K4, V4 = _contiguous(Q4, "Q"), _contiguous(K4, "K"), _contiguous(V4, "V")
-    cfg = config_for(d, "float32", bool(causal), rt.simulator_in_use())
-    kernel = make_kernel(cfg)
-    O = rt.device_empty((layout.Z, layout.H_q, layout.N_q, d))
-    L = rt.device_empty((layout.Z, layout.H_q, layout.N_q))
-    args = (Q4, K4, V4, O, L, np.int32(layout.N_q), np.int32(layout.N_k), np.int32(layout.G), np.float32(tau))
-    driver_launch.launch(kernel, (rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0, args,
-                         4 * shared_words(cfg))
-    return Flash2Forward3xTF32Planes(rt.finish(O, layout, (layout.N_q, d)), rt.finish(L, layout, (layout.N_q,)))
+    return Flash2Forward3xTF32(*launch_forward(Q, K, V, causal, scale, "3xTF32 planes", 16, MAX_HEAD_DIM,
+                                               lambda d, c, sim: config_for(d, "float32", c, sim), make_kernel,
+                                               shared_words))

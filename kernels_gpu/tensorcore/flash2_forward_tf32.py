@@ -75,7 +75,8 @@ from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",
-           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE", "run"]
+           "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE", "run",
+           "launch_forward", "make_copy_rows", "make_softmax", "make_accumulators"]
 
 #: the unit roundoff of tf32 under round-to-nearest (10 mantissa bits): 2⁻¹¹
 UNIT_ROUNDOFF_TF32 = 2.0 ** -11
@@ -480,24 +481,29 @@ def flash2_forward_tf32(Q, K, V, causal=False, scale=None) -> Flash2ForwardTF32:
 
 def run(Q, K, V, causal, scale, products: int):
     """Check the inputs, launch the kernel with ``products`` MMAs per product (1: TF32, 3: 3xTF32), return (O, L)."""
+    return launch_forward(Q, K, V, causal, scale, "TF32" if products == 1 else "3xTF32", 8, MAX_HEAD_DIM,
+                          lambda d, c, sim: config_for(d, "float32", c, sim, products), make_kernel, shared_words)
+
+
+def launch_forward(Q, K, V, causal, scale, name: str, multiple: int, max_d: int, config, kernel_for, words):
+    """What the float32 tensor-core forwards share around their kernels: the inputs prepared and checked (d a
+    multiple of ``multiple`` up to ``max_d``, d_v = d, C-contiguous), the configuration ``config(d, causal,
+    simulated)`` and its kernel ``kernel_for(cfg)`` launched on a grid of (row blocks, heads, batch) with
+    ``4·words(cfg)`` bytes of shared memory; returns (O, L) shaped as the inputs."""
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     d = layout.d
-    name = "TF32" if products == 1 else "3xTF32"
     if layout.d_v != d:
         raise ValueError(f"V's head dimension must equal Q's for the {name} kernel: d = {d}, d_v = {layout.d_v}")
-    if d % 8 or d > MAX_HEAD_DIM:
-        raise ValueError(f"the {name} kernel takes head dimensions that are multiples of 8 up to {MAX_HEAD_DIM}, "
+    if d % multiple or d > max_d:
+        raise ValueError(f"the {name} kernel takes head dimensions that are multiples of {multiple} up to {max_d}, "
                          f"got d = {d}")
     Q4, K4, V4 = _contiguous(Q4, "Q"), _contiguous(K4, "K"), _contiguous(V4, "V")
-    simulated = rt.simulator_in_use()
-    cfg = config_for(d, "float32", bool(causal), simulated, products)
-    kernel = make_kernel(cfg)
+    cfg = config(d, bool(causal), rt.simulator_in_use())
     O = rt.device_empty((layout.Z, layout.H_q, layout.N_q, d))
     L = rt.device_empty((layout.Z, layout.H_q, layout.N_q))
     args = (Q4, K4, V4, O, L, np.int32(layout.N_q), np.int32(layout.N_k), np.int32(layout.G), np.float32(tau))
-    nbytes = 4 * shared_words(cfg)
-    driver_launch.launch(kernel, (rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0, args,
-                         nbytes)
+    driver_launch.launch(kernel_for(cfg), (rt.grid_size(layout.N_q, cfg.B_r), layout.H_q, layout.Z), cfg.threads, 0,
+                         args, 4 * words(cfg))
     return rt.finish(O, layout, (layout.N_q, d)), rt.finish(L, layout, (layout.N_q,))
 
 
