@@ -4,7 +4,8 @@ f16 and bf16, d = 64 and 128, causal and not, ragged N:
 ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and ``--tool racecheck``); name
 rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``; backward rungs as ``bwd_v1`` …: GQA,
 ragged, causal with rows that see no key, d = 64, 128 and 256; FA2 Section 3.3's ``split-k``, ``split-q`` and the
-TF32 forward ``tf32`` by those names; ``strided``: the PyTorch op on GPT-shaped strided views, read in place).
+float32 tensor-core forwards ``tf32``, ``3xtf32``, ``3xtf32-planes`` by those names; ``strided``: the PyTorch op
+on GPT-shaped strided views, read in place).
 Prints one line per launch; exits non-zero on a wrong result."""
 
 from __future__ import annotations
@@ -84,29 +85,33 @@ def _strided(wanted) -> int:
 
 
 def _tf32(wanted) -> int:
-    """The TF32 forward, if ``tf32`` is in ``wanted``: float32 inputs, d = 64 (non-causal), 128 and 256 (causal,
-    rows that see no key), checked against SDPA's math backend in float32 (TF32 errors ~1e-3: bound 1e-2)."""
+    """The float32 tensor-core forwards named in ``wanted`` (``tf32``, ``3xtf32``, ``3xtf32-planes``): float32 inputs,
+    d = 64 (non-causal), 128 and 256 (causal, rows that see no key; the planes form stops at 128), checked against
+    SDPA's math backend in float32 — TF32's errors are ~1e-3 (bound 1e-2), 3xTF32's float32's (bound 1e-5)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels_gpu.tensorcore import TF32
-    if "tf32" not in wanted:
-        return 0
     failures = 0
-    for d, causal in ((64, False), (128, True), (256, True)):
-        Q = torch.randn(1, 2, 150, d, device="cuda")
-        K, V = (torch.randn(1, 1, 130, d, device="cuda") for _ in range(2))
-        res = TF32["tf32"](Q, K, V, causal=causal)
-        torch.cuda.synchronize()
-        O = torch.as_tensor(res.O, device="cuda")
-        mask = torch.ones(150, 130, dtype=torch.bool, device="cuda").tril(-20) if causal else None
-        with sdpa_kernel(SDPBackend.MATH):
-            ref = torch.nn.functional.scaled_dot_product_attention(Q, K.expand(1, 2, 130, d), V.expand(1, 2, 130, d),
-                                                                   attn_mask=mask).nan_to_num(0.0)
-        err = (O - ref).abs().max().item()
-        ok = err < 1e-2 and not O.isnan().any() and res.precision == "tf32"
-        failures += not ok
-        print(f"tf32 float32 d={d} causal={causal}: max error {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+    for name in (n for n in TF32 if n in wanted):
+        bound = 1e-2 if name == "tf32" else 1e-5
+        for d, causal in ((64, False), (128, True), (256, True)):
+            if name == "3xtf32-planes" and d > 128:
+                continue
+            Q = torch.randn(1, 2, 150, d, device="cuda")
+            K, V = (torch.randn(1, 1, 130, d, device="cuda") for _ in range(2))
+            res = TF32[name](Q, K, V, causal=causal)
+            torch.cuda.synchronize()
+            O = torch.as_tensor(res.O, device="cuda")
+            mask = torch.ones(150, 130, dtype=torch.bool, device="cuda").tril(-20) if causal else None
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    Q, K.expand(1, 2, 130, d), V.expand(1, 2, 130, d), attn_mask=mask).nan_to_num(0.0)
+            err = (O - ref).abs().max().item()
+            ok = err < bound and not O.isnan().any() and res.precision == name.removesuffix("-planes")
+            failures += not ok
+            print(f"{name} float32 d={d} causal={causal}: max error {err:.2e} {'ok' if ok else 'WRONG'}",
+                  flush=True)
     return failures
 
 
