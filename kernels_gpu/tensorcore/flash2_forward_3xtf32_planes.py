@@ -74,7 +74,7 @@ memory-efficient float32 in every run):
    memory-efficient 45.5 / 45.6 / 44.9 and 35.1 / 35.6 / 35.8 in the same run — +3-9 % at d = 128, a third of the
    prediction, −2 to +3 % at d = 64; kept (faster at d = 128, and the error fell: 4.7e-7 at d = 128, 2.2e-7 at
    d = 64, below SDPA's 5.5e-7 and 5.3e-7). Two pairs of Õ tiles per step as well (eight chains) took 255
-   registers with spills at d = 128 and was not run. GPU tests (``gpu_tests_tensorcore_3xtf32_planes_chains.log``,
+   registers with spills at d = 128 and was not run. GPU tests (``gpu_tests_3xtf32_planes_chains.log``,
    this form's cases): 5 passed. ptxas: 185 registers at d = 128, 132 at d = 64, no spills.
 
 So the float32-accurate tensor-core forward is now the fastest float32 forward fa2edu has at d = 64 and 128 on this
