@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_tensorcore_tf32 import _inputs, check_against_oracle  # the TF32 rung's inputs and oracle check
 
 import fa2edu
 import kernels_gpu.runtime as rt
@@ -65,14 +66,6 @@ RUNS = [("3xtf32", c) for c in CASES] + [("3xtf32-planes", c) for c in PLANES_CA
 RUN_IDS = [f"first-{i}" for i in IDS] + [f"planes-{i}" for i in PLANES_IDS]
 
 
-def _inputs(shape_q, shape_kv, seed, scale):
-    rng = np.random.default_rng(seed)
-    Q = (rng.standard_normal(shape_q) * scale).astype(np.float32)
-    K = (rng.standard_normal(shape_kv) * scale).astype(np.float32)
-    V = rng.standard_normal(shape_kv).astype(np.float32)
-    return Q, K, V
-
-
 @pytest.fixture
 def poisoned(monkeypatch):
     monkeypatch.setattr(rt, "poison_outputs", True)
@@ -81,25 +74,15 @@ def poisoned(monkeypatch):
 @pytest.mark.parametrize("form, case", RUNS, ids=RUN_IDS)
 def test_3xtf32_forward_within_bound(form, case, poisoned):
     shape_q, shape_kv, causal, scale = case
-    Q, K, V = _inputs(shape_q, shape_kv, RUNS.index((form, case)), scale)
-    res = TF32[form](Q, K, V, causal=causal)
-    assert isinstance(res, Flash2Forward3xTF32) and res.precision == "3xtf32"
-    O, L = res
-    assert O.dtype == np.float32 and L.dtype == np.float32 and O.shape == Q.shape and L.shape == Q.shape[:-1]
-    O_ref, L_ref = fa2edu.attention_reference(*(x.astype(np.float64) for x in (Q, K, V)), causal=causal)
-    seen = np.isfinite(L_ref)
-    assert not np.isnan(O).any() and not np.isnan(L).any()
-    assert np.array_equal(np.isinf(L), ~seen) and (O[~seen] == 0).all()
-    bound_O, bound_L = error_bound(Q, K, V)
-    err = np.abs(O - np.where(seen[..., None], O_ref, 0.0))
-    assert (err <= bound_O).all(), (err.max(), bound_O.min())
-    assert (np.abs(L[seen] - L_ref[seen]) <= bound_L[seen] + 2.0 ** -20 * (1 + np.abs(L_ref[seen]))).all()
+    Q, K, V = _inputs(shape_q, shape_kv, RUNS.index((form, case)), scale=scale)
+    check_against_oracle(TF32[form](Q, K, V, causal=causal), Q, K, V, causal, bound=error_bound,
+                         kind=Flash2Forward3xTF32, precision="3xtf32")
 
 
 def test_float32_accuracy_where_tf32_has_tf32s():
     """The same inputs through the TF32 rung and this one: TF32 misses by ~1e-4, 3xTF32 by float32's ~1e-6 — and its
     worst-case bound is itself within a small multiple of float32's unit roundoff."""
-    Q, K, V = _inputs((1, 1, 16, 32), (1, 1, 24, 32), seed=11, scale=1.0)
+    Q, K, V = _inputs((1, 1, 16, 32), (1, 1, 24, 32), seed=11)
     O_ref, _ = fa2edu.attention_reference(*(x.astype(np.float64) for x in (Q, K, V)), causal=True)
     err_3x = np.abs(forward_3x(Q, K, V, causal=True).O - O_ref).max()
     err_1x = np.abs(TF32["tf32"](Q, K, V, causal=True).O - O_ref).max()

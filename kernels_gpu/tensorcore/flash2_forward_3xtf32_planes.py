@@ -89,6 +89,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from numba import cuda, float32, uint32
 
@@ -122,14 +123,9 @@ class PlanesConfig(TF32Config):
 
     warps: int = 8
     products: int = 3
-
-    def __post_init__(self):
-        if self.d % 16 or not 16 <= self.d <= MAX_HEAD_DIM:
-            raise ValueError(f"d must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {self.d}")
-        if self.B_c % 16 or self.B_c < 16:
-            raise ValueError(f"B_c must be a positive multiple of 16, got {self.B_c}")
-        if self.products != 3:
-            raise ValueError(f"the planes form makes three products per product (3xTF32), got {self.products}")
+    STEP: ClassVar[int] = 16
+    MAX_D: ClassVar[int] = MAX_HEAD_DIM
+    PRODUCTS: ClassVar[tuple] = (3,)
 
     @property
     def VS(self) -> int:
@@ -182,8 +178,6 @@ def make_kernel(cfg: PlanesConfig):
     V_BIG = 2 * B_c * RS
     V_SMALL = V_BIG + d * VS
     S_LEN, O_LEN, PA_LEN = 4 * NT, 4 * NO, 8 * NT
-    PAIRS = 1                                 # pairs of Õ tiles per step of Õ += P̃V
-    O_PART = 8 * PAIRS
     KG = stage_steps(NO)                      # k-steps of S per staged sum
     causal = cfg.causal
     neg_inf = float32(-math.inf)
@@ -194,16 +188,10 @@ def make_kernel(cfg: PlanesConfig):
     zero, add_into, mma_into = make_accumulators(jit)
 
     @jit
-    def product(acc, n, a, bh0, bh1, bl0, bl1):
-        """acc tile n += A·B in 3xTF32: A_small·B_big + A_big·B_small + A_big·B_big (``a``: 4 big, 4 small)."""
-        mma_into(acc, n, a[4], a[5], a[6], a[7], bh0, bh1)
-        mma_into(acc, n, a[0], a[1], a[2], a[3], bl0, bl1)
-        mma_into(acc, n, a[0], a[1], a[2], a[3], bh0, bh1)
-
-    @jit
     def product_parts(big, cross, n, a, bh0, bh1, bl0, bl1):
-        """The same three MMAs into two accumulators: A_big·B_big into ``big``, the two cross terms into ``cross``
-        — two independent chains where ``product`` has one."""
+        """Tile n of A·B in 3xTF32 (``a``: A's 4 big, then 4 small registers; B's big and small halves): A_big·B_big
+        into ``big``, the cross terms A_small·B_big + A_big·B_small into ``cross`` — two independent chains of
+        MMAs, summed by the caller."""
         mma_into(cross, n, a[4], a[5], a[6], a[7], bh0, bh1)
         mma_into(cross, n, a[0], a[1], a[2], a[3], bl0, bl1)
         mma_into(big, n, a[0], a[1], a[2], a[3], bh0, bh1)
@@ -296,8 +284,8 @@ def make_kernel(cfg: PlanesConfig):
         s_part = cuda.local.array(S_LEN, float32)
         s_cross = cuda.local.array(S_LEN, float32)
         o = cuda.local.array(O_LEN, float32)
-        o_part = cuda.local.array(O_PART, float32)
-        o_cross = cuda.local.array(O_PART, float32)
+        o_part = cuda.local.array(8, float32)
+        o_cross = cuda.local.array(8, float32)
         pa = cuda.local.array(PA_LEN, uint32)  # P̃'s split A fragments, one k-step per 8 words
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
@@ -383,20 +371,19 @@ def make_kernel(cfg: PlanesConfig):
                 a = a_operands(s[4 * kk], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3])
                 for e in range(8):
                     pa[8 * kk + e] = a[e]
-            for step in range(NO // (2 * PAIRS)):
-                zero(o_part, O_PART)
-                zero(o_cross, O_PART)
+            for np_ in range(NO // 2):
+                zero(o_part, 8)
+                zero(o_cross, 8)
                 for kk in range(NT):
                     a = (pa[8 * kk], pa[8 * kk + 1], pa[8 * kk + 2], pa[8 * kk + 3], pa[8 * kk + 4],
                          pa[8 * kk + 5], pa[8 * kk + 6], pa[8 * kk + 7])
-                    for q in range(PAIRS):
-                        v_at = planes + V_BIG + (16 * (PAIRS * step + q) + b_row) * VS + b_col + 8 * kk
-                        vb0, vb1, vb2, vb3 = ldmatrix(sm, v_at)
-                        vs0, vs1, vs2, vs3 = ldmatrix(sm, v_at + d * VS)
-                        product_parts(o_part, o_cross, 2 * q, a, vb0, vb1, vs0, vs1)
-                        product_parts(o_part, o_cross, 2 * q + 1, a, vb2, vb3, vs2, vs3)
-                for e in range(O_PART):
-                    o[8 * PAIRS * step + e] += o_part[e] + o_cross[e]
+                    v_at = planes + V_BIG + (16 * np_ + b_row) * VS + b_col + 8 * kk
+                    vb0, vb1, vb2, vb3 = ldmatrix(sm, v_at)
+                    vs0, vs1, vs2, vs3 = ldmatrix(sm, v_at + d * VS)
+                    product_parts(o_part, o_cross, 0, a, vb0, vb1, vs0, vs1)
+                    product_parts(o_part, o_cross, 1, a, vb2, vb3, vs2, vs3)
+                for e in range(8):
+                    o[8 * np_ + e] += o_part[e] + o_cross[e]
 
         ptx.cp_async_wait_all()
         # Lines 12-15.

@@ -64,7 +64,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 from numba import cuda, float32
@@ -118,14 +118,19 @@ class TF32Config:
     simulated: bool
     warps: int = 4
     products: int = 1
+    #: the limits a configuration is checked against (a form of the kernel with other limits overrides them):
+    #: d and B_c multiples of STEP, d at most MAX_D, ``products`` one of PRODUCTS (1: TF32, 3: 3xTF32)
+    STEP: ClassVar[int] = 8
+    MAX_D: ClassVar[int] = MAX_HEAD_DIM
+    PRODUCTS: ClassVar[tuple] = (1, 3)
 
     def __post_init__(self):
-        if self.d % 8 or not 8 <= self.d <= MAX_HEAD_DIM:
-            raise ValueError(f"d must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {self.d}")
-        if self.B_c % 8 or self.B_c < 8:
-            raise ValueError(f"B_c must be a positive multiple of 8, got {self.B_c}")
-        if self.products not in (1, 3):
-            raise ValueError(f"products must be 1 (TF32) or 3 (3xTF32), got {self.products}")
+        if self.d % self.STEP or not self.STEP <= self.d <= self.MAX_D:
+            raise ValueError(f"d must be a multiple of {self.STEP} in [{self.STEP}, {self.MAX_D}], got {self.d}")
+        if self.B_c % self.STEP or self.B_c < self.STEP:
+            raise ValueError(f"B_c must be a positive multiple of {self.STEP}, got {self.B_c}")
+        if self.products not in self.PRODUCTS:
+            raise ValueError(f"products must be one of {self.PRODUCTS} (1: TF32, 3: 3xTF32), got {self.products}")
 
     @property
     def B_r(self) -> int:
