@@ -102,6 +102,7 @@ from kernels_gpu.tensorcore.flash2_forward_tf32 import (
     make_accumulators,
     make_copy_rows,
     make_softmax,
+    make_splits,
 )
 from kernels_gpu.tensorcore.steps import LOG2E, device
 
@@ -196,14 +197,7 @@ def make_kernel(cfg: PlanesConfig):
         mma_into(cross, n, a[0], a[1], a[2], a[3], bl0, bl1)
         mma_into(big, n, a[0], a[1], a[2], a[3], bh0, bh1)
 
-    @jit
-    def a_operands(x0, x1, x2, x3):
-        """Four float32 values (or their bits) → their big halves, then their small halves."""
-        h0, l0 = split(x0)
-        h1, l1 = split(x1)
-        h2, l2 = split(x2)
-        h3, l3 = split(x3)
-        return h0, h1, h2, h3, l0, l1, l2, l3
+    a_operands, _ = make_splits(jit)
 
     # The split pass's work per thread: K element by element (consecutive threads on consecutive words: no bank
     # conflicts), V transposed (consecutive threads on consecutive keys of one column); key r of a tile goes to

@@ -76,7 +76,7 @@ from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",
            "tf32_error_bound", "error_against_fp32", "UNIT_ROUNDOFF_TF32", "MAX_HEAD_DIM", "PTX_SIGNATURE", "run",
-           "launch_forward", "make_copy_rows", "make_softmax", "make_accumulators"]
+           "launch_forward", "make_copy_rows", "make_softmax", "make_accumulators", "make_splits"]
 
 #: the unit roundoff of tf32 under round-to-nearest (10 mantissa bits): 2⁻¹¹
 UNIT_ROUNDOFF_TF32 = 2.0 ** -11
@@ -307,6 +307,27 @@ def make_accumulators(jit):
     return zero, add_into, mma_into
 
 
+def make_splits(jit):
+    """``(a_operands, b_operands)`` for 3xTF32: four float32 values (or their bits) → their four big tf32 halves, then
+    their four small ones (an A fragment's registers); two → big, big, small, small (a B fragment's)."""
+    split = ptx.split_tf32
+
+    @jit
+    def a_operands(x0, x1, x2, x3):
+        h0, l0 = split(x0)
+        h1, l1 = split(x1)
+        h2, l2 = split(x2)
+        h3, l3 = split(x3)
+        return h0, h1, h2, h3, l0, l1, l2, l3
+
+    @jit
+    def b_operands(x0, x1):
+        h0, l0 = split(x0)
+        h1, l1 = split(x1)
+        return h0, h1, l0, l1
+    return a_operands, b_operands
+
+
 @functools.lru_cache(maxsize=None)
 def make_kernel(cfg: TF32Config):
     """The TF32 kernel for one configuration (compiled on first launch)."""
@@ -318,7 +339,7 @@ def make_kernel(cfg: TF32Config):
     S_LEN, O_LEN = 4 * NT, 4 * NO            # register-array lengths (compile-time constants)
     causal = cfg.causal
     neg_inf = float32(-math.inf)
-    cvt, split = ptx.cvt_tf32, ptx.split_tf32
+    cvt = ptx.cvt_tf32
 
     copy_q, copy_kv = make_copy_rows(jit, d, RS, T, B_r), make_copy_rows(jit, d, RS, T, B_c)
 
@@ -347,19 +368,7 @@ def make_kernel(cfg: TF32Config):
         def product(acc, n, a, b):
             mma_into(acc, n, a[0], a[1], a[2], a[3], b[0], b[1])
     else:
-        @jit
-        def a_operands(x0, x1, x2, x3):
-            h0, l0 = split(x0)
-            h1, l1 = split(x1)
-            h2, l2 = split(x2)
-            h3, l3 = split(x3)
-            return h0, h1, h2, h3, l0, l1, l2, l3
-
-        @jit
-        def b_operands(x0, x1):
-            h0, l0 = split(x0)
-            h1, l1 = split(x1)
-            return h0, h1, l0, l1
+        a_operands, b_operands = make_splits(jit)
 
         @jit
         def product(acc, n, a, b):
