@@ -4,6 +4,8 @@
     python -m benchmarks.fast_backward --N 4096,8192 --d 64 --impls v1,v1@8x16x4x4r168,torch_eager
 
 Implementations: ``v1`` (or ``v1@NYxNXxTRxTC``, another tiling; ``…rNNN``: a cap of NNN registers per thread),
+``3xtf32`` (the 3xTF32 backward on tensor cores, :mod:`kernels_gpu.tensorcore.flash2_backward_3xtf32`; ``3xtf32@WxB``:
+W warps, B_r = B),
 ``kg_flash2`` (the teaching ``kernels_gpu.flash2_backward``, only up to ``--teaching-max-N``: it takes seconds per
 call beyond), ``torch_eager`` (PyTorch eager fp32, autograd backward) and ``sdpa_efficient`` (SDPA memory-efficient
 fp32 backward). The same protocol as ``fast_kernels`` (``timing.measure``: float64 oracle gradients on the GPU,
@@ -48,10 +50,31 @@ def _fast_builder(version, tiling=None, max_registers=None):
     return build
 
 
+def _tf32_builder(warps=None, B_r=None):
+    """The 3xTF32 backward on tensor cores (:mod:`kernels_gpu.tensorcore.flash2_backward_3xtf32`), O and L from the
+    fast forward v4 (untimed)."""
+    def build(pass_, x, causal, scale, options):
+        from kernels_gpu.fast import VERSIONS
+        from kernels_gpu.tensorcore.flash2_backward_3xtf32 import flash2_backward_3xtf32
+        Q, K, V, dO = x["Q"], x["K"], x["V"], x["dO"]
+        O, L = VERSIONS["v4"](Q, K, V, causal=causal, scale=scale)
+
+        def call():
+            dQ, dK, dV = flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=causal, scale=scale, warps=warps, B_r=B_r)
+            return {"dQ": dQ, "dK": dK, "dV": dV}
+        return call
+    return build
+
+
 def _parse_impl(name):
     from benchmarks import impls
     from kernels_gpu.fast import BACKWARD_VERSIONS
     version, _, tiling = name.partition("@")
+    if version == "3xtf32":                       # 3xtf32 or 3xtf32@WxB_r: W warps of 16 keys, B_r queries per step
+        warps, B_r = (int(v) for v in tiling.split("x")) if tiling else (None, None)
+        return name, impls.ImplSpec(name, "kernels_gpu", "float32", ("backward",), _tf32_builder(warps, B_r),
+                                    f"3xTF32 backward warps {warps} B_r {B_r}", default=False), \
+            ("3xtf32", warps, B_r)
     if version in BACKWARD_VERSIONS:
         til, regs = _parse_tiling(tiling)
         return name, impls.ImplSpec(name, "kernels_gpu", "float32", ("backward",), _fast_builder(version, til, regs),
@@ -65,6 +88,10 @@ def _parse_impl(name):
 def _resources(fast, d):
     from kernels_gpu.fast import flash2_backward_v1 as module
     version, til, regs = fast
+    if version == "3xtf32":                       # the tile; its registers: kernels_gpu.tensorcore.inspect_ptx
+        from kernels_gpu.tensorcore.flash2_backward_3xtf32 import config_for
+        cfg = config_for(d, "float32", False, False, til, regs)
+        return {"warps": cfg.warps, "B_r": cfg.B_r, "B_c": cfg.B_c}
     if til is None:
         til, regs = module.default_tiling(d), module.MAX_REGISTERS.get(64 if d <= 64 else 128)
     report = module.resources(til, d, d, regs)

@@ -29,7 +29,8 @@ float32 inputs (``mma.m16n8k8`` on operands rounded to 10-bit mantissas: errors 
 opt-in, never the float32 default), and ``"3xtf32"`` to
 :func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.flash2_forward_3xtf32`, the same kernel with each operand split
 into two tf32 values and three MMAs per product: float32's accuracy from the tensor cores (CUTLASS's 3xTF32, what
-PyTorch's memory-efficient SDPA runs for float32).
+PyTorch's memory-efficient SDPA runs for float32). ``TF32_BACKWARD`` maps ``"3xtf32"`` to
+:func:`~kernels_gpu.tensorcore.flash2_backward_3xtf32.flash2_backward_3xtf32`, FA2's backward in 3xTF32.
 
 ``flash2_forward`` is the fastest measured rung; ``VERSIONS`` maps "v1" … to each (same signature)::
 
@@ -97,6 +98,7 @@ BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_back
 flash2_backward = flash2_backward_v7.flash2_backward
 
 from kernels_gpu.tensorcore import (  # noqa: E402
+    flash2_backward_3xtf32,
     flash2_forward_3xtf32,
     flash2_forward_3xtf32_planes,
     flash2_forward_splitk,
@@ -113,5 +115,9 @@ PARTITIONING = {"split-k": flash2_forward_splitk.flash2_forward, "split-q": flas
 TF32 = {"tf32": flash2_forward_tf32.flash2_forward_tf32, "3xtf32": flash2_forward_3xtf32.flash2_forward_3xtf32,
         "3xtf32-planes": flash2_forward_3xtf32_planes.flash2_forward_3xtf32_planes}
 
+#: the tensor-core backward for float32 inputs (opt-in): name → ``f(Q, K, V, O, L, dO, causal=False, scale=None) ->
+#: Flash2Backward(dQ, dK, dV)``; "3xtf32": FA2 Alg. 2 with every product in 3xTF32 (float32's accuracy)
+TF32_BACKWARD = {"3xtf32": flash2_backward_3xtf32.flash2_backward_3xtf32}
+
 __all__ = ["VERSIONS", "flash2_forward", "BACKWARD_VERSIONS", "flash2_backward", "PARTITIONING",
-           "TF32"]
+           "TF32", "TF32_BACKWARD"]

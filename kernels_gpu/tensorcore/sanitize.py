@@ -4,7 +4,8 @@ f16 and bf16, d = 64 and 128, causal and not, ragged N:
 ``compute-sanitizer --tool memcheck python -m kernels_gpu.tensorcore.sanitize`` (and ``--tool racecheck``); name
 rungs to run only those (``python -m kernels_gpu.tensorcore.sanitize v6``; backward rungs as ``bwd_v1`` …: GQA,
 ragged, causal with rows that see no key, d = 64, 128 and 256; FA2 Section 3.3's ``split-k``, ``split-q`` and the
-float32 tensor-core forwards ``tf32``, ``3xtf32``, ``3xtf32-planes`` by those names; ``strided``: the PyTorch op
+float32 tensor-core forwards ``tf32``, ``3xtf32``, ``3xtf32-planes`` and the 3xTF32 backward ``3xtf32-bwd`` by
+those names; ``strided``: the PyTorch op
 on GPT-shaped strided views, read in place).
 Prints one line per launch; exits non-zero on a wrong result."""
 
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
                       flush=True)
     failures += _backward(wanted)
     failures += _tf32(wanted)
+    failures += _tf32_backward(wanted)
     failures += _strided(wanted)
     return 1 if failures else 0
 
@@ -112,6 +114,34 @@ def _tf32(wanted) -> int:
             failures += not ok
             print(f"{name} float32 d={d} causal={causal}: max error {err:.2e} {'ok' if ok else 'WRONG'}",
                   flush=True)
+    return failures
+
+
+def _tf32_backward(wanted) -> int:
+    """If ``3xtf32-bwd`` is in ``wanted``: the 3xTF32 backward on float32 inputs (GQA 2:1, N_q = 150, N_k = 130; d = 64
+    with its default tile and with four warps, d = 128 causal with rows that see no key), dQ, dK, dV checked against
+    fa2edu's float64 oracle (max error over max gradient below 1e-5: float32's accuracy)."""
+    import numpy as np
+    import torch
+
+    import fa2edu
+    from kernels_gpu.tensorcore import TF32, TF32_BACKWARD
+    if "3xtf32-bwd" not in wanted:
+        return 0
+    failures = 0
+    for d, causal, warps in ((64, False, None), (64, True, 4), (128, True, None)):
+        Q, dO = (torch.randn(1, 2, 150, d, device="cuda") for _ in range(2))
+        K, V = (torch.randn(1, 1, 130, d, device="cuda") for _ in range(2))
+        O, L = (torch.as_tensor(x, device="cuda") for x in TF32["3xtf32-planes"](Q, K, V, causal=causal))
+        grads = TF32_BACKWARD["3xtf32"](Q, K, V, O, L, dO, causal=causal, warps=warps)
+        torch.cuda.synchronize()
+        ref = fa2edu.attention_reference_backward(*(x.cpu().numpy() for x in (Q, K, V, dO)), causal=causal)
+        errs = [float(np.abs(torch.as_tensor(g, device="cuda").cpu().numpy() - r).max() / np.abs(r).max())
+                for g, r in zip(grads, ref[:3])]
+        ok = max(errs) < 1e-5
+        failures += not ok
+        print(f"3xtf32-bwd float32 d={d} causal={causal} warps={warps}: max relative errors dQ, dK, dV "
+              f"{', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'WRONG'}", flush=True)
     return failures
 
 

@@ -49,6 +49,24 @@ def device(simulated: bool):
     return cuda.jit(device=True) if simulated else cuda.jit(device=True, forceinline=True)
 
 
+def repeat(jit, body, count: int):
+    """A device function ``f(*args)`` that calls ``body(0, *args)``, …, ``body(count − 1, *args)`` as straight-line
+    code: each call's first argument is a compile-time constant, so register-array indices computed from it stay
+    constants where LLVM would leave a long loop over it rolled (and put the arrays in local memory)."""
+    if count == 0:
+        @jit
+        def nothing(*args):
+            pass
+        return nothing
+    before, last = repeat(jit, body, count - 1), count - 1
+
+    @jit
+    def calls(*args):
+        before(*args)
+        body(last, *args)
+    return calls
+
+
 @dataclass(frozen=True)
 class Config:
     """The compile-time constants of one kernel: head dimension, tile shape, element type, causal or not.
