@@ -50,6 +50,44 @@ splits per triple. A split is five instructions (two integer, one subtraction, t
 8-warp block per SM. If the backward issues as well: **28-36 TFLOP/s at d = 128, N = 2048-4096** — level with
 kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory-efficient's 35.7; d = 64 lower
 (half the work per shared-memory byte).
+
+**Measured** (H200, 2026-11-27, ``python -m benchmarks.fast_backward --impls 3xtf32,…,v3,sdpa_efficient``, batch × N
+= 16k tokens, heads × d = 2048, kernels_gpu.fast's FFMA backward v3 and SDPA memory-efficient float32 in every run).
+
+1. **First version** (all three MMAs of a product in one accumulator; tiles explored,
+   ``fast_backward_3xtf32_explore.json``): d = 128 32.2 / 32.6 TFLOP/s at N = 2048 / 4096 with W = 8, B_r = 32
+   (31.7 / 32.2 with B_r = 16; 18.5 with four warps), v3 29.5 / 30.3, SDPA 36.5 / 37.2 — inside the prediction;
+   d = 64 38.4 / 38.8 with four warps (36.7 / 37.2 with eight), v3 31.5 / 32.0, SDPA 35.3 / 35.7: faster than
+   SDPA's own 3xTF32. ptxas: 255 registers and 32 bytes of spill at d = 128, 252 at d = 64. But at extreme logits
+   (Q, K scaled by 4: scores in the hundreds) dV missed flash-attn's rule: 1.0e-4 against SDPA's 3.4e-5
+   (``tf32_backward_extreme_logits_one_chain.log``). Recomputing P as exp(τS − L) in natural units (one fused
+   rounding) changed nothing; with the oracle's own L (rounded to float32) the errors grew — the error was in
+   S, the tensor core truncating the small cross terms against the big terms' running sum.
+2. **Cross terms in their own accumulators** for Sᵀ and dPᵀ (this file; as the planes forward does): at extreme
+   logits dQ, dK, dV 4.6e-5 / 4.4e-5 / 3.8e-5 against SDPA memory-efficient's 6.4e-5 / 5.5e-5 / 3.4e-5 and its
+   math backend's 1.4e-4 / 9.3e-5 / 2.3e-5 (d = 64; d = 128 3.0-5.6e-5 against 3.0e-5-1.2e-4;
+   ``python -m benchmarks.backward_accuracy``, ``tf32_backward_extreme_logits.log``) — now within the rule, and
+   more accurate than kernels_gpu.fast's FFMA backward there (1.5e-4 / 2.0e-4 / 7.2e-5). Speed
+   (``fast_backward_3xtf32_cross.json``, N = 4096): d = 128 32.7 (spilling 252 bytes), d = 64 37.7 with four
+   warps, 36.1 with eight (−3 %). The grid (``fast_backward_3xtf32.json``, N = 2048 / 4096 / 8192):
+
+   ==========  ==================  ==================  ==================
+   d, mask     3xTF32 (this)       v3 (FFMA)           SDPA mem.-eff.
+   ==========  ==================  ==================  ==================
+   128         32.3 / 33.0 / 33.3  29.6 / 30.3 / 30.6  36.7 / 37.2 / 37.3
+   128 causal  27.6 / 29.1 / 30.3  27.4 / 29.3 / 31.0  33.7 / 35.9 / 37.4
+   64          37.3 / 37.7 / 37.8  31.6 / 32.0 / 32.2  35.5 / 35.7 / 35.0
+   64 causal   33.6 / 34.8 / 35.8  29.1 / 30.3 / 31.0  32.9 / 34.1 / 34.7
+   ==========  ==================  ==================  ==================
+
+   GPU tests (``gpu_tests_3xtf32_backward.log``, with the 3xTF32 forwards' own): 21 passed; compute-sanitizer
+   (``sanitizer_3xtf32_memcheck.log``, ``_racecheck.log``): 0 errors, 0 hazards.
+
+So at d = 64 the float32-accurate backward is faster than PyTorch's (1.02-1.08×) and than the FFMA kernel
+(+15-18 %); at d = 128 it is 9 % faster than the FFMA kernel without a mask and level with it causal, at 0.81-0.89×
+SDPA. What is left at d = 128: one 8-warp block per SM at the register limit (dK_j, dV_j's accumulators are half of
+it), every warp splitting the same Q_i, dO_i fragments for itself (per step, the two score products' B operands
+split 8 times over), and causal blocks launched in key order with the mask tested on every element of every step.
 """
 
 from __future__ import annotations
@@ -148,8 +186,8 @@ class Backward3xTF32Config:
 def config_for(d: int, dtype: str, causal: bool, simulated: bool, warps: int | None = None,
                B_r: int | None = None) -> Backward3xTF32Config:
     """By default B_r = 32 and eight warps (B_c = 128) at d > 64, four (B_c = 64: two blocks per SM) up to d = 64 —
-    the fastest of the tiles measured (``fast_backward_3xtf32_explore.json``). ``dtype``: the inputs' type, "float32" (the rungs' signature,
-    for :mod:`~kernels_gpu.tensorcore.inspect_ptx`)."""
+    the fastest of the tiles measured (``fast_backward_3xtf32_explore.json``). ``dtype``: the inputs' type,
+    "float32" (the rungs' signature, for :mod:`~kernels_gpu.tensorcore.inspect_ptx`)."""
     if dtype != "float32":
         raise ValueError(f"the 3xTF32 backward takes float32 inputs (dtype 'float32'), got {dtype!r}")
     warps = (4 if d <= 64 else 8) if warps is None else warps

@@ -391,8 +391,9 @@ def flash2_forward_3xtf32_planes(Q, K, V, causal=False, scale=None, warps=8) -> 
     """FA2 forward in 3xTF32 with K and V split once per tile: float32 Q (…, N_q, d), K, V (…, N_k, d) — NumPy,
     numba device arrays or CUDA tensors (C-contiguous) — d a multiple of 16 up to 128, d_v = d; GQA by head mapping;
     ``causal`` bottom-right; ``scale`` τ (default 1/√d); ``warps``: W warps of 16 query rows (B_r = 16·W; the
-    simulator tests take 2). Returns ``(O, L)`` as the first form does, with its error bound (:func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.error_bound`). Cost: 4·N_q·N_k·d FLOPs per (batch,
-    head), as 3× as many tensor-core FLOPs; HBM reads N_q·d + 2·N_k·d·⌈N_q / 128⌉ floats, writes N_q·(d + 1)."""
+    simulator tests take 2). Returns ``(O, L)`` as the first form does, with its error bound
+    (:func:`~kernels_gpu.tensorcore.flash2_forward_3xtf32.error_bound`). Cost: 4·N_q·N_k·d FLOPs per (batch, head),
+    as 3× as many tensor-core FLOPs; HBM reads N_q·d + 2·N_k·d·⌈N_q / B_r⌉ floats, writes N_q·(d + 1)."""
     return Flash2Forward3xTF32(*launch_forward(Q, K, V, causal, scale, "3xTF32 planes", 16, MAX_HEAD_DIM,
                                                lambda d, c, sim: config_for(d, "float32", c, sim, warps), make_kernel,
                                                shared_words))
