@@ -56,8 +56,8 @@ import fa2edu
 
 __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
-           "standard_backward", "fast_width", "tensorcore_width", "tensorcore_has_backward", "reads_strided",
-           "tensorcore_layout"]
+           "standard_backward", "fast_width", "three_tf32_width", "tensorcore_width", "tensorcore_has_backward",
+           "reads_strided", "tensorcore_layout"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
 ALGORITHMS = ("flash2", "flash1", "standard")
@@ -91,6 +91,10 @@ BACKENDS = {
                           "kernels_gpu.tensorcore: mma.sync kernels, forward and backward (float32 "
                           "accumulators); without tensorcore.flash2_backward, the fast float32 backward",
                           strided=True),
+    "3xtf32": Backend(("cuda",), (torch.float32,), ("flash2",),
+                      "kernels_gpu.tensorcore's 3xTF32 kernels: float32 on tensor cores, each product as three TF32 "
+                      "products (float32's accuracy, the method of PyTorch's own float32 SDPA), forward and "
+                      "backward up to d = 128; wider heads on kernels_gpu.fast"),
     "teaching": Backend(("cuda",), (torch.float32,), ("flash2", "standard"),
                         "kernels_gpu's teaching kernels: one thread per row, mirroring the NumPy code"),
 }
@@ -327,6 +331,42 @@ def _fast_backward(q, k, v, O, L, dO, causal: bool, scale: float):
     return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
 
 
+def three_tf32_width(d: int, d_v: int) -> int:
+    """The head dimension, d and d_v alike, that the 3xTF32 kernels compute at: a multiple of 16; above
+    :data:`THREE_TF32_MAX` the ``"3xtf32"`` backend runs ``kernels_gpu.fast`` instead."""
+    return _round_up(max(d, d_v), 16)
+
+
+#: the widest head dimension of kernels_gpu.tensorcore's 3xTF32 forward (planes) and backward
+THREE_TF32_MAX = 128
+
+
+def _three_tf32_forward(q, k, v, causal: bool, scale: float):
+    """FA2 Alg. 1 in 3xTF32 (``kernels_gpu.tensorcore.TF32["3xtf32-planes"]``, float32), padded to
+    :func:`three_tf32_width`; wider heads on :func:`_fast_forward`."""
+    d_v = v.shape[-1]
+    D = three_tf32_width(q.shape[-1], d_v)
+    if D > THREE_TF32_MAX:
+        return _fast_forward(q, k, v, causal, scale)
+    with _numba_stream(q.device):
+        O, L = _tensorcore().TF32["3xtf32-planes"](*(_for_kernel(_pad(x, D)) for x in (q, k, v)), causal=causal,
+                                                   scale=scale)
+    return _unpad(_from_kernel(O, q), d_v), _from_kernel(L, q)
+
+
+def _three_tf32_backward(q, k, v, O, L, dO, causal: bool, scale: float):
+    """FA2 Alg. 2 in 3xTF32 (``kernels_gpu.tensorcore.TF32_BACKWARD["3xtf32"]``, float32), padded to
+    :func:`three_tf32_width`; wider heads on :func:`_fast_backward`."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    D = three_tf32_width(d, d_v)
+    if D > THREE_TF32_MAX:
+        return _fast_backward(q, k, v, O, L, dO, causal, scale)
+    padded = [_for_kernel(_pad(x, D)) for x in (q, k, v, O)] + [_for_kernel(L), _for_kernel(_pad(dO, D))]
+    with _numba_stream(q.device):
+        dQ, dK, dV = _tensorcore().TF32_BACKWARD["3xtf32"](*padded, causal=causal, scale=scale)
+    return _unpad(_from_kernel(dQ, q), d), _unpad(_from_kernel(dK, q), d), _unpad(_from_kernel(dV, q), d_v)
+
+
 def _tensorcore():
     from kernels_gpu import tensorcore
     return tensorcore
@@ -394,6 +434,8 @@ def flash2_forward(backend: str, q, k, v, causal: bool, scale: float, block_size
         return _fast_forward(q, k, v, causal, scale)
     if backend == "tensorcore":
         return _tensor_core_forward(q, k, v, causal, scale)
+    if backend == "3xtf32":
+        return _three_tf32_forward(q, k, v, causal, scale)
     # the teaching kernel: one thread block per row block of Q (FA2 Section 3.2), any head dimension
     with _numba_stream(q.device):
         O, L = _kernels_gpu().flash2_forward(*(_for_kernel(x) for x in (q, k, v)), block_sizes=block_sizes,
@@ -411,6 +453,8 @@ def flash2_backward(backend: str, q, k, v, O, L, dO, causal: bool, scale: float,
         return _fast_backward(q, k, v, O, L, dO, causal, scale)
     if backend == "tensorcore":
         return _tensor_core_backward(q, k, v, O, L, dO, causal, scale)
+    if backend == "3xtf32":
+        return _three_tf32_backward(q, k, v, O, L, dO, causal, scale)
     with _numba_stream(q.device):
         grads = _kernels_gpu().flash2_backward(*(_for_kernel(x) for x in (q, k, v, O, L, dO)),
                                                block_sizes=block_sizes, causal=causal, scale=scale)

@@ -32,6 +32,8 @@ without PyTorch's dispatcher, which costs host time on every call (see "the auto
 algorithms (the counted textbook code, on the tensors' own memory); CUDA float32 → ``kernels_gpu.fast`` (the
 fastest measured CUDA-core kernels); CUDA float16/bfloat16 → ``kernels_gpu.tensorcore``. The teaching kernels
 (``kernels_gpu.flash2_forward`` …) run only by name: ``backend="teaching"``, or ``algorithm="standard"`` on CUDA.
+CUDA float32 on tensor cores — each product as three TF32 products, float32's accuracy, as PyTorch's own float32
+SDPA computes — runs by name too: ``backend="3xtf32"`` (``kernels_gpu.tensorcore.TF32``, ``TF32_BACKWARD``).
 Every head dimension 1 … 256 runs on every path: the fast kernels need widths that are multiples of their thread
 layout (32 or 64) and the tensor-core kernels multiples of 8, so the op pads Q, K, V (and O, dO) with zero columns
 inside the call and slices the results; τ defaults to 1/√d of the caller's d, not the padded one.
@@ -384,7 +386,8 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             or ``"standard"`` (FA1 Alg. 0/3, which saves P).
         return_lse (bool, optional): also return L = logsumexp(τ q kᵀ + mask) per query row, float32 (float64 for
             float64 inputs), +inf on rows that see no key; not differentiable. Default False.
-        backend (str, optional): which kernels run (keyword only): ``"numpy"``, ``"fast"``, ``"tensorcore"`` or
+        backend (str, optional): which kernels run (keyword only): ``"numpy"``, ``"fast"``, ``"tensorcore"``,
+            ``"3xtf32"`` (CUDA float32 on tensor cores, three TF32 products each: float32's accuracy) or
             ``"teaching"`` (:data:`BACKENDS`). Default None: the dispatch table :data:`DISPATCH` (the fastest
             measured for the device and dtype; see :func:`choose_backend`).
         block_sizes (tuple of int, optional): ``(B_r, B_c)`` for the tiled algorithms on the ``"numpy"`` and

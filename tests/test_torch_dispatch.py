@@ -204,6 +204,34 @@ def test_fast_backend_pads_odd_head_dimensions():
 
 
 @needs_simulator
+def test_3xtf32_backend_pads_to_16_and_matches_oracle(monkeypatch):
+    # backend="3xtf32" (float32 on tensor cores, three TF32 products each): d = 7, d_v = 5 padded to 16, causal
+    # with N_q = 6 > N_k = 4 (two rows see no key: O = 0, L = +inf, dQ = 0), GQA 2:1; both 3xTF32 kernels run,
+    # each handed the padded width (here on smaller tiles than the GPU's: the simulator's time grows with the
+    # threads and with the MMAs per step)
+    real, widths = ops._tensorcore(), []
+
+    def spy(kernel, **tile):
+        return lambda *args, **kw: widths.append(args[0].shape[-1]) or kernel(*args, **kw, **tile)
+    monkeypatch.setattr(ops, "_tensorcore", lambda: SimpleNamespace(
+        TF32={"3xtf32-planes": spy(real.TF32["3xtf32-planes"], warps=2)},
+        TF32_BACKWARD={"3xtf32": spy(real.TF32_BACKWARD["3xtf32"], warps=2, B_r=16)}))
+    q, k, v, dO = problem(7, 5, F32, seed=3)
+    O, L, (dQ, _, _) = check_against_oracle(q, k, v, dO, True, "3xtf32", "3xtf32 d = 7, d_v = 5")
+    assert widths == [16, 16]
+    assert (O[..., :2, :] == 0).all() and torch.isposinf(L[..., :2]).all() and (dQ[..., :2, :] == 0).all()
+
+
+def test_3xtf32_backend_runs_heads_wider_than_128_on_the_fast_kernels(monkeypatch):
+    monkeypatch.setattr(ops, "_fast_forward", lambda *args: "fast forward")
+    monkeypatch.setattr(ops, "_fast_backward", lambda *args: "fast backward")
+    x = torch.zeros(1, 1, 4, 129)
+    assert ops._three_tf32_forward(x, x, x, False, 1.0) == "fast forward"
+    assert ops._three_tf32_backward(x, x, x, x, x[..., 0], x, False, 1.0) == "fast backward"
+    assert ops.three_tf32_width(7, 5) == 16 and ops.three_tf32_width(128, 128) == 128
+
+
+@needs_simulator
 def test_fast_backend_wide_tiles_above_128():
     # d = 200 runs at width 256 on the tile shapes that fit a block's shared memory there
     q, k, v, dO = problem(200, 200, F32, N_q=3, N_k=5, H_q=1, seed=1)
