@@ -202,9 +202,10 @@ class WallClock:
         pass
 
 
-def op_call(impl, q, k, v, dO, causal, sdpa_backend):
-    """A function of no arguments: one forward and backward of ``impl`` (``"fa2edu"`` or ``"sdpa"``, the latter
-    restricted to ``sdpa_backend``, a name of ``SDPBackend``, or PyTorch's own choice if None)."""
+def op_call(impl, q, k, v, dO, causal, sdpa_backend, op_backend=None):
+    """A function of no arguments: one forward and backward of ``impl`` (``"fa2edu"`` on ``op_backend``, a key of
+    ``fa2edu.torch.BACKENDS`` or the dispatch table's choice if None; or ``"sdpa"``, restricted to ``sdpa_backend``,
+    a name of ``SDPBackend``, or PyTorch's own choice if None)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -216,7 +217,7 @@ def op_call(impl, q, k, v, dO, causal, sdpa_backend):
         for x in (q, k, v):
             x.grad = None
         if impl == "fa2edu":
-            O = flash_attention(q, k, v, causal=causal)
+            O = flash_attention(q, k, v, causal=causal, backend=op_backend)
         else:
             with only():
                 O = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -244,10 +245,10 @@ def micro(settings, device, progress):
                 # the CPU (dry run) has no memory-efficient or flash backend: PyTorch's choice there
                 sdpa_backend = SDPA_BACKEND[dtype_name] if device.startswith("cuda") else None
                 row = {"d": d, "dtype": dtype_name, "causal": causal, "batch": batch, "heads": heads, "N": N,
-                       "sdpa_backend": sdpa_backend or "default"}
+                       "sdpa_backend": sdpa_backend or "default", "op_backend": settings.get("op_backend")}
                 outputs = {}
                 for impl in ("fa2edu", "sdpa"):
-                    call = op_call(impl, q, k, v, dO, causal, sdpa_backend)
+                    call = op_call(impl, q, k, v, dO, causal, sdpa_backend, settings.get("op_backend"))
                     outputs[impl] = call().detach()               # also the first (compiling) call
                     times = timing.time_calls([call], clock, settings["warmup_calls"], settings["repeats"])
                     summary = timing.summarize_ms(times)
@@ -358,6 +359,9 @@ def build_parser():
     p.add_argument("--skip-micro", action="store_true")
     p.add_argument("--micro-dtypes", default="float32,bfloat16,float16", help="dtypes of the op-alone benchmark")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per op configuration")
+    p.add_argument("--op-backend", default=None,
+                   help="the op-alone benchmark's fa2edu backend (a key of fa2edu.torch.BACKENDS, e.g. 3xtf32; "
+                        "default: the dispatch table)")
     p.add_argument("--micro-N", type=int, default=2048, help="sequence length of the op-alone benchmark (batch × N "
                                                              "= 16k tokens, heads × d = 2048)")
     p.add_argument("--numba-allocator", choices=("torch", "numba"), default="torch",
@@ -385,6 +389,7 @@ def _settings(args):
     if settings["warmup"] >= settings["steps"]:
         raise SystemExit(f"--warmup ({settings['warmup']}) must be smaller than --steps ({settings['steps']})")
     settings["warmup_calls"] = 1 if args.dry_run else 3
+    settings["op_backend"] = args.op_backend
     return settings
 
 
