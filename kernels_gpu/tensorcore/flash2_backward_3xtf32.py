@@ -86,8 +86,8 @@ kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory
 Tried, not run: Q_i and dO_i split once per step into big and small planes (one raw stage for the next step's
 copies, the planes read by ``ldmatrix`` and scalar loads with no split left in the warps' loops; at d = 128 with
 B_r = 16, 190 KiB): ptxas spilled 1.6 KB per thread (544 bytes with the score products' operands planed and the
-updates' still split), against 16 bytes for the same tile split per use — without the splits' arithmetic between
-them, the loads of a whole unrolled group are scheduled early and their registers outlive what 255 can hold.
+updates' still split), against 16 bytes for the same tile split per use. The likely cause, not yet checked in the
+SASS: without the splits' arithmetic between them, ptxas schedules a whole unrolled group's loads early.
 
 So at d = 64 the float32-accurate backward is faster than PyTorch's (1.02-1.08×) and than the FFMA kernel
 (+15-18 %); at d = 128 it is 9 % faster than the FFMA kernel without a mask and level with it causal, at 0.81-0.89×
