@@ -11,9 +11,11 @@ The inputs are the benchmark's (fp32, batch × N = ``--tokens``, heads × d = ``
 and run once before the profiled call, so only that call's launch is captured. ``--tiling NYxNXxTRxTC`` and
 ``--max-registers`` pick another configuration of the version (as ``benchmarks.fast_kernels`` spells them).
 ``--backward VERSION``: one call of that fast backward (its launches: D's pass, dQ's zeroing, the main kernel),
-on O and L from the forward ``--version``. ``--loops SOURCE.csv`` (no GPU needed): the stall samples of an ncu
-source page (``--page source --csv --print-source sass``) summed per loop of the SASS (a backward branch's target
-to the branch), with each loop's instruction mix and stall reasons — where the kernel's time goes, by loop.
+on O and L from the forward ``--version``; ``--backward 3xtf32``: the 3xTF32 backward on tensor cores
+(``kernels_gpu.tensorcore.TF32_BACKWARD``; its kernel ``flash2_backward_3xtf32_kernel``). ``--loops SOURCE.csv``
+(no GPU needed): the stall samples of an ncu source page (``--page source --csv --print-source sass``) summed per
+loop of the SASS (a backward branch's target to the branch), with each loop's instruction mix and stall reasons —
+where the kernel's time goes, by loop.
 """
 
 import argparse
@@ -86,7 +88,8 @@ def main(argv=None):
     x = impls.make_inputs(max(1, args.tokens // args.N), args.hidden // args.d, args.N, args.d, seed=0)
     if args.backward:
         from kernels_gpu.fast import BACKWARD_VERSIONS
-        backward = BACKWARD_VERSIONS[args.backward]
+        from kernels_gpu.tensorcore import TF32_BACKWARD
+        backward = TF32_BACKWARD["3xtf32"] if args.backward == "3xtf32" else BACKWARD_VERSIONS[args.backward]
         O, L = forward(x["Q"], x["K"], x["V"], causal=args.causal)
 
         def call():

@@ -91,9 +91,14 @@ SASS: without the splits' arithmetic between them, ptxas schedules a whole unrol
 
 So at d = 64 the float32-accurate backward is faster than PyTorch's (1.02-1.08×) and than the FFMA kernel
 (+15-18 %); at d = 128 it is 9 % faster than the FFMA kernel without a mask and level with it causal, at 0.81-0.89×
-SDPA. What is left at d = 128: one 8-warp block per SM at the register limit (dK_j, dV_j's accumulators are half of
-it), every warp splitting the same Q_i, dO_i fragments for itself (per step, the two score products' B operands
-split 8 times over), and causal blocks launched in key order with the mask tested on every element of every step.
+SDPA. What holds it at d = 128 (Nsight Compute, ``ncu_3xtf32_bwd_d128.txt``, N = 2048, 21.0 ms): issue slots
+47 % busy at 1.95 instructions per cycle; one 8-warp block per SM (occupancy 12.5 %, limited by registers and
+shared memory), 0.64 eligible warps per scheduler, 4.1 cycles between a warp's instructions of which 1.7 wait on
+fixed-latency dependencies — the splits' chains of integer and floating-point steps, with two warps per
+scheduler to hide them. The levers left: fewer registers per warp (dK_j, dV_j's accumulators are half of them) for
+a second block, the splits of Q_i, dO_i shared by the block instead of repeated by each warp (the planes tried
+above spilled), and, causal, the longest key blocks first and the mask tested only on tiles that cross the
+diagonal.
 """
 
 from __future__ import annotations
