@@ -35,7 +35,7 @@ with truncation, so every sum is staged as in the forwards: chains of at most 3�
 to the running value by float32 additions (the dK_j, dV_j sums over all row blocks included).
 
 **Shared memory** (words): K_j and V_j (B_c rows of d + 4), two stages of Q_i and dO_i (B_r rows each, ``cp.async``:
-step i + 1's tiles land while step i is computed), the τ·dS tile (B_r × (B_c + 4)), two stages of L_i·log₂e and D_i.
+step i + 1's tiles land while step i is computed), the τ·dS tile (B_r × (B_c + 4)), two stages of L_i and D_i.
 At d = 128 with W = 8, B_r = 32: 215 KiB, one block per SM.
 
 Cost per (batch, head), N_q = N_k = N, not causal: 10·N²·d FLOPs as 30·N²·d tensor-core FLOPs; HBM reads of K, V once
@@ -61,7 +61,7 @@ kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory
    SDPA's own 3xTF32. ptxas: 255 registers and 32 bytes of spill at d = 128, 252 at d = 64. But at extreme logits
    (Q, K scaled by 4: scores in the hundreds) dV missed flash-attn's rule: 1.0e-4 against SDPA's 3.4e-5
    (``tf32_backward_extreme_logits_one_chain.log``). Recomputing P as exp(τS − L) in natural units (one fused
-   rounding) changed nothing; with the oracle's own L (rounded to float32) the errors grew — the error was in
+   rounding) changed nothing (kept); with the oracle's own L (rounded to float32) the errors grew — the error was in
    S, the tensor core truncating the small cross terms against the big terms' running sum.
 2. **Cross terms in their own accumulators** for Sᵀ and dPᵀ (this file; as the planes forward does): at extreme
    logits dQ, dK, dV 4.6e-5 / 4.4e-5 / 3.8e-5 against SDPA memory-efficient's 6.4e-5 / 5.5e-5 / 3.4e-5 and its
@@ -69,7 +69,7 @@ kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory
    ``python -m benchmarks.backward_accuracy``, ``tf32_backward_extreme_logits.log``) — now within the rule, and
    more accurate than kernels_gpu.fast's FFMA backward there (1.5e-4 / 2.0e-4 / 7.2e-5). Speed
    (``fast_backward_3xtf32_cross.json``, N = 4096): d = 128 32.7 (spilling 252 bytes), d = 64 37.7 with four
-   warps, 36.1 with eight (−3 %). The grid (``fast_backward_3xtf32.json``, N = 2048 / 4096 / 8192):
+   warps, 36.1 with eight (−3 %). The grid (``fast_backward_3xtf32_cross_grid.json``, N = 2048 / 4096 / 8192):
 
    ==========  ==================  ==================  ==================
    d, mask     3xTF32 (this)       v3 (FFMA)           SDPA mem.-eff.
@@ -81,7 +81,21 @@ kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory
    ==========  ==================  ==================  ==================
 
    GPU tests (``gpu_tests_3xtf32_backward.log``, with the 3xTF32 forwards' own): 21 passed; compute-sanitizer
-   (``sanitizer_3xtf32_memcheck.log``, ``_racecheck.log``): 0 errors, 0 hazards.
+   (``sanitizer_3xtf32_memcheck.log``, ``_racecheck.log``): 0 errors, 0 hazards. Nsight Compute at d = 128
+   (``ncu_3xtf32_bwd_d128.txt``, N = 2048, 21.0 ms): issue slots 47 % busy at 1.95 instructions per cycle; one
+   8-warp block per SM (occupancy 12.5 %, limited by registers and shared memory), 0.64 eligible warps per
+   scheduler, 4.1 cycles between a warp's instructions of which 1.7 wait on fixed-latency dependencies — the splits'
+   chains of integer and floating-point steps, with two warps per scheduler to hide them.
+3. **The mask only where a tile needs it, causal blocks longest first** (this file): P's per-element tests of key
+   against N_k and the diagonal run only in a step whose tiles hold such a key (as the forwards do), and causal
+   launches put the key-block index last in the grid, so that every head's key block 0 — the one with the most row
+   blocks to visit — starts in the first waves. Predicted (before the run): causal +2-5 %, the rest unchanged.
+   Measured (``fast_backward_3xtf32.json``, v3 and SDPA in the same run): causal d = 128 30.1 / 32.0 / 33.1,
+   d = 64 36.8 / 37.9 / 38.9 (+9-10 %, more than predicted; the two changes were not measured apart), non-causal
+   d = 128 32.4 / 33.1 / 33.6 (unchanged), d = 64 38.3 / 38.7 / 38.9 (+3 %); SDPA memory-efficient 33.5 / 35.8 /
+   37.1 causal and 36.5 / 36.9 / 36.8 at d = 128, 32.6 / 33.8 / 34.5 and 35.2 / 35.6 / 34.9 at d = 64. GPU tests
+   (``gpu_tests_3xtf32_backward_mask_tiles.log``): 8 passed; memcheck (``sanitizer_3xtf32_bwd_mask_tiles_memcheck
+   .log``): 0 errors. ptxas: 284 bytes of spill at d = 128 (252 before), none at d = 64 (251 registers).
 
 Tried, not run: Q_i and dO_i split once per step into big and small planes (one raw stage for the next step's
 copies, the planes read by ``ldmatrix`` and scalar loads with no split left in the warps' loops; at d = 128 with
@@ -89,16 +103,15 @@ B_r = 16, 190 KiB): ptxas spilled 1.6 KB per thread (544 bytes with the score pr
 updates' still split), against 16 bytes for the same tile split per use. The likely cause, not yet checked in the
 SASS: without the splits' arithmetic between them, ptxas schedules a whole unrolled group's loads early.
 
-So at d = 64 the float32-accurate backward is faster than PyTorch's (1.02-1.08×) and than the FFMA kernel
-(+15-18 %); at d = 128 it is 9 % faster than the FFMA kernel without a mask and level with it causal, at 0.81-0.89×
-SDPA. What holds it at d = 128 (Nsight Compute, ``ncu_3xtf32_bwd_d128.txt``, N = 2048, 21.0 ms): issue slots
-47 % busy at 1.95 instructions per cycle; one 8-warp block per SM (occupancy 12.5 %, limited by registers and
-shared memory), 0.64 eligible warps per scheduler, 4.1 cycles between a warp's instructions of which 1.7 wait on
-fixed-latency dependencies — the splits' chains of integer and floating-point steps, with two warps per
-scheduler to hide them. The levers left: fewer registers per warp (dK_j, dV_j's accumulators are half of them) for
-a second block, the splits of Q_i, dO_i shared by the block instead of repeated by each warp (the planes tried
-above spilled), and, causal, the longest key blocks first and the mask tested only on tiles that cross the
-diagonal.
+So at d = 64 the float32-accurate backward is faster than PyTorch's (1.09-1.12× without the mask, 1.12-1.13×
+causal) and than the FFMA kernel (+21-27 %); at d = 128 it is 6-10 % faster than the FFMA kernel, at 0.89-0.91×
+SDPA. Through the
+op (``backend="3xtf32"``, forward and backward, ``gpt_speed_op_float32_3xtf32.json``): 0.895× SDPA at d = 128 with
+and without the mask, 1.07-1.10× at d = 64; the default float32 path, ``kernels_gpu.fast``, 0.83× and 0.92-0.93×
+in the run beside it. What holds the backward at d = 128 is latency with two warps per scheduler (step 2's
+profile). The levers left: fewer registers per warp (dK_j, dV_j's accumulators are half of them) for a second
+block, and the splits of Q_i, dO_i shared by the block instead of repeated by each warp (the planes tried above
+spilled).
 """
 
 from __future__ import annotations
@@ -125,7 +138,7 @@ MAX_HEAD_DIM = 128
 
 #: the kernel's argument types, for ``python -m kernels_gpu.tensorcore.inspect_ptx bwd_3xtf32 --dtype float32``
 PTX_SIGNATURE = ((types.float32[:, :, :, ::1],) * 4 + (types.float32[:, :, ::1],) * 2 +
-                 (types.float32[:, :, :, ::1],) * 3 + (types.int32,) * 3 + (types.float32,) * 2)
+                 (types.float32[:, :, :, ::1],) * 3 + (types.int32,) * 3 + (types.float32,))
 
 
 def stage_steps(k_steps: int) -> int:
@@ -218,7 +231,7 @@ def make_kernel(cfg: Backward3xTF32Config):
     d, B_r, B_c, T, RS, DSS = cfg.d, cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.DSS
     NT, NK, MT, NQW = cfg.NT, cfg.NK, cfg.MT, cfg.NQW
     K_OFF = 0                                 # word offsets in the one shared array: K_j, V_j, stage 0 (Q_i, dO_i),
-    V_OFF = B_c * RS                          # stage 1, the τ·dS tile, then (floats) stage 0 (L_i·log₂e, D_i),
+    V_OFF = B_c * RS                          # stage 1, the τ·dS tile, then (floats) stage 0 (L_i, D_i),
     Q_OFF = 2 * B_c * RS                      # stage 1
     STAGE = 2 * B_r * RS
     DS_OFF = Q_OFF + 2 * STAGE
@@ -334,15 +347,20 @@ def make_kernel(cfg: Backward3xTF32Config):
     dq_product = repeat(jit, dq_group, B_c // 8 // KQ)
 
     @cuda.jit
-    def flash2_backward_3xtf32_kernel(Q, K, V, dO, L, D, dQ, dK, dV, N_q, N_k, G, scale, scale_log2):
+    def flash2_backward_3xtf32_kernel(Q, K, V, dO, L, D, dQ, dK, dV, N_q, N_k, G, scale):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = cuda.laneid
         g = lane // 4
         t = lane % 4
-        j = cuda.blockIdx.x                   # key block j (Alg. 2 line 5: one block per j, in parallel)
-        hk = cuda.blockIdx.y
-        z = cuda.blockIdx.z
+        if causal:                            # grid (H_kv, batch, key blocks): key block 0, the longest, first
+            hk = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+            j = cuda.blockIdx.z
+        else:                                 # grid (key blocks, H_kv, batch)
+            j = cuda.blockIdx.x               # key block j (Alg. 2 line 5: one block per j, in parallel)
+            hk = cuda.blockIdx.y
+            z = cuda.blockIdx.z
         sm = cuda.shared.array(0, uint32)     # dynamic shared memory: float32 tiles, read as bits by ldmatrix
         smf = cuda.shared.array(0, float32)
         s = cuda.local.array(S_LEN, float32)
@@ -378,7 +396,7 @@ def make_kernel(cfg: Backward3xTF32Config):
         if causal and j * B_c - diag > 0:
             i_first = min(T_r, (j * B_c - diag) // B_r)
         n_steps = G * (T_r - i_first)
-        # Line 6: K_j, V_j; lines 9-10 for the first step: Q_i, dO_i, and L_i·log₂e, D_i (plain loads).
+        # Line 6: K_j, V_j; lines 9-10 for the first step: Q_i, dO_i, and L_i, D_i (plain loads).
         copy_kv(sm, K_OFF, K, z, hk, j * B_c, N_k, tid)
         copy_kv(sm, V_OFF, V, z, hk, j * B_c, N_k, tid)
         if n_steps > 0:
@@ -424,13 +442,15 @@ def make_kernel(cfg: Backward3xTF32Config):
             zero(s, S_LEN)
             zero(dp, S_LEN)
             score_products(s, dp, s_part, dp_part, s_cross, dp_cross, sm, a_at, b_at, q_off)
-            # Line 13: Pᵀ = exp(τSᵀ − L_i), 0 for keys past N_k and (causal) keys after the query's diagonal.
+            # Line 13: Pᵀ = exp(τSᵀ − L_i) (τS − L in one fused rounding, then base 2), 0 for keys past N_k and
+            # (causal) keys after the query's diagonal — tested only where the block holds such keys.
+            mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > q0 + diag)
             for n in range(NT):
                 for e in range(4):
                     key = key0 + g + 8 * (e // 2)
                     col = 8 * n + 2 * t + e % 2
                     p = ex2(cuda.fma(s[4 * n + e], scale, -smf[l_off + col]) * float32(LOG2E))
-                    if key >= N_k or (causal and key > q0 + col + diag):
+                    if mask_tile and (key >= N_k or (causal and key > q0 + col + diag)):
                         p = float32(0.0)
                     s[4 * n + e] = p
             # Line 16: dV_j += Pᵀ dO_i (Pᵀ split first; line 19, dSᵀ = Pᵀ ∘ (dPᵀ − D_i), then replaces it in s,
@@ -488,7 +508,8 @@ def flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=False, scale=None, warps=No
     multiple of 16 up to 128, d_v = d; GQA by head mapping (dK, dV summed over each group); ``causal``
     bottom-right; ``scale`` τ (default 1/√d); ``warps``, ``B_r``: the tile (:func:`config_for`). Returns
     ``Flash2Backward(dQ, dK, dV)``, float32, NumPy in → NumPy out. Launches: D = rowsum(dO ∘ O) (a warp per row),
-    dQ = 0, then this kernel on a grid of (key blocks, H_kv, batch)."""
+    dQ = 0, then this kernel on a grid of (key blocks, H_kv, batch) — causal, (H_kv, batch, key blocks): the
+    blocks with the most row blocks to visit start first."""
     layout, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale)
     N_q, N_k, d, d_v = layout.N_q, layout.N_k, layout.d, layout.d_v
     if d_v != d:
@@ -508,10 +529,10 @@ def flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=False, scale=None, warps=No
     dQ = rt.device_zeros((Z, H_q, N_q, d))
     dK = rt.device_empty((Z, H_kv, N_k, d))
     dV = rt.device_empty((Z, H_kv, N_k, d))
-    args = (Q4, K4, V4, dO4, L4, D, dQ, dK, dV, np.int32(N_q), np.int32(N_k), np.int32(layout.G), np.float32(tau),
-            np.float32(float(tau) * LOG2E))
-    driver_launch.launch(make_kernel(cfg), (rt.grid_size(N_k, cfg.B_c), H_kv, Z), cfg.threads, 0, args,
-                         4 * shared_words(cfg))
+    args = (Q4, K4, V4, dO4, L4, D, dQ, dK, dV, np.int32(N_q), np.int32(N_k), np.int32(layout.G), np.float32(tau))
+    T_c = rt.grid_size(N_k, cfg.B_c)
+    grid = (H_kv, Z, T_c) if causal else (T_c, H_kv, Z)
+    driver_launch.launch(make_kernel(cfg), grid, cfg.threads, 0, args, 4 * shared_words(cfg))
     return Flash2Backward(rt.finish(dQ, layout, (N_q, d)),
                           rt.finish(dK, layout, (N_k, d), per_query=False),
                           rt.finish(dV, layout, (N_k, d), per_query=False))
