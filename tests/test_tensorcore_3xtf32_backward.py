@@ -45,17 +45,17 @@ def _forward(Q, K, V, causal):
     return np.asarray(O, np.float32), np.asarray(L, np.float32)
 
 
-CASES = [  # (Q shape, K/V shape, causal, tile): two warps (B_c = 32) and 16-query steps
-    ((1, 1, 20, 16), (1, 1, 37, 16), False),      # ragged: two key blocks (one partial), two row blocks
-    ((1, 2, 29, 16), (1, 1, 21, 16), True),       # GQA 2:1, causal with N_q > N_k: 8 rows per head see no key
-]
+CASES = [  # (Q shape, K/V shape, causal, paired): two warps (B_c = 32) and 16-query steps
+    ((1, 1, 20, 16), (1, 1, 37, 16), False, True),   # ragged: two key blocks (one partial), two row blocks
+    ((1, 2, 29, 16), (1, 1, 21, 16), True, False),   # GQA 2:1, causal with N_q > N_k: 8 rows per head see no key;
+]                                                    # Sᵀ, dPᵀ one after the other (the d > 64 default)
 
 
-@pytest.mark.parametrize("shape_q, shape_kv, causal", CASES, ids=["ragged", "gqa-causal-masked-rows"])
-def test_matches_oracle(shape_q, shape_kv, causal):
-    Q, K, V, dO = _problem(CASES.index((shape_q, shape_kv, causal)), shape_q, shape_kv)
+@pytest.mark.parametrize("shape_q, shape_kv, causal, paired", CASES, ids=["ragged", "gqa-causal-masked-rows"])
+def test_matches_oracle(shape_q, shape_kv, causal, paired):
+    Q, K, V, dO = _problem(CASES.index((shape_q, shape_kv, causal, paired)), shape_q, shape_kv)
     O, L = _forward(Q, K, V, causal)
-    grads = backward(Q, K, V, O, L, dO, causal=causal, warps=2, B_r=16)
+    grads = backward(Q, K, V, O, L, dO, causal=causal, warps=2, B_r=16, paired=paired)
     ref = fa2edu.attention_reference_backward(Q, K, V, dO, causal=causal)
     # the baseline error: float32 standard attention's backward (FA1 Alg. 3), same inputs
     P = fa2edu.standard_attention(Q, K, V, causal=causal).P

@@ -90,12 +90,31 @@ kernels_gpu.fast's FFMA backward v3 (29.5-30.2 on an H100) and below SDPA memory
    against N_k and the diagonal run only in a step whose tiles hold such a key (as the forwards do), and causal
    launches put the key-block index last in the grid, so that every head's key block 0 — the one with the most row
    blocks to visit — starts in the first waves. Predicted (before the run): causal +2-5 %, the rest unchanged.
-   Measured (``fast_backward_3xtf32.json``, v3 and SDPA in the same run): causal d = 128 30.1 / 32.0 / 33.1,
-   d = 64 36.8 / 37.9 / 38.9 (+9-10 %, more than predicted; the two changes were not measured apart), non-causal
-   d = 128 32.4 / 33.1 / 33.6 (unchanged), d = 64 38.3 / 38.7 / 38.9 (+3 %); SDPA memory-efficient 33.5 / 35.8 /
-   37.1 causal and 36.5 / 36.9 / 36.8 at d = 128, 32.6 / 33.8 / 34.5 and 35.2 / 35.6 / 34.9 at d = 64. GPU tests
+   Measured (``fast_backward_3xtf32_mask_tiles.json``, v3 and SDPA in the same run): causal d = 128 30.1 / 32.0 /
+   33.1, d = 64 36.8 / 37.9 / 38.9 (+9-10 %, more than predicted; the two changes were not measured apart),
+   non-causal d = 128 32.4 / 33.1 / 33.6 (unchanged), d = 64 38.3 / 38.7 / 38.9 (+3 %); SDPA memory-efficient
+   33.5 / 35.8 / 37.1 causal and 36.5 / 36.9 / 36.8 at d = 128, 32.6 / 33.8 / 34.5 and 35.2 / 35.6 / 34.9 at
+   d = 64. GPU tests
    (``gpu_tests_3xtf32_backward_mask_tiles.log``): 8 passed; memcheck (``sanitizer_3xtf32_bwd_mask_tiles_memcheck
    .log``): 0 errors. ptxas: 284 bytes of spill at d = 128 (252 before), none at d = 64 (251 registers).
+4. **Sᵀ and dPᵀ one after the other at d = 128** (``paired``): in one loop the two products' part and cross
+   accumulators (64 registers at B_r = 32) were what ptxas spilled at d = 128; one after the other they share one
+   part and one cross array: 4 bytes of spill. No prediction was written before this run. Measured with every d
+   sequential (``fast_backward_3xtf32_sequential.json``): d = 128 +3-4 % (33.5 / 34.1 / 34.4, causal 31.3 / 33.1 /
+   34.0), d = 64 −2-3 % (fewer independent MMA chains, no spill to remove) — so paired up to d = 64, one after the
+   other above. The final grid (``fast_backward_3xtf32.json``; v3 and SDPA memory-efficient in the same run):
+
+   ==========  ======================  ========================  ===========
+   d, mask     TFLOP/s, N = 2k/4k/8k   × SDPA memory-efficient   × v3 (FFMA)
+   ==========  ======================  ========================  ===========
+   128         33.2 / 33.9 / 34.1      0.91 / 0.92 / 0.92        1.11-1.12
+   128 causal  31.0 / 32.7 / 33.7      0.93 / 0.92 / 0.90        1.09-1.13
+   64          38.3 / 38.4 / 38.9      1.08 / 1.08 / 1.11        1.20-1.21
+   64 causal   36.5 / 38.2 / 38.7      1.12 / 1.13 / 1.12        1.25
+   ==========  ======================  ========================  ===========
+
+   GPU tests (``gpu_tests_3xtf32_backward_final.log``): 8 passed; compute-sanitizer
+   (``sanitizer_3xtf32_bwd_final_memcheck.log``, ``_racecheck.log``): 0 errors, 0 hazards.
 
 Tried, not run: Q_i and dO_i split once per step into big and small planes (one raw stage for the next step's
 copies, the planes read by ``ldmatrix`` and scalar loads with no split left in the warps' loops; at d = 128 with
@@ -103,15 +122,14 @@ B_r = 16, 190 KiB): ptxas spilled 1.6 KB per thread (544 bytes with the score pr
 updates' still split), against 16 bytes for the same tile split per use. The likely cause, not yet checked in the
 SASS: without the splits' arithmetic between them, ptxas schedules a whole unrolled group's loads early.
 
-So at d = 64 the float32-accurate backward is faster than PyTorch's (1.09-1.12× without the mask, 1.12-1.13×
-causal) and than the FFMA kernel (+21-27 %); at d = 128 it is 6-10 % faster than the FFMA kernel, at 0.89-0.91×
-SDPA. Through the
-op (``backend="3xtf32"``, forward and backward, ``gpt_speed_op_float32_3xtf32.json``): 0.895× SDPA at d = 128 with
-and without the mask, 1.07-1.10× at d = 64; the default float32 path, ``kernels_gpu.fast``, 0.83× and 0.92-0.93×
-in the run beside it. What holds the backward at d = 128 is latency with two warps per scheduler (step 2's
-profile). The levers left: fewer registers per warp (dK_j, dV_j's accumulators are half of them) for a second
-block, and the splits of Q_i, dO_i shared by the block instead of repeated by each warp (the planes tried above
-spilled).
+So the float32-accurate backward is faster than PyTorch's own at d = 64 (1.08-1.13×) and at 0.90-0.93× of it at
+d = 128, 9-25 % faster than the FFMA kernel everywhere. Through the op (``backend="3xtf32"``, forward and
+backward, ``gpt_speed_op_float32_3xtf32.json``): 0.91× SDPA at d = 128 and 0.92× causal, 1.06-1.09× at d = 64;
+the default float32 path, ``kernels_gpu.fast``, 0.83× and 0.92-0.93× in the run beside it
+(``gpt_speed_op_float32_fast.json``). What holds the backward at d = 128 is latency with two warps per scheduler
+(step 2's profile). The levers left: fewer registers per warp (dK_j, dV_j's accumulators are half of them) for a
+second block, and the splits of Q_i, dO_i shared by the block instead of repeated by each warp (the planes tried
+above spilled).
 """
 
 from __future__ import annotations
@@ -157,6 +175,9 @@ class Backward3xTF32Config:
     B_r: int
     causal: bool
     simulated: bool
+    #: Sᵀ and dPᵀ in one loop over the k-steps (twice the independent MMA chains) rather than one after the other
+    #: (half the registers of their partial sums)
+    paired: bool = True
 
     def __post_init__(self):
         if self.d % 16 or not 16 <= self.d <= MAX_HEAD_DIM:
@@ -208,14 +229,16 @@ class Backward3xTF32Config:
 
 
 def config_for(d: int, dtype: str, causal: bool, simulated: bool, warps: int | None = None,
-               B_r: int | None = None) -> Backward3xTF32Config:
+               B_r: int | None = None, paired: bool | None = None) -> Backward3xTF32Config:
     """By default B_r = 32 and eight warps (B_c = 128) at d > 64, four (B_c = 64: two blocks per SM) up to d = 64 —
-    the fastest of the tiles measured (``fast_backward_3xtf32_explore.json``). ``dtype``: the inputs' type,
+    the fastest of the tiles measured (``fast_backward_3xtf32_explore.json``); Sᵀ and dPᵀ ``paired`` up to d = 64
+    (at d = 128 one after the other: ``fast_backward_3xtf32_sequential.json``). ``dtype``: the inputs' type,
     "float32" (the rungs' signature, for :mod:`~kernels_gpu.tensorcore.inspect_ptx`)."""
     if dtype != "float32":
         raise ValueError(f"the 3xTF32 backward takes float32 inputs (dtype 'float32'), got {dtype!r}")
     warps = (4 if d <= 64 else 8) if warps is None else warps
-    return Backward3xTF32Config(d=d, warps=warps, B_r=32 if B_r is None else B_r,
+    paired = d <= 64 if paired is None else paired
+    return Backward3xTF32Config(d=d, warps=warps, B_r=32 if B_r is None else B_r, paired=paired,
                                 causal=causal, simulated=simulated)
 
 
@@ -242,6 +265,7 @@ def make_kernel(cfg: Backward3xTF32Config):
     KQ = stage_steps(B_c // 8)                # ... dQ_i (over B_c)
     UG = 4 if NK % 4 == 0 else 2              # column tiles per group of an update (independent chains)
     U_LEN, Q_LEN = 4 * UG, 4 * NQW
+    PAIRED = cfg.paired
     causal = cfg.causal
     inf = float32(math.inf)
     ldmatrix, ex2 = ptx.ldmatrix_x4, ptx.ex2
@@ -267,10 +291,27 @@ def make_kernel(cfg: Backward3xTF32Config):
         mma_into(big, n, a[0], a[1], a[2], a[3], b[0], b[1])
 
     @jit
-    def score_group(kg, s, dp, s_part, dp_part, s_cross, dp_cross, sm, a_at, b_at, q_off):
-        """k-steps KS·kg … of lines 11 and 17 (Sᵀ = K_w Q_iᵀ, dPᵀ = V_w dO_iᵀ), their big and cross terms summed in
-        zeroed parts, then added to Sᵀ and dPᵀ; A (the warp's K and V rows) and B (two query tiles' rows of Q_i and
-        dO_i) by ``ldmatrix``."""
+    def score_group(kg, acc, part, cross, sm, a_at, b_at):
+        """k-steps KS·kg … of line 11 (Sᵀ = K_w Q_iᵀ: A the warp's K rows at word ``a_at``, B Q_i's rows at ``b_at``)
+        or of line 17 (dPᵀ = V_w dO_iᵀ), both halves by ``ldmatrix``; the big and cross terms summed in zeroed
+        ``part`` and ``cross``, then added to ``acc``."""
+        zero(part, S_LEN)
+        zero(cross, S_LEN)
+        for k4 in range(KS):
+            kk = kg * KS + k4
+            x0, x1, x2, x3 = ldmatrix(sm, a_at + 8 * kk)
+            a = a_operands(x0, x1, x2, x3)
+            for np_ in range(NT // 2):
+                y0, y1, y2, y3 = ldmatrix(sm, b_at + 16 * np_ * RS + 8 * kk)
+                product_parts(part, cross, 2 * np_, a, b_operands(y0, y1))
+                product_parts(part, cross, 2 * np_ + 1, a, b_operands(y2, y3))
+        add_into(part, cross, S_LEN)
+        add_into(acc, part, S_LEN)
+
+    @jit
+    def score_pair_group(kg, s, dp, s_part, dp_part, s_cross, dp_cross, sm, a_at, b_at, q_off):
+        """The same for lines 11 and 17 in one loop (up to d = 64: twice the independent MMA chains; at d = 128 the
+        second product's part and cross registers make ptxas spill)."""
         zero(s_part, S_LEN)
         zero(dp_part, S_LEN)
         zero(s_cross, S_LEN)
@@ -298,6 +339,7 @@ def make_kernel(cfg: Backward3xTF32Config):
     # leaves the outer loops of the d = 128 products rolled, so they are written as straight-line calls with
     # constant indices (:func:`~kernels_gpu.tensorcore.steps.repeat`).
     score_products = repeat(jit, score_group, NK // KS)
+    score_pairs = repeat(jit, score_pair_group, NK // KS)
 
     @jit
     def split_a(pa, s):
@@ -366,9 +408,9 @@ def make_kernel(cfg: Backward3xTF32Config):
         s = cuda.local.array(S_LEN, float32)
         dp = cuda.local.array(S_LEN, float32)
         s_part = cuda.local.array(S_LEN, float32)
-        dp_part = cuda.local.array(S_LEN, float32)
         s_cross = cuda.local.array(S_LEN, float32)
-        dp_cross = cuda.local.array(S_LEN, float32)
+        dp_part = cuda.local.array(S_LEN if PAIRED else 1, float32)
+        dp_cross = cuda.local.array(S_LEN if PAIRED else 1, float32)
         dk = cuda.local.array(C_LEN, float32)
         dv = cuda.local.array(C_LEN, float32)
         pa = cuda.local.array(PA_LEN, uint32)
@@ -441,7 +483,11 @@ def make_kernel(cfg: Backward3xTF32Config):
             # Lines 11 and 17: Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ.
             zero(s, S_LEN)
             zero(dp, S_LEN)
-            score_products(s, dp, s_part, dp_part, s_cross, dp_cross, sm, a_at, b_at, q_off)
+            if PAIRED:
+                score_pairs(s, dp, s_part, dp_part, s_cross, dp_cross, sm, a_at, b_at, q_off)
+            else:
+                score_products(s, s_part, s_cross, sm, K_OFF + a_at, q_off + b_at)
+                score_products(dp, s_part, s_cross, sm, V_OFF + a_at, q_off + B_r * RS + b_at)
             # Line 13: Pᵀ = exp(τSᵀ − L_i) (τS − L in one fused rounding, then base 2), 0 for keys past N_k and
             # (causal) keys after the query's diagonal — tested only where the block holds such keys.
             mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > q0 + diag)
@@ -502,11 +548,12 @@ def _contiguous(x, name: str):
     return x
 
 
-def flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=False, scale=None, warps=None, B_r=None) -> Flash2Backward:
+def flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=False, scale=None, warps=None, B_r=None,
+                           paired=None) -> Flash2Backward:
     """FA2 backward (Alg. 2) in 3xTF32 on tensor cores: float32 Q (…, N_q, d), K, V (…, N_k, d), the forward's O and
     L (natural log, +inf on rows that see no key) and dO — NumPy arrays or CUDA arrays (C-contiguous) — d a
     multiple of 16 up to 128, d_v = d; GQA by head mapping (dK, dV summed over each group); ``causal``
-    bottom-right; ``scale`` τ (default 1/√d); ``warps``, ``B_r``: the tile (:func:`config_for`). Returns
+    bottom-right; ``scale`` τ (default 1/√d); ``warps``, ``B_r``, ``paired``: the tile (:func:`config_for`). Returns
     ``Flash2Backward(dQ, dK, dV)``, float32, NumPy in → NumPy out. Launches: D = rowsum(dO ∘ O) (a warp per row),
     dQ = 0, then this kernel on a grid of (key blocks, H_kv, batch) — causal, (H_kv, batch, key blocks): the
     blocks with the most row blocks to visit start first."""
@@ -521,7 +568,7 @@ def flash2_backward_3xtf32(Q, K, V, O, L, dO, causal=False, scale=None, warps=No
     L4 = rt.prepare_like(L, "L", layout, (N_q,), finite=False)
     dO4 = rt.prepare_like(dO, "dO", layout, (N_q, d))
     Q4, K4, V4, dO4 = (_contiguous(x, name) for x, name in ((Q4, "Q"), (K4, "K"), (V4, "V"), (dO4, "dO")))
-    cfg = config_for(d, "float32", bool(causal), rt.simulator_in_use(), warps, B_r)
+    cfg = config_for(d, "float32", bool(causal), rt.simulator_in_use(), warps, B_r, paired)
     Z, H_q, H_kv = layout.Z, layout.H_q, layout.H_kv
     # Alg. 2 line 4: D = rowsum(dO ∘ O); line 3: dQ = 0 (the kernel's atomic additions accumulate into it).
     D = rt.device_empty((Z, H_q, N_q))
