@@ -56,13 +56,12 @@ def _run(Q, K, V, dO, causal, **tile):
     return [torch.as_tensor(g, device="cuda") for g in grads]
 
 
-def _check(grads, Q, K, V, dO, causal, backend="EFFICIENT_ATTENTION"):
-    """flash-attn's rule against PyTorch's float32 attention on ``backend``: SDPA's memory-efficient kernel (its
-    own 3xTF32), or "MATH", PyTorch's composite attention (flash-attn's reference: the same formula in plain
-    PyTorch ops)."""
+def _check(grads, Q, K, V, dO, causal):
+    """flash-attn's rule against PyTorch's float32 attention: SDPA's memory-efficient kernel (its own 3xTF32; the
+    math backend where that one does not take the shape)."""
     exact = oracle(Q, K, V, dO, causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel([getattr(SDPBackend, backend), SDPBackend.MATH]):
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         theirs = torch_gradients(Q, K, V, dO, causal)
     for name, ours, pt, ex, x in zip(("dQ", "dK", "dV"), grads, theirs, exact, (Q, K, V)):
         assert ours.dtype == torch.float32 and ours.shape == x.shape, name
