@@ -124,9 +124,11 @@ def check_shapes(chosen, seed=0):
         scale = d ** -0.5
         Ke, Ve = K.repeat_interleave(G, dim=1), V.repeat_interleave(G, dim=1)
         O_ref, L_ref = impls.reference_forward(Q, Ke, Ve, causal, scale)
-        # a fully masked row has L = −inf in the oracle (logsumexp of nothing), which would make its P = NaN and
-        # the whole dK, dV reference NaN (checked against nothing): use L = +inf there, as the kernels do (P = 0)
+        # a fully masked row has L = −inf in the oracle (logsumexp of nothing) and O = NaN, which would make its P
+        # and D = rowsum(dO ∘ O) NaN and the whole dK, dV reference NaN (checked against nothing): use L = +inf and
+        # O = 0 there, as the kernels do (P = 0, dS = 0)
         L_ref = torch.where(torch.isneginf(L_ref), torch.full_like(L_ref, float("inf")), L_ref)
+        O_ref = torch.nan_to_num(O_ref, nan=0.0)
         dQr, dKr, dVr = impls.reference_backward(Q, Ke, Ve, dO, O_ref, L_ref, causal, scale)
         dKr = dKr.reshape(Z, H_kv, G, N_k, d).sum(2)
         dVr = dVr.reshape(Z, H_kv, G, N_k, d).sum(2)
