@@ -147,18 +147,20 @@ def check_shapes(chosen, seed=0):
     return worst
 
 
-def sanitize():
-    """One small ragged GQA problem (causal and not, N_q > N_k and N_q < N_k) through every fast backward version,
-    with every default and one other tiling, NumPy in and out, checked against fa2edu's float64 oracle: run under
-    ``compute-sanitizer --tool racecheck`` (or memcheck) on the GPU machine, ``python -c "from
-    benchmarks.fast_backward import sanitize; sanitize()"``. Raises AssertionError on a wrong result."""
+def sanitize(versions=None):
+    """One small ragged GQA problem (causal and not, N_q > N_k and N_q < N_k) through every fast backward version
+    (or those named in ``versions``), with every default and one other tiling, NumPy in and out, checked against
+    fa2edu's float64 oracle: run under ``compute-sanitizer --tool racecheck`` (or memcheck) on the GPU machine,
+    ``python -c "from benchmarks.fast_backward import sanitize; sanitize()"``. Raises AssertionError on a wrong
+    result."""
     import numpy as np
 
     import fa2edu
     from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
     from kernels_gpu.fast.flash2_backward_v1 import BackwardTiling
     rng = np.random.default_rng(0)
-    for version, backward in BACKWARD_VERSIONS.items():
+    for version in versions or list(BACKWARD_VERSIONS):
+        backward = BACKWARD_VERSIONS[version]
         for N_q, N_k, causal in ((100, 77, True), (77, 100, False)):
             for d, tiling, regs in ((64, None, None), (64, BackwardTiling(16, 16, 4, 4), None), (128, None, None)):
                 Q = rng.standard_normal((1, 4, N_q, d)).astype(np.float32)

@@ -111,7 +111,7 @@ def _kg_flash2_det(pass_, x, causal, scale, options):
 #: the fast versions timed as ``kg_flash2_fast`` (kernels_gpu.fast: the fastest measured forward, per head
 #: dimension — d ≤ 64 the first entry, else the second — and backward): v8's stream-K pays at d = 128 (one block
 #: per SM) and not at d = 64 (``fast_v8e_explore_d64.json``)
-FAST_FORWARD, FAST_BACKWARD = {64: "v6", 128: "v8"}, "v3"
+FAST_FORWARD, FAST_BACKWARD = {64: "v6", 128: "v8"}, "v4"
 #: the fast versions timed as ``kg_flash2_fast_fp16``: the fastest ones that take ``storage="float16"``
 FP16_FORWARD, FP16_BACKWARD = "v6", "v1"
 

@@ -86,7 +86,7 @@ BACKENDS = {
     "numpy": Backend(("cpu",), (torch.float32, torch.float64), ALGORITHMS,
                      "fa2edu's NumPy algorithms: the line-by-line, counted textbook code"),
     "fast": Backend(("cuda",), (torch.float32,), ("flash2",),
-                    "kernels_gpu.fast: register-tiled CUDA-core kernels, forward v6/v8, backward v1"),
+                    "kernels_gpu.fast: register-tiled CUDA-core kernels, forward v6/v8, backward v4"),
     "tensorcore": Backend(("cuda",), (torch.float16, torch.bfloat16), ("flash2",),
                           "kernels_gpu.tensorcore: mma.sync kernels, forward and backward (float32 "
                           "accumulators); without tensorcore.flash2_backward, the fast float32 backward",
@@ -293,7 +293,7 @@ def tensorcore_width(d: int, d_v: int) -> int:
 #: kernels_gpu.fast's forward version per padded width: v6 up to 64, v8 (stream-K over the last wave) above
 #: (the measured choice, ``benchmarks.impls.FAST_FORWARD``), and the backward version.
 FAST_FORWARD = {64: "v6", 256: "v8"}
-FAST_BACKWARD = "v3"
+FAST_BACKWARD = "v4"
 
 
 def _fast_wide_tilings():

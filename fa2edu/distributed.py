@@ -558,7 +558,7 @@ def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
     Forward: float16/bfloat16 → ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores); float32 →
     ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.impls``), then the teaching
     ``kernels_gpu.flash2_forward`` for head sizes the fast kernels do not take. Backward (float32 only; other
-    dtypes run :func:`block_attention_backward` in float32): ``kernels_gpu.fast`` backward v3, then
+    dtypes run :func:`block_attention_backward` in float32): ``kernels_gpu.fast`` backward v4, then
     ``kernels_gpu.flash2_backward``. Every one of them follows :func:`block_attention`'s contract: ``(O, L)`` with
     L float32 in natural-log units (+inf on rows that see nothing), the same bottom-right causal mask, GQA; the
     backward ones take the *global* O and L of the rows, so D = rowsum(dO ∘ O) and P = exp(S − L) are this
@@ -575,7 +575,7 @@ def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
         return []
     if dtype == torch.float32:
         from kernels_gpu.fast import BACKWARD_VERSIONS
-        return [BACKWARD_VERSIONS["v3"], kernels_gpu.flash2_backward]
+        return [BACKWARD_VERSIONS["v4"], kernels_gpu.flash2_backward]
     return []
 
 

@@ -9,6 +9,8 @@ poisoned (NaN) before each run:
   step and across the GQA heads) runs;
 * fully masked rows (causal, N_q > N_k: L = +inf) give exactly dQ = 0 there and no NaN anywhere; key rows no query
   sees give dK = dV = 0;
+* v4 recomputes exactly the forward's P (its scores rounded as the forward's: Q scaled, not K), to the last bit
+  at scores in the hundreds, where v3's are off by several ulps;
 * the dynamic shared-memory declaration computes the same as the static one;
 * tile shapes the kernel cannot run are refused with a ValueError naming the problem.
 """
@@ -22,7 +24,7 @@ from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast import BACKWARD_VERSIONS, flash2_backward_v1, flash2_backward_v2
+from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS, flash2_backward_v1, flash2_backward_v2
 from kernels_gpu.fast.flash2_backward_v1 import BackwardTiling
 
 if not rt.simulator_in_use():  # pragma: no cover
@@ -149,3 +151,46 @@ def test_bad_tilings_are_refused(tiling, message):
     with pytest.raises(ValueError, match=message):
         flash2_backward_v1.flash2_backward(Q, K, V, np.asarray(O, np.float32), np.asarray(L, np.float32), dO,
                                            tiling=tiling)
+
+
+def _forward_scores_log2(Q, K, tau):
+    """S₂ = (τ·log₂e·Q) Kᵀ as the fast forward computes it in the simulator: Q rounded after scaling, then one
+    float32 product and one float32 sum per k, k ascending (the simulator does not fuse them)."""
+    Qs = Q * np.float32(tau * flash2_backward_v1.LOG2E)
+    S2 = np.zeros((Q.shape[0], K.shape[0]), np.float32)
+    for k in range(Q.shape[1]):
+        S2 = S2 + Qs[:, k, None] * K[None, :, k]
+    return S2
+
+
+def test_v4_recomputes_the_forwards_P():
+    """v4's P = exp2(S₂ − L·log₂e) is the fast forward's normalised P: its S₂ is rounded as the forward's (Q scaled by
+    τ·log₂e, not K), checked to the last bit of the exponential's argument at scores in the hundreds, where v3's
+    differently rounded S₂ is off by several ulps. P is read off dV: with dO_i the i-th unit row, dV_j = P_:jᵀ."""
+    rng = np.random.default_rng(3)
+    d, N_q, N_k = 16, 16, 37
+    tiling = BackwardTiling(2, 2, 2, 2)
+    Q, K = (8 * rng.standard_normal((1, 1, n, d)).astype(np.float32) for n in (N_q, N_k))
+    V = rng.standard_normal((1, 1, N_k, d)).astype(np.float32)
+    dO = np.eye(N_q, d, dtype=np.float32)[None, None]
+    O, L = (np.asarray(x, np.float32) for x in VERSIONS["v6"](Q, K, V, tiling=tiling))
+    tau = d ** -0.5
+    l2 = L[0, 0] * np.float32(flash2_backward_v1.LOG2E)
+    want = np.exp2((_forward_scores_log2(Q[0, 0], K[0, 0], tau) - l2[:, None]).astype(np.float64))
+    got = {v: np.asarray(BACKWARD_VERSIONS[v](Q, K, V, O, L, dO, tiling=tiling)[2])[0, 0, :, :N_q].T
+           for v in ("v3", "v4")}
+    assert np.abs(want.max(axis=1) - 1).max() < 0.5           # scores spread: rows led by one key, not uniform
+    np.testing.assert_allclose(got["v4"], want, rtol=2.0 ** -23, atol=1e-45)
+    assert np.max(np.abs(got["v3"] - want) / np.maximum(want, 1e-30)) > 1e-6   # the mismatch v4 removes
+    assert abs(got["v4"].astype(np.float64).sum(axis=1) - 1).max() < 4e-5       # rows of P sum to one
+
+
+@pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", [CASES[1], CASES[3]])
+def test_v4_matches_oracle_and_v3(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
+    """v4 against the oracle, GQA and causal; at ordinary scales its gradients are v3's to float32 rounding."""
+    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, "v4")) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
+    got = _check(Q, K, V, dO, causal, tiling, version="v4")
+    O, L = (np.asarray(x, np.float32) for x in fa2edu.flash2_forward(Q, K, V, causal=causal)[:2])
+    want = BACKWARD_VERSIONS["v3"](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

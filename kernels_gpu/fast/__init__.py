@@ -7,6 +7,7 @@ from kernels_gpu.fast import (
     flash2_backward_v1,
     flash2_backward_v2,
     flash2_backward_v3,
+    flash2_backward_v4,
     flash2_forward_v1,
     flash2_forward_v2,
     flash2_forward_v3,
@@ -25,9 +26,9 @@ VERSIONS = {"v1": flash2_forward_v1.flash2_forward, "v2": flash2_forward_v2.flas
 
 #: the fast FA2 backward versions: name → ``flash2_backward(Q, K, V, O, L, dO, causal=, scale=, tiling=)``
 BACKWARD_VERSIONS = {"v1": flash2_backward_v1.flash2_backward, "v2": flash2_backward_v2.flash2_backward,
-                     "v3": flash2_backward_v3.flash2_backward}
+                     "v3": flash2_backward_v3.flash2_backward, "v4": flash2_backward_v4.flash2_backward}
 
 __all__ = ["VERSIONS", "BACKWARD_VERSIONS", "Tiling", "flash2_backward_v1", "flash2_backward_v2",
-           "flash2_backward_v3",           "flash2_forward_v1", "flash2_forward_v2",
+           "flash2_backward_v3", "flash2_backward_v4", "flash2_forward_v1", "flash2_forward_v2",
            "flash2_forward_v3", "flash2_forward_v4", "flash2_forward_v5", "flash2_forward_v6", "flash2_forward_v7",
            "flash2_forward_v8"]

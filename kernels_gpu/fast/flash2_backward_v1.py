@@ -158,12 +158,14 @@ def check_tiling(tiling: BackwardTiling, d: int, d_v: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max_registers: int | None = None,
-                  vector_red: bool = False):
+                  vector_red: bool = False, scale_q: bool = False):
     """The kernel for one tile shape and head sizes (compile-time constants); ``max_registers`` caps ptxas's
     registers per thread (more resident blocks per SM, at the price of spills), GPU only. ``vector_red``: dQ's
-    atomic additions four floats per instruction (``red.global.add.v4.f32``, fast backward v3) instead of one."""
+    atomic additions four floats per instruction (``red.global.add.v4.f32``, fast backward v3) instead of one.
+    ``scale_q``: τ·log₂e multiplies Q_i, not K_j, so that S₂ is rounded as the fast forward rounds it (v4)."""
     check_tiling(tiling, d, d_v)
     VECTOR_RED = vector_red
+    SCALE_Q = scale_q
     NY, NX, TR, TC = tiling
     B_r, B_c, T = tiling.B_r, tiling.B_c, tiling.threads
     KC = B_c // NY                      # rows of dK_j, dV_j per thread
@@ -218,13 +220,18 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
         lreg = cuda.local.array(NL, float32)           # L_{i+1}·log2e, D_{i+1}
         dreg = cuda.local.array(NL, float32)
 
-        # Alg. 2 line 6: load K_j (scaled by τ·log2e) and V_j to shared memory; rows past N_k are zero.
+        # Alg. 2 line 6: load K_j (scaled by τ·log2e, unless Q_i is) and V_j to shared memory; rows past N_k are
+        # zero. What multiplies the products at the end: dQ's by (τ or ln 2), dK's by (ln 2 or τ).
+        fq = tau if SCALE_Q else float32(LN2)
+        fk = float32(LN2) if SCALE_Q else tau
         for e in range(t, B_c * d, T):
             c = e // d
             k = e - c * d
             x = float32(0.0)
             if col0 + c < N_k:
-                x = float32(K[z, h_kv, col0 + c, k]) * scale2      # float16 storage: converted before scaling
+                x = float32(K[z, h_kv, col0 + c, k])                # float16 storage: converted before scaling
+                if not SCALE_Q:
+                    x *= scale2
             sm[K_OFF + c * KS + k] = x
         for e in range(t, B_c * d_v, T):
             c = e // d_v
@@ -266,6 +273,10 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
             h = h_kv * G + g
             row0 = i * B_r
             cuda.syncthreads()                          # everyone is done with the previous Q_i, dO_i, P, dS
+            if SCALE_Q:
+                # (v4) Q_i scaled by τ·log2e as the forward scales it: S₂ below is the forward's, bit for bit
+                for u in range(NQ):
+                    qreg[u] *= scale2
             store_q(sm, qreg, t, Q_OFF, QS)
             store_o(sm, oreg, t, O_OFF, OS)
             for u in range(NL):
@@ -290,7 +301,7 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                     lreg[u] = L[z, h2, nrow0 + r] * float32(LOG2E)
                     dreg[u] = D[z, h2, nrow0 + r]
 
-            # Alg. 2 line 10: S_i^(j) = τ Q_i K_jᵀ (times log2e: K_j is pre-scaled), TR × TC per thread.
+            # Alg. 2 line 10: S_i^(j) = τ Q_i K_jᵀ (times log2e: K_j, or Q_i, is pre-scaled), TR × TC per thread.
             for x in range(TR * TC):
                 s[x] = 0.0
                 dp[x] = 0.0
@@ -356,7 +367,8 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                     for x in range(TD):
                         dk[c * TD + x] += pa[c] * fa[x]
 
-            # Alg. 2 line 15: dQ_i ← dQ_i + τ dS K_j (K_j holds τ·log2e·K: multiply by ln 2), atomically in HBM.
+            # Alg. 2 line 15: dQ_i ← dQ_i + τ dS K_j (times fq: ln 2 where K_j holds τ·log2e·K, else τ), atomically
+            # in HBM.
             for x in range(TR * TD):
                 dq[x] = 0.0
             for c4 in range(0, B_c, 4):
@@ -379,21 +391,20 @@ def make_backward(tiling: BackwardTiling, d: int, d_v: int, simulator: bool, max
                         if VECTOR_RED:
                             # (v3) the chunk's four floats by one instruction: 16-byte aligned, as d is a
                             # multiple of 4·NX
-                            ptx.red_add_v4_f32(dQf, base + 4 * tx + 4 * NX * q, dq[x] * float32(LN2),
-                                               dq[x + 1] * float32(LN2), dq[x + 2] * float32(LN2),
-                                               dq[x + 3] * float32(LN2))
+                            ptx.red_add_v4_f32(dQf, base + 4 * tx + 4 * NX * q, dq[x] * fq, dq[x + 1] * fq,
+                                               dq[x + 2] * fq, dq[x + 3] * fq)
                         else:
                             for e in range(4):
-                                cuda.atomic.add(dQf, base + 4 * tx + 4 * NX * q + e, dq[x + e] * float32(LN2))
+                                cuda.atomic.add(dQf, base + 4 * tx + 4 * NX * q + e, dq[x + e] * fq)
 
-        # Alg. 2 line 17: write dK_j (times τ), dV_j to HBM, once (summed over the GQA group already); float16
-        # storage rounds here.
+        # Alg. 2 line 17: write dK_j (times fk: τ, or ln 2 where Q_i held τ·log2e·Q), dV_j to HBM, once (summed
+        # over the GQA group already); float16 storage rounds here.
         for c in range(KC):
             col = col0 + ty * KC + c
             if col < N_k:
                 for q in range(TQ):
                     for e in range(4):
-                        dK[z, h_kv, col, 4 * tx + 4 * NX * q + e] = dk[c * TD + q * 4 + e] * tau
+                        dK[z, h_kv, col, 4 * tx + 4 * NX * q + e] = dk[c * TD + q * 4 + e] * fk
                 for q in range(TQV):
                     for e in range(4):
                         dV[z, h_kv, col, 4 * tx + 4 * NX * q + e] = dv[c * TDV + q * 4 + e]
@@ -438,10 +449,11 @@ def teaching_preprocess(O4, dO4, D, d_v: int) -> None:
 
 
 def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storage, preprocess,
-                 vector_red: bool = False) -> Flash2Backward:
+                 vector_red: bool = False, scale_q: bool = False) -> Flash2Backward:
     """The body of :func:`flash2_backward` (same arguments), with the launch of Alg. 2 line 4 passed in:
-    ``preprocess(O4, dO4, D, d_v)`` fills D (Z, H_q, N_q) with rowsum(dO ∘ O) (v2 changes only that), and
-    ``vector_red``: dQ's additions by vector reductions (v3, :func:`make_backward`)."""
+    ``preprocess(O4, dO4, D, d_v)`` fills D (Z, H_q, N_q) with rowsum(dO ∘ O) (v2 changes only that),
+    ``vector_red``: dQ's additions by vector reductions (v3), ``scale_q``: Q_i scaled instead of K_j (v4; both
+    :func:`make_backward`)."""
     rt.storage_dtype(storage)                          # a bad name is a ValueError before anything else
     layout_, Q4, K4, V4, tau = rt.prepare_inputs(Q, K, V, causal=causal, scale=scale, storage=storage)
     N_q, d, d_v = layout_.N_q, layout_.d, layout_.d_v
@@ -466,7 +478,7 @@ def run_backward(Q, K, V, O, L, dO, causal, scale, tiling, max_registers, storag
     dQ = rt.device_zeros((Z, H_q, N_q, d))
     dK = rt.device_empty((Z, H_kv, layout_.N_k, d), storage=storage)
     dV = rt.device_empty((Z, H_kv, layout_.N_k, d_v), storage=storage)
-    kernel = make_backward(tiling, d, d_v, simulator, max_registers, vector_red)
+    kernel = make_backward(tiling, d, d_v, simulator, max_registers, vector_red, scale_q)
     dynamic = 4 * size if size > tiled.STATIC_FLOATS else 0
     args = (K4, V4, L4, D, dQ.reshape(-1), dK, dV, _flat(Q4, "Q"), _flat(dO4, "dO"), np.int64(H_q),
             np.int64(N_q), np.float32(tau), np.float32(float(tau) * LOG2E), bool(causal))

@@ -101,8 +101,9 @@ def lse_reference(q, k, causal):
     return torch.where(torch.isneginf(L), torch.full_like(L, math.inf), L)
 
 
-def assert_flash_attn_rule(ours, q, k, v, dO, causal, label):
-    """ours = (O, dQ, dK, dV) against SDPA in float64, within 2 × SDPA's own error in q's dtype + a floor."""
+def assert_flash_attn_rule(ours, q, k, v, dO, causal, label, floor=1e-5):
+    """ours = (O, dQ, dK, dV) against SDPA in float64, within 2 × SDPA's own error in q's dtype + a floor
+    (``floor`` × the largest |value| in float32: see ``tests/tolerances.py``)."""
     oracle = with_grads(sdpa(causal), *(x.double() for x in (q, k, v, dO)))
     baseline = with_grads(sdpa(causal), q, k, v, dO)
     like = np.float32 if q.dtype == F32 else np.float16
@@ -110,7 +111,8 @@ def assert_flash_attn_rule(ours, q, k, v, dO, causal, label):
         assert x.device.type == "cuda" and x.dtype == q.dtype and x.shape == ref.shape, name
         expected = ref.cpu().numpy()
         error = float(np.max(np.abs(low.double().cpu().numpy() - expected)))
-        assert_close_to_oracle(x.double().cpu().numpy(), expected, f"{label} {name}", dtype=like, baseline=error)
+        assert_close_to_oracle(x.double().cpu().numpy(), expected, f"{label} {name}", dtype=like, baseline=error,
+                               floor=floor)
 
 
 # -- the default backends: float32 → fast, float16/bfloat16 → tensorcore -------------------------------------------
@@ -122,6 +124,18 @@ def test_cuda_matches_sdpa(case, dtype):
     q, k, v, dO = draw(q_shape, k_shape, d_v, dtype)
     ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dO)
     assert_flash_attn_rule(ours, q, k, v, dO, causal, f"{case} {dtype}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_extreme_logits(d):
+    """Scores in the hundreds (q, k scaled by 4, GQA 2:1, causal), float32: the fast backward recomputes P from the
+    forward's L, so its scores must be rounded as the forward's (``kernels_gpu.fast.flash2_backward_v4``; v3 missed
+    the rule here, dK at 3.7× SDPA's error). The floor is float32's (2⁻²⁰ of the largest value), not the default
+    1e-5, which would hide a 3× miss at these magnitudes."""
+    q, k, v, dO = draw((1, 4, 600, d), (1, 2, 600, d), d, F32, seed=5)
+    q, k = q * 4, k * 4
+    ours = with_grads(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, dO)
+    assert_flash_attn_rule(ours, q, k, v, dO, True, f"extreme logits d = {d}", floor=2.0 ** -20)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
