@@ -31,7 +31,9 @@ Input sets are rotated so that together they exceed twice the L2 cache (a repeat
 
 Achieved bandwidth = bytes that must move / time, the bytes being the K and V cache read once, q read and O written
 (``decode_bytes``); its ratio to the device-to-device copy rate measured in the same run (read + write bytes of a
-``copy_`` of a 2 GiB buffer over its time), at the start and the end of the run (the larger is used).
+``copy_`` of a 2 GiB buffer over its time), at the start and the end of the run (the larger is used). Beside it,
+per shape, a copy of the same bytes (``copy_same_bytes``: each set's K copied, :func:`same_bytes_copy`): the rate a
+plain copy reaches at this size, launch, ramp-up and tail included — what the 2 GiB copy spreads thin.
 
 **Varlen.** 16 sequences of long-tailed lengths (lognormal, median 1024, σ = 1, clipped to [16, 8192], seed 0),
 32 query heads on 8 KV heads, d = 128, float16, causal (a prefill): packed (``cu_seqlens``) against the same batch
@@ -66,6 +68,19 @@ outnumber the SMs, no register cap, the merge launched early; graphs of at least
   then), the larger batches by under 1 %. Before tensor copies (``cp.async``, 09:36): 0.94-0.97× everywhere;
 * varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 4.9× faster than padded, same
   output (target: met).
+
+**On an H200** (2026-11-27, the same program and harness, ``benchmarks/results/nvidia-h200/decode.json``, copy
+rate 4214 GB/s, 1.41× the H100's): batch 1 reaches 33 %, 48 %, 64 %, 80 %, 89 %, 94 % of the copy rate at 4k …
+128k (16k: 25.0 µs), batch 8 79-102 %, batch 32 98-106 %; SDPA's best backend (cuDNN; flash at batch 8, 128k) is
+faster at every shape, ours at 0.92-0.99× its speed. The copy of the same bytes says how much of batch 1's shortfall
+any kernel pays at these sizes: at batch 1 it reaches 72 %, 81 %, 86 %, 91 %, 97 %, 97 % of the 2 GiB rate (16k:
+67 MB in 18.5 µs), so at 16k this program runs at 0.74× a copy of its own bytes and cuDNN at about 0.77×; from
+batch 8 at 32k and batch 32 at 8k on, ours outruns the same-bytes copy (1.01-1.09×). (The copy's graph time is a
+memcpy node, which ran at 0.61-0.64 of the 2 GiB rate from 0.5 GB up — presumably on a copy engine rather than the
+copy kernel a stream's copy runs; not profiled —, so the record takes the faster of its graph and stream timings.)
+The knobs of :mod:`benchmarks.decode_variants` on the H200 (``decode_h200_knobs.json``: three or four stages,
+eight warps, 32 splits; at batch 1 with 16k and 32k keys, batch 8 and 32 at 16k) were all slower than the defaults,
+by 0.4-8 %: the H100's choices hold on the H200.
 
 The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k keys, batch 8
 and 32 at every context) and timed each implementation once, the first of a shape right after the previous shape's
@@ -158,6 +173,11 @@ def summarize(records: list, copy_GBps: float) -> tuple[list, dict]:
             paged = impls.get("kernels_gpu_paged", {}).get(key)
             row[f"paged_over_contiguous_{mode}"] = paged / ours if paged and ours else None
             row[f"copy_fraction_{mode}"] = impls.get("kernels_gpu", {}).get(f"copy_fraction_{mode}")
+        # a copy of the same bytes (graph times): its rate against the 2 GiB copy's, and our time against its time
+        same = impls.get("copy_same_bytes", {})
+        ours = impls.get("kernels_gpu", {}).get("ms_graph")
+        row["same_bytes_copy_fraction_graph"] = same.get("copy_fraction_graph")
+        row["vs_same_bytes_copy_graph"] = same["ms_graph"] / ours if same.get("ms_graph") and ours else None
         rows.append(row)
     targets = {}
     checks = [(r, r["copy_fraction_graph"]) for r in rows if r["context"] >= 16384 and r["copy_fraction_graph"]]
@@ -434,9 +454,32 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
             for rec in records[-len(decode_impls(torch, page)):]:
                 if rec["impl"] == "kernels_gpu_paged":
                     rec["bitwise_equal_to_contiguous"] = same
+        records.append(same_bytes_copy(torch, sets, base, target_ms, copy_GBps))
         del sets, outputs, reference
         torch.cuda.empty_cache()
     return records
+
+
+def same_bytes_copy(torch, sets, base: dict, target_ms: float, copy_GBps: float) -> dict:
+    """The record of a device-to-device copy of each set's K into a scratch tensor (K's bytes read and written: the
+    cache's K and V bytes), timed both ways the decoding steps are — calls between CUDA events (as
+    :func:`copy_rate_GBps` times its 2 GiB copy) and CUDA graphs (the sets in turn, ``GRAPH_ROUNDS`` rounds, the
+    smallest median) — and reported at the faster of the two (``ms_graph``; a graph's copies are memcpy nodes, which
+    ran slower than a stream's copy from 0.5 GB up on an H200). What merely moving a
+    step's bytes costs at this size: launch, ramp-up and tail included, which the 2 GiB copy spreads over 1000× more
+    bytes."""
+    scratch = torch.empty_like(sets[0]["k"])
+    nbytes = 2 * scratch.numel() * scratch.element_size()
+
+    def copy(s):
+        return scratch.copy_(s["k"])
+    calls = _median_ms(time_calls(torch, copy, sets, target_ms))
+    rounds = [_median_ms(time_graph(torch, copy, sets, target_ms)) for _ in range(GRAPH_ROUNDS)]
+    ms = min([calls] + rounds)
+    GBps = nbytes / (ms * 1e-3) / 1e9
+    return dict(base, impl="copy_same_bytes", status="ok", bytes=nbytes, ms_copy_call=calls,
+                ms_copy_graph_rounds=rounds, ms_graph=ms, ms_call=None, GBps_graph=GBps,
+                copy_fraction_graph=GBps / copy_GBps)
 
 
 def run_varlen(torch, count: int, target_ms: float) -> list:
@@ -520,6 +563,9 @@ def plot(results: dict, path: str) -> str:
                 best[r["context"]] = max(best.get(r["context"], 0.0), r["GBps_graph"])
         if best:
             ax.plot(*zip(*sorted(best.items())), color="tab:red", marker="s", ms=3, label="SDPA, best backend")
+        pts = sorted((r["context"], r["GBps_graph"]) for r in here if r["impl"] == "copy_same_bytes")
+        if pts:
+            ax.plot(*zip(*pts), color="black", ls=":", marker="^", ms=3, label="copy of the same bytes")
         ax.axhline(copy, color="black", lw=1, label=f"copy rate {copy:.0f} GB/s")
         ax.axhline(TARGET_COPY_FRACTION * copy, color="black", lw=0.8, ls="--", label="80 % of copy")
         ax.set_xscale("log", base=2)
@@ -603,7 +649,9 @@ def main(argv=None) -> int:
               f"copy fraction {row['copy_fraction_graph'] or 0:.2f} "
               f"(call {row['copy_fraction_call'] or 0:.2f})  vs splits=1 {row['speedup_vs_splits1_graph'] or 0:.2f}x  "
               f"paged/contig {row['paged_over_contiguous_graph'] or 0:.3f}  vs {row['sdpa_best_graph']} "
-              f"{row['vs_sdpa_graph'] or 0:.2f}x (call {row['vs_sdpa_call'] or 0:.2f}x)")
+              f"{row['vs_sdpa_graph'] or 0:.2f}x (call {row['vs_sdpa_call'] or 0:.2f}x)  copy of the same bytes "
+              f"{row['same_bytes_copy_fraction_graph'] or 0:.2f}, ours at {row['vs_same_bytes_copy_graph'] or 0:.2f}x "
+              f"its speed")
     print(f"varlen: {json.dumps({k: v for k, v in varlen_summary.items() if k != 'lengths'})}")
     for name, t in targets.items():
         print(f"target {name}: {'PASS' if t['passed'] else 'FAIL'} {t['values']}")

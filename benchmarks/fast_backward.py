@@ -107,7 +107,8 @@ SHAPES = [(2, 4, 2, 300, 257, 64, True), (1, 2, 2, 129, 513, 64, False), (1, 3, 
 
 def check_shapes(chosen, seed=0):
     """Every fast variant on small ragged shapes against the float64 oracle on the GPU, outputs poisoned (NaN).
-    Returns the worst relative error per variant; raises nothing (prints FAIL)."""
+    Returns the worst relative error per variant (1.0 for one that failed to run); raises nothing (prints FAIL; a
+    variant whose tiling does not take a shape's head size skips that shape)."""
     import torch
 
     from benchmarks import impls
@@ -136,13 +137,21 @@ def check_shapes(chosen, seed=0):
         for label, spec, fast in chosen:
             if fast is None:
                 continue
-            out = spec.build("backward", {"Q": Q, "K": K, "V": V, "dO": dO}, causal, scale, {})()
+            where = f"Z={Z} H_q={H_q} H_kv={H_kv} N_q={N_q} N_k={N_k} d={d} causal={int(causal)}"
+            try:
+                out = spec.build("backward", {"Q": Q, "K": K, "V": V, "dO": dO}, causal, scale, {})()
+            except ValueError as exc:            # a tiling that does not take this head size: nothing to check
+                print(f"check {label:22s} {where} skipped: {exc}", flush=True)
+                continue
+            except Exception as exc:  # noqa: BLE001 (a launch that fails, e.g. out of registers, is a result too)
+                worst[label] = 1.0
+                print(f"check {label:22s} {where} FAIL {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
             errs = {name: impls.relative_error(out[name], ref) for name, ref in (("dQ", dQr), ("dK", dKr),
                                                                                 ("dV", dVr))}
             bad = any(e is None or e > 1e-4 for e in errs.values())
             worst[label] = max(worst.get(label, 0.0), *(1.0 if e is None else e for e in errs.values()))
-            print(f"check {label:22s} Z={Z} H_q={H_q} H_kv={H_kv} N_q={N_q} N_k={N_k} d={d} causal={int(causal)} "
-                  f"{'FAIL' if bad else 'ok'} {errs}", flush=True)
+            print(f"check {label:22s} {where} {'FAIL' if bad else 'ok'} {errs}", flush=True)
     rt.poison_outputs = False
     return worst
 

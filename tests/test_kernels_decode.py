@@ -583,9 +583,9 @@ def test_benchmark_summary_and_figure(tmp_path):
     from benchmarks import decode as bench
     copy = 3000.0
     recs = []
-    for batch, context, ours, s1, paged, sdpa in [(1, 16384, 0.030, 0.200, 0.031, 0.050),
-                                                  (1, 32768, 0.050, 0.400, 0.052, 0.080),
-                                                  (32, 16384, 0.800, 0.820, 0.850, 0.790)]:
+    for batch, context, ours, s1, paged, sdpa, same in [(1, 16384, 0.030, 0.200, 0.031, 0.050, 0.027),
+                                                        (1, 32768, 0.050, 0.400, 0.052, 0.080, 0.045),
+                                                        (32, 16384, 0.800, 0.820, 0.850, 0.790, 0.750)]:
         nbytes = bench.decode_bytes(batch, 32, 8, 1, 128, 128, [context] * batch)
         for impl, ms in (("kernels_gpu", ours), ("kernels_gpu_splits1", s1), ("kernels_gpu_paged", paged),
                          ("sdpa_flash", sdpa), ("sdpa_math", 3 * sdpa)):
@@ -593,8 +593,13 @@ def test_benchmark_summary_and_figure(tmp_path):
             recs.append(dict(batch=batch, context=context, impl=impl, status="ok", ms_graph=ms, ms_call=2 * ms,
                              GBps_graph=GBps, GBps_call=GBps / 2, copy_fraction_graph=GBps / copy,
                              copy_fraction_call=GBps / 2 / copy))
+        GBps = nbytes / (same * 1e-3) / 1e9        # the copy of the same bytes: graph times only
+        recs.append(dict(batch=batch, context=context, impl="copy_same_bytes", status="ok", ms_graph=same,
+                         ms_call=None, GBps_graph=GBps, copy_fraction_graph=GBps / copy))
     rows, targets = bench.summarize(recs, copy)
     row = rows[0]
+    assert row["vs_same_bytes_copy_graph"] == pytest.approx(0.027 / 0.030)
+    assert row["same_bytes_copy_fraction_graph"] == pytest.approx(row["copy_fraction_graph"] * 0.030 / 0.027)
     assert row["sdpa_best_graph"] == "sdpa_flash" and row["vs_sdpa_graph"] == pytest.approx(0.050 / 0.030)
     assert row["speedup_vs_splits1_graph"] == pytest.approx(0.2 / 0.03)
     assert row["paged_over_contiguous_graph"] == pytest.approx(0.031 / 0.030)

@@ -51,6 +51,15 @@ float32 path against SDPA, with extreme logits at d = 64 and 128 by flash-attn's
 (``sanitizer_fast_backward_v4_*.log``): 0 errors, 0 hazards. The op (``python -m benchmarks.gpt_speed
 --skip-training --micro-dtypes float32``, ``gpt_speed_op_float32_fast_v4.json``) runs v4: float32 forward +
 backward 0.92× / 0.93× SDPA at d = 64, 0.83× / 0.84× at d = 128, as with v3.
+
+**Tried on v4, not kept: 512 threads at d = 128.** v3's profile asked for more warps per scheduler; 16 warps fit an
+SM in one block of 512 threads at 128 registers each, tiling (32, 16, 2, 4) (B_r = B_c = 64, as the default; each
+thread 2 × 4 scores and 2 rows of dK_j, dV_j instead of 4 × 4 and 4). Prediction (before the run): slower by
+10-25 %, because a thread's smaller tile needs more shared-memory loads per FFMA — in the S and dP loops 10
+wavefronts per 32 FFMAs per warp against 12 per 64, in the dK/dV loop about twice as many — and v3's L1 was already
+62 % busy: the shared-memory pipe would bind before the extra warps help. Measured (H200, d = 128, N = 2048, not
+causal, ``fast_backward_v4_512_threads.json``): 23.24 TFLOP/s against the default's 29.71 (−22 %); without the cap
+ptxas takes more than 128 registers and the launch fails (out of resources). Kept as it was.
 """
 
 from __future__ import annotations
