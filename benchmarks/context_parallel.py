@@ -499,7 +499,7 @@ def _spawn(world: int, args) -> dict:
                     rank, out, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
                 except queue_module.Empty:
                     raise SystemExit(f"the {world} processes did not finish in time; ranks that died: "
-                                     f"{[r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]}")
+                                     f"{[r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]}") from None
                 reported += 1
                 if error:
                     failures.append(f"rank {rank}:\n{error}")

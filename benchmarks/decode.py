@@ -378,7 +378,9 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
         reference = None
         outputs = {}
         impls = decode_impls(torch, page)
-        def time_calls_of(name):
+        # sets and outputs are passed, not bound as defaults, so that the del at the end of the iteration frees them
+        def time_calls_of(name, sets, outputs, impls=impls, base=base, nbytes=nbytes, n_sets=n_sets,
+                          cache_bytes=cache_bytes):
             """Check one implementation's output and time its calls; append its record."""
             fn = impls[name]
             rec = dict(base, impl=name, bytes=nbytes, sets=n_sets)
@@ -413,7 +415,7 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
         first = len(records)
         for name in impls:
             if name != "sdpa_math":
-                time_calls_of(name)
+                time_calls_of(name, sets, outputs)
         # Graph times in GRAPH_ROUNDS rounds, every implementation once per round in turn; a record keeps the
         # smallest of its rounds' medians.
         timed = [(r, impls[r["impl"]]) for r in records[first:] if r.get("status") == "ok"]
@@ -429,7 +431,7 @@ def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progre
                     rec.update(graph_error=f"{type(exc).__name__}: {str(exc)[:300]}")
                     torch.cuda.synchronize()
         if "sdpa_math" in impls:
-            time_calls_of("sdpa_math")
+            time_calls_of("sdpa_math", sets, outputs)
         for rec in records[first:]:
             if rec.get("status") != "ok":
                 continue

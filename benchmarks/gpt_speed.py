@@ -152,7 +152,7 @@ def training(settings, device, progress):
     results = []
     for name, model in settings["configs"].items():
         for precision in settings["precisions"]:
-            def run(attention, steps):
+            def run(attention, steps, model=model, precision=precision):
                 return train_run(attention, data, model=model, precision=precision, steps=steps,
                                  warmup=settings["warmup"], batch=settings["batch"], context=settings["context"],
                                  lr=settings["lr"], seed=settings["seed"], device=device,

@@ -92,8 +92,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from benchmarks import timing
     timing.cuda_setup()
-    from examples.gpt.data import CharData, generate_text
     import torch
+
+    from examples.gpt.data import CharData, generate_text
     data = CharData(generate_text(100_000))
     walls = {}
     for attention in ("sdpa", "fa2edu"):

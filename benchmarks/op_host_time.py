@@ -147,12 +147,12 @@ def step_rows(torch, args) -> tuple[dict, str]:
                 wall.append((done - start) * 1e3)
         out[attention] = dict(host_ms=host, wall_ms=wall, host_median_ms=statistics.median(host),
                               wall_median_ms=statistics.median(wall))
-        print(f"{attention:7s} step: host {statistics.median(host):6.2f} ms to queue, wall {statistics.median(wall):6.2f}"
-              f" ms with a sync (medians of {len(host)})", flush=True)
+        print(f"{attention:7s} step: host {statistics.median(host):6.2f} ms to queue, wall "
+              f"{statistics.median(wall):6.2f} ms with a sync (medians of {len(host)})", flush=True)
         if attention == "fa2edu":
             x, y = batches[-1]
 
-            def synced():
+            def synced(step=step, x=x, y=y):
                 step(x, y)
                 torch.cuda.synchronize()
             text = profile_text(synced, 10, 40)

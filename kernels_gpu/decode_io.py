@@ -27,10 +27,9 @@ instead (the GPU tests compare the two); the simulator always does.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-
-import functools
 
 import numpy as np
 from numba import cuda, int64, uint64

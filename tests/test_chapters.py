@@ -114,7 +114,7 @@ def _check_exercise(name: str, exercise_id: str, cells: list) -> None:
     assert _SOLUTION.search(markdown), f"{where}: needs a folded solution (<details><summary>Solution</summary>)"
     hidden = [(source, meta) for kind, source, meta in cells[2:] if kind == "code"]
     assert hidden, f"{where}: needs the solution's code in a code cell after the folded solution"
-    for source, meta in hidden:
+    for _source, meta in hidden:
         assert "hide-cell" in meta.get("tags", []), f"{where}: the solution's code cell must be tagged hide-cell"
         prompt = meta.get("mystnb", {}).get("code_prompt_show", "")
         assert "solution" in prompt.lower(), f"{where}: the hidden cell's toggle must say it shows the solution"

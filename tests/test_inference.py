@@ -31,8 +31,14 @@ from tolerances import assert_close_to_oracle, baseline_error
 import fa2edu
 from fa2edu import HBM, FlopCounter
 from fa2edu.hardware import DEVICES
-from fa2edu.inference import (DECODE_SMS, IndexDtypeError, check_cu_seqlens, decode_block_size,
-                              default_num_splits, split_ranges)
+from fa2edu.inference import (
+    DECODE_SMS,
+    IndexDtypeError,
+    check_cu_seqlens,
+    decode_block_size,
+    default_num_splits,
+    split_ranges,
+)
 from fa2edu.partition import sm_utilisation
 
 DECODE_ARGS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "causal", "scale", "num_splits",

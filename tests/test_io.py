@@ -20,8 +20,17 @@ from fa2edu import hardware
 from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, num_blocks, sram_capacity
 from fa2edu.flash1 import flash1_backward_working_set, flash1_forward_working_set
 from fa2edu.flash2 import flash2_backward, flash2_backward_working_set, flash2_forward, flash2_forward_working_set
-from fa2edu.io import (ALGORITHMS, PASSES, IOReport, block_rule, block_visits, closed_form, execute_io, simulate_io,
-                       visit_form)
+from fa2edu.io import (
+    ALGORITHMS,
+    PASSES,
+    IOReport,
+    block_rule,
+    block_visits,
+    closed_form,
+    execute_io,
+    simulate_io,
+    visit_form,
+)
 from fa2edu.masks import BlockKind, classify_block, random_block_mask
 from fa2edu.memory import HBM
 

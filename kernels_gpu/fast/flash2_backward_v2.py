@@ -24,16 +24,16 @@ are the same: heads × d is fixed), −1.5 % of the op's time, nothing else chan
 
 **Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.op_kernels --dtype float32``, the op through v1
 in ``op_kernels_float32.json`` and through v2 in ``op_kernels_float32_bwd_v2.json``, two machines of one kind).
-The D pass: 0.115 ms at d = 128 (v1's 0.593-0.610), inside the prediction; 0.160-0.167 ms at d = 64 (v1's 0.66),
-above it — a row of 64 floats gives each warp two 128-byte loads per tensor, so the fixed cost per row (the five
-shuffles, the store) is likely to weigh twice as much (not profiled). The op's GPU time per call at d = 128: 32.76 → 32.25 ms non-causal,
-18.06 → 17.57 ms causal (−1.5 %, −2.7 %); in ``python -m benchmarks.gpt_speed`` (``gpt_speed.json``) the float32
-op is 0.78-0.80× SDPA's memory-efficient kernel at d = 128 (0.77-0.78 with v1, ``gpt_speed_fast_bwd_v1.json``)
-and 0.92-0.95× at d = 64. GPU tests (``gpu_tests_fast_backward_v2.log``: v1 and v2 against the float64 oracle,
-float16 storage): 12 passed; compute-sanitizer memcheck of ``benchmarks.fast_backward.sanitize`` (both versions,
-``sanitizer_fast_backward_v2_memcheck.log``): 0 errors. What binds the float32 backward at d = 128 is its main
-kernel (25.1 ms against SDPA's 18.7: SDPA's memory-efficient kernel multiplies float32 on tensor cores, as three
-TF32 products), and no other tile shape of v1 does better (``fast_backward_v1_d128_explore.json``).
+The D pass: 0.115 ms at d = 128 (v1's 0.593-0.610), inside the prediction; 0.160-0.167 ms at d = 64 (v1's 0.66), above
+it — a row of 64 floats gives each warp two 128-byte loads per tensor, so the fixed cost per row (the five shuffles, the
+store) is likely to weigh twice as much (not profiled). The op's GPU time per call at d = 128: 32.76 → 32.25 ms
+non-causal, 18.06 → 17.57 ms causal (−1.5 %, −2.7 %); in ``python -m benchmarks.gpt_speed`` (``gpt_speed.json``) the
+float32 op is 0.78-0.80× SDPA's memory-efficient kernel at d = 128 (0.77-0.78 with v1, ``gpt_speed_fast_bwd_v1.json``)
+and 0.92-0.95× at d = 64. GPU tests (``gpu_tests_fast_backward_v2.log``: v1 and v2 against the float64 oracle, float16
+storage): 12 passed; compute-sanitizer memcheck of ``benchmarks.fast_backward.sanitize`` (both versions,
+``sanitizer_fast_backward_v2_memcheck.log``): 0 errors. What binds the float32 backward at d = 128 is its main kernel
+(25.1 ms against SDPA's 18.7: SDPA's memory-efficient kernel multiplies float32 on tensor cores, as three TF32
+products), and no other tile shape of v1 does better (``fast_backward_v1_d128_explore.json``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ import math
 
 from numba import cuda, float32, uint32
 
-import kernels_gpu.runtime as rt
 from kernels_gpu.tensorcore import backward_launch, ptx
 from kernels_gpu.tensorcore import flash2_backward_v3 as v3
 from kernels_gpu.tensorcore import flash2_backward_v4 as v4

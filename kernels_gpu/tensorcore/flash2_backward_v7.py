@@ -24,11 +24,12 @@ d = 128 (v6 246: fewer, not more), 245 at d = 64 (v6 236), no local memory. Nsig
 against v5's 396.6 M, 1.20 ms against 1.53. On the ladder's bfloat16 grid (``tensorcore_backward_v7.json``,
 beside v5 and SDPA flash in one run): +10-17 % over v5 causal, +5-14 % non-causal at d = 64, level (−1 to +1 %)
 non-causal at d = 128, where v5's key-block kernel already spent per step what v7's causal one does
-(``tensorcore_backward_tiles_full_v5.json``, ``_v7.json``: 1.959 and 1.952 ms for 64 × 128 steps per head); from N = 4096, 174-206 TFLOP/s, 0.68-0.81× SDPA flash's backward. The GPT's bfloat16
-training step at d = 128 (``python -m benchmarks.gpt_speed``, ``gpt_speed.json``): 0.82× SDPA's tokens/s, from
-0.78 with v5. GPU tests: ``gpu_tests_tensorcore_backward_v6_v7.log`` (v7's cases, bit-identical to v3),
-``gpu_tests_tensorcore_backward_fastest_v7.log`` (every shape of the fastest-rung test with v7 the default: 16
-passed), ``gpu_tests_torch_op.log`` (the PyTorch op: 75 passed); compute-sanitizer memcheck of v6 and v7
+(``tensorcore_backward_tiles_full_v5.json``, ``_v7.json``: 1.959 and 1.952 ms for 64 × 128 steps per head); from
+N = 4096, 174-206 TFLOP/s, 0.68-0.81× SDPA flash's backward. The GPT's bfloat16 training step at d = 128
+(``python -m benchmarks.gpt_speed``, ``gpt_speed.json``): 0.82× SDPA's tokens/s, from 0.78 with v5. GPU tests:
+``gpu_tests_tensorcore_backward_v6_v7.log`` (v7's cases, bit-identical to v3),
+``gpu_tests_tensorcore_backward_fastest_v7.log`` (every shape of the fastest-rung test with v7 the default: 16 passed),
+``gpu_tests_torch_op.log`` (the PyTorch op: 75 passed); compute-sanitizer memcheck of v6 and v7
 (``sanitizer_tensorcore_bwd_v7_memcheck.log``): 0 errors.
 """
 

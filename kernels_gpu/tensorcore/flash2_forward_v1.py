@@ -22,8 +22,8 @@ transposed V stores are 16-bit scattered stores with bank conflicts. Expected: 4
 
 **Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
 N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
-260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 14.9 / 18.9 / 20.7; d = 128: 16.7 / 20.1 / 23.0.
-The prediction failed: a third of what was expected, below the fp32 CUDA-core kernels (30-36 on the same GPU).
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 14.9 / 18.9 / 20.7; d = 128: 16.7 / 20.1 /
+23.0. The prediction failed: a third of what was expected, below the fp32 CUDA-core kernels (30-36 on the same GPU).
 v4 later showed why: the synchronous copy of each K/V tile (load, store, barrier, with only a few blocks per SM
 to cover it) costs more than all the arithmetic; operand gathering was not yet the limit.
 """

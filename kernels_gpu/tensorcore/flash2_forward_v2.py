@@ -20,9 +20,9 @@ tiles are the same size, so B_c = 64 up to d = 128 (shared memory beyond 48 KiB 
 
 **Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
 N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
-260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 17.6 / 23.2 / 26.8; d = 128: 20.0 / 24.6 / 30.4 (1.2-1.3× v1).
-The prediction (1.5-2.5×) failed for the reason v4 exposed: the tiles' synchronous HBM copies dominate, so
-fewer instructions between them moved the total little.
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 17.6 / 23.2 / 26.8; d = 128: 20.0 / 24.6 /
+30.4 (1.2-1.3× v1). The prediction (1.5-2.5×) failed for the reason v4 exposed: the tiles' synchronous HBM copies
+dominate, so fewer instructions between them moved the total little.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def make_kernel(cfg: Config):
     online_softmax, finish_rows, mma_into = st["online_softmax"], st["finish_rows"], st["mma_into"]
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
-    B_r, B_c, T, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     KV = B_c // 16                           # 16-wide k-steps of O += P V
     PS = B_c // 2 + 4                        # words per row of P̃_ij (16-byte aligned rows, as ldmatrix needs)

@@ -18,10 +18,10 @@ and the warp no longer waits for its own stores: +10-25 % over v2.
 
 **Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
 N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
-260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 17.1 / 22.2 / 25.3; d = 128: 19.7 / 25.1 / 30.8: level with v2 (−4 % to +2 %).
-The prediction (+10-25 %) failed: while each tile waits for its synchronous copy, the P̃ round trip through
-shared memory is not on the critical path. The change stays: it is what makes v4's and v5's gains possible
-without shared-memory traffic for P̃ (and it frees B_r·B_c/2 words of shared memory).
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 17.1 / 22.2 / 25.3; d = 128: 19.7 / 25.1 /
+30.8: level with v2 (−4 % to +2 %). The prediction (+10-25 %) failed: while each tile waits for its synchronous copy,
+the P̃ round trip through shared memory is not on the critical path. The change stays: it is what makes v4's and v5's
+gains possible without shared-memory traffic for P̃ (and it frees B_r·B_c/2 words of shared memory).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def make_kernel(cfg: Config):
     online_softmax, finish_rows, mma_into = st["online_softmax"], st["finish_rows"], st["mma_into"]
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
-    B_r, B_c, T, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     KV = B_c // 16                           # 16-wide k-steps of O += P V
     K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array

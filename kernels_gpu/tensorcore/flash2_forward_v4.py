@@ -22,9 +22,9 @@ size of 0), so the ragged last tile needs no other code.
 
 **Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
 N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
-260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 48.6 / 56.5 / 58.2; d = 128: 65.0 / 86.3 / 89.5 (2.3-2.9× v3).
-The prediction (+20-40 %) failed in the other direction: the tile copies were the main cost of v1-v3, not a
-latency at the edge of each tile. With them overlapped, the kernel is bound by its own instructions.
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 48.6 / 56.5 / 58.2; d = 128: 65.0 / 86.3 /
+89.5 (2.3-2.9× v3). The prediction (+20-40 %) failed in the other direction: the tile copies were the main cost of
+v1-v3, not a latency at the edge of each tile. With them overlapped, the kernel is bound by its own instructions.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def make_kernel(cfg: Config):
     online_softmax, finish_rows, mma_into = st["online_softmax"], st["finish_rows"], st["mma_into"]
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
-    B_r, B_c, T, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     KV = B_c // 16                           # 16-wide k-steps of O += P V
     K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
@@ -148,8 +148,8 @@ def make_kernel(cfg: Config):
 
 
 def flash2_forward(Q, K, V, causal=False, scale=None):
-    """FA2 forward on tensor cores, rung v4 (cp.async, double-buffered K/V). Q (…, N_q, d), K, V (…, N_k, d), float16 or bfloat16 (see
-    :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns ``Flash2Forward(O, L)``: O in
-    the input dtype, L float32 (+inf on rows that see no key). ``causal``: bottom-right aligned; ``scale``: τ,
-    default 1/√d."""
+    """FA2 forward on tensor cores, rung v4 (cp.async, double-buffered K/V). Q (…, N_q, d), K, V (…, N_k, d), float16 or
+    bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns
+    ``Flash2Forward(O, L)``: O in the input dtype, L float32 (+inf on rows that see no key). ``causal``: bottom-right
+    aligned; ``scale``: τ, default 1/√d."""
     return launch.run(make_kernel, config_for, shared_words, Q, K, V, causal=causal, scale=scale)

@@ -17,10 +17,10 @@ d = 64 (fewer at 128): +10-20 % at d = 64, +5-10 % at d = 128.
 
 **Measured** (H100 80GB HBM3, 2026-11-24, fp16, non-causal, batch × N = 16k tokens, hidden 2048, TFLOP/s at
 N = 1024 / 4096 / 16384; ``benchmarks/results/nvidia-h100/tensorcore.json``, SDPA flash in the same run:
-260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 65.0 / 94.3 / 99.7; d = 128: 81.9 / 108.6 / 115.4 (+34-72 % at d = 64, +26-29 %
-at d = 128 over v4); causal at N = 8192: 1.82× (d = 64) and 1.76× (d = 128) faster in wall time than non-causal;
-bf16 within a few % of fp16. The prediction (+10-20 % / +5-10 %) was too low: libdevice's ``expf`` and the
-per-tile rescale were a larger share of v4's instructions than counted.
+260.8 / 305.3 / 309.4 at d = 64, 308.7 / 340.1 / 341.5 at d = 128). d = 64: 65.0 / 94.3 / 99.7; d = 128: 81.9 / 108.6 /
+115.4 (+34-72 % at d = 64, +26-29 % at d = 128 over v4); causal at N = 8192: 1.82× (d = 64) and 1.76× (d = 128) faster
+in wall time than non-causal; bf16 within a few % of fp16. The prediction (+10-20 % / +5-10 %) was too low: libdevice's
+``expf`` and the per-tile rescale were a larger share of v4's instructions than counted.
 
 **What limits it, and what would come next.** v5 reaches 0.25-0.34× SDPA flash and 16-18 % of the mma.sync
 ceiling measured in the same run (624 TFLOP/s): below the project's targets (≥ 150 TFLOP/s, ≥ 0.5× SDPA flash).
@@ -61,7 +61,7 @@ def make_kernel(cfg: Config):
     online_softmax, finish_rows, mma_into = st["online_softmax_exp2"], st["finish_rows_exp2"], st["mma_into"]
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
-    B_r, B_c, T, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     KV = B_c // 16                           # 16-wide k-steps of O += P V
     K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
@@ -152,8 +152,8 @@ def make_kernel(cfg: Config):
 
 
 def flash2_forward(Q, K, V, causal=False, scale=None):
-    """FA2 forward on tensor cores, rung v5 (base-2 softmax, scale folded, lazy rescale). Q (…, N_q, d), K, V (…, N_k, d), float16 or bfloat16 (see
-    :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns ``Flash2Forward(O, L)``: O in
-    the input dtype, L float32 (+inf on rows that see no key). ``causal``: bottom-right aligned; ``scale``: τ,
-    default 1/√d."""
+    """FA2 forward on tensor cores, rung v5 (base-2 softmax, scale folded, lazy rescale). Q (…, N_q, d), K, V
+    (…, N_k, d), float16 or bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted).
+    Returns ``Flash2Forward(O, L)``: O in the input dtype, L float32 (+inf on rows that see no key). ``causal``:
+    bottom-right aligned; ``scale``: τ, default 1/√d."""
     return launch.run(make_kernel, config_for, shared_words, Q, K, V, causal=causal, scale=scale)

@@ -53,7 +53,7 @@ def make_kernel(cfg: Config):
     online_softmax, finish_rows, mma_into = st["online_softmax_exp2"], st["finish_rows_exp2"], st["mma_into"]
     ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
     pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
-    B_r, B_c, T, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.threads, cfg.RS, cfg.NT, cfg.NO
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
     KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
     KV = B_c // 16                           # 16-wide k-steps of O += P V
     K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
@@ -146,8 +146,8 @@ def make_kernel(cfg: Config):
 
 
 def flash2_forward(Q, K, V, causal=False, scale=None):
-    """FA2 forward on tensor cores, rung v6 (masks only on the tiles that need them). Q (…, N_q, d), K, V (…, N_k, d), float16 or bfloat16 (see
-    :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns ``Flash2Forward(O, L)``: O in
-    the input dtype, L float32 (+inf on rows that see no key). ``causal``: bottom-right aligned; ``scale``: τ,
-    default 1/√d."""
+    """FA2 forward on tensor cores, rung v6 (masks only on the tiles that need them). Q (…, N_q, d), K, V (…, N_k, d),
+    float16 or bfloat16 (see :mod:`kernels_gpu.tensorcore.launch` for the kinds of arrays accepted). Returns
+    ``Flash2Forward(O, L)``: O in the input dtype, L float32 (+inf on rows that see no key). ``causal``: bottom-right
+    aligned; ``scale``: τ, default 1/√d."""
     return launch.run(make_kernel, config_for, shared_words, Q, K, V, causal=causal, scale=scale)

@@ -93,8 +93,9 @@ takes what the fragment tables say it gets (:mod:`~kernels_gpu.tensorcore.fragme
 reads a tile before waiting for it reads stale data in the simulator too. Bulk and tensor copies likewise land only
 when a lane tries to wait on their mbarrier, whose phases the twin keeps as the hardware does (arrivals and a
 transaction count, which may go below zero when bytes land before they are announced); a tensor copy's map is a
-stand-in (:func:`kernels_gpu.tensor_map.simulated_map`), and its box lands swizzled as the copy engine writes it. The mma twin rounds once, after an exact
-sum; the hardware's internal accumulation may differ in the last bits of float32 (the GPU tests bound it).
+stand-in (:func:`kernels_gpu.tensor_map.simulated_map`), and its box lands swizzled as the copy engine writes it. The
+mma twin rounds once, after an exact sum; the hardware's internal accumulation may differ in the last bits of float32
+(the GPU tests bound it).
 
 Every warp-level function must be called by all 32 lanes of the warp, together (as on the hardware: the ``.sync``
 and ``.aligned`` qualifiers require it).
