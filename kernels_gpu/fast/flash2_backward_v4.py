@@ -50,8 +50,8 @@ float32 path against SDPA, with extreme logits at d = 64 and 128 by flash-attn's
 15 passed; then everything float32 of the op's GPU tests (odd head sizes 1 … 256 through the wide tilings, opcheck,
 ``torch.compile``, streams, ``return_lse``, the 16-bit backwards' float32 fallback), every fast backward version
 against the oracle, float16 storage bit for bit and the context-parallel benchmark's single-GPU run
-(``gpu_tests_fast_backward_v4_op.log``): 45 passed. compute-sanitizer memcheck and racecheck of ``benchmarks.fast_backward.sanitize(["v4"])``
-(``sanitizer_fast_backward_v4_*.log``): 0 errors, 0 hazards. The op (``python -m benchmarks.gpt_speed
+(``gpu_tests_fast_backward_v4_op.log``): 45 passed. compute-sanitizer memcheck and racecheck of
+``benchmarks.fast_backward.sanitize(["v4"])`` (``sanitizer_fast_backward_v4_*.log``): 0 errors, 0 hazards. The op (``python -m benchmarks.gpt_speed
 --skip-training --micro-dtypes float32``, ``gpt_speed_op_float32_fast_v4.json``) runs v4: float32 forward +
 backward 0.92× / 0.93× SDPA at d = 64, 0.83× / 0.84× at d = 128, as with v3.
 
