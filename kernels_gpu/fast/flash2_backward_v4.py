@@ -29,31 +29,30 @@ scaling; B_c·d fewer at the start, K_j's): under 0.5 % of a step's 5·B_r·B_c�
 Accuracy: on the extreme-logit problem, with O and L from the op's fast forward, dK and dV errors within 2× of
 SDPA's memory-efficient backward (v3: 3.7× and 2.1×); at ordinary scales unchanged.
 
-**Measured** (H200, 2026-11-27; every variant checked against the float64 oracle first). Speed
-(``python -m benchmarks.fast_backward --d 128,64 --N 2048,4096 --causal 0,1 --impls v3,v4,sdpa_efficient``,
-``fast_backward_v4_ab.json``), TFLOP/s v3 → v4: d = 128 29.63 → 29.74 and 30.34 → 30.37 (N = 2048 / 4096),
-causal 27.48 → 27.74 and 29.35 → 29.50; d = 64 31.55 → 31.54, 31.97 → 31.93, causal 29.06 → 29.11, 30.34 →
-30.27: within ±1 % (prediction held). SDPA's memory-efficient backward in the same run: 33.5-37.0. Accuracy
-(``python -m benchmarks.backward_accuracy``, ``fast_backward_v4_extreme_logits.log``; largest errors of dQ, dK,
-dV with O and L from the op's fast forward, GQA 2:1, N = 600, causal): scale 4, d = 64: v3 1.45e-4, 2.04e-4,
-7.15e-5 → v4 1.38e-4, 1.42e-4, 3.11e-5, against SDPA memory-efficient 6.36e-5, 5.52e-5, 3.37e-5 and SDPA's
-math backend (flash-attn's own reference: the composite formula) 1.42e-4, 9.32e-5, 2.25e-5; scale 4, d = 128: v3
-1.66e-4, 9.28e-5, 6.27e-5 → v4 1.66e-4, 9.23e-5, 3.61e-5 (memory-efficient 1.16e-4, 6.41e-5, 3.03e-5). dV's
-error halved, as the emulation said; against the math backend every gradient is now within 2× (v3: dK 2.2×, dV
-3.2× at d = 64), against the memory-efficient kernel all but dK and dQ at d = 64 (2.6× and 2.2×: the prediction
-held for dV, not for dK). What is left there is not P: in the emulation neither P's consistency nor dK's sum over
-rows (staged per row block: no change) moves dK; it is dS = P ∘ (dP − D), whose dominant entries cancel, computed
-from serial float32 dot products (the likeliest difference from the memory-efficient kernel, whose tensor cores
-sum eight products per step; not measured here).
-GPU tests (``gpu_tests_fast_backward_v4.log``: v3 and v4 against the oracle at N in the thousands; the op's
-float32 path against SDPA, with extreme logits at d = 64 and 128 by flash-attn's rule with float32's 2⁻²⁰ floor):
-15 passed; then everything float32 of the op's GPU tests (odd head sizes 1 … 256 through the wide tilings, opcheck,
-``torch.compile``, streams, ``return_lse``, the 16-bit backwards' float32 fallback), every fast backward version
-against the oracle, float16 storage bit for bit and the context-parallel benchmark's single-GPU run
-(``gpu_tests_fast_backward_v4_op.log``): 45 passed. compute-sanitizer memcheck and racecheck of
-``benchmarks.fast_backward.sanitize(["v4"])`` (``sanitizer_fast_backward_v4_*.log``): 0 errors, 0 hazards. The op (``python -m benchmarks.gpt_speed
---skip-training --micro-dtypes float32``, ``gpt_speed_op_float32_fast_v4.json``) runs v4: float32 forward +
-backward 0.92× / 0.93× SDPA at d = 64, 0.83× / 0.84× at d = 128, as with v3.
+**Measured** (H200, 2026-11-27; every variant checked against the float64 oracle first). Speed (``python -m
+benchmarks.fast_backward --d 128,64 --N 2048,4096 --causal 0,1 --impls v3,v4,sdpa_efficient``,
+``fast_backward_v4_ab.json``), TFLOP/s v3 → v4: d = 128 29.63 → 29.74 and 30.34 → 30.37 (N = 2048 / 4096), causal 27.48
+→ 27.74 and 29.35 → 29.50; d = 64 31.55 → 31.54, 31.97 → 31.93, causal 29.06 → 29.11, 30.34 → 30.27: within ±1 %
+(prediction held). SDPA's memory-efficient backward in the same run: 33.5-37.0. Accuracy (``python -m
+benchmarks.backward_accuracy``, ``fast_backward_v4_extreme_logits.log``; largest errors of dQ, dK, dV with O and L from
+the op's fast forward, GQA 2:1, N = 600, causal): scale 4, d = 64: v3 1.45e-4, 2.04e-4, 7.15e-5 → v4 1.38e-4, 1.42e-4,
+3.11e-5, against SDPA memory-efficient 6.36e-5, 5.52e-5, 3.37e-5 and SDPA's math backend (flash-attn's own reference:
+the composite formula) 1.42e-4, 9.32e-5, 2.25e-5; scale 4, d = 128: v3 1.66e-4, 9.28e-5, 6.27e-5 → v4 1.66e-4, 9.23e-5,
+3.61e-5 (memory-efficient 1.16e-4, 6.41e-5, 3.03e-5). dV's error halved, as the emulation said; against the math backend
+every gradient is now within 2× (v3: dK 2.2×, dV 3.2× at d = 64), against the memory-efficient kernel all but dK and dQ
+at d = 64 (2.6× and 2.2×: the prediction held for dV, not for dK). What is left there is not P: in the emulation neither
+P's consistency nor dK's sum over rows (staged per row block: no change) moves dK; it is dS = P ∘ (dP − D), whose
+dominant entries cancel, computed from serial float32 dot products (the likeliest difference from the memory-efficient
+kernel, whose tensor cores sum eight products per step; not measured here). GPU tests
+(``gpu_tests_fast_backward_v4.log``: v3 and v4 against the oracle at N in the thousands; the op's float32 path against
+SDPA, with extreme logits at d = 64 and 128 by flash-attn's rule with float32's 2⁻²⁰ floor): 15 passed; then everything
+float32 of the op's GPU tests (odd head sizes 1 … 256 through the wide tilings, opcheck, ``torch.compile``, streams,
+``return_lse``, the 16-bit backwards' float32 fallback), every fast backward version against the oracle, float16 storage
+bit for bit and the context-parallel benchmark's single-GPU run (``gpu_tests_fast_backward_v4_op.log``): 45 passed.
+compute-sanitizer memcheck and racecheck of ``benchmarks.fast_backward.sanitize(["v4"])``
+(``sanitizer_fast_backward_v4_*.log``): 0 errors, 0 hazards. The op (``python -m benchmarks.gpt_speed --skip-training
+--micro-dtypes float32``, ``gpt_speed_op_float32_fast_v4.json``) runs v4: float32 forward + backward 0.92× / 0.93× SDPA
+at d = 64, 0.83× / 0.84× at d = 128, as with v3.
 
 **Tried on v4, not kept: 512 threads at d = 128.** v3's profile asked for more warps per scheduler; 16 warps fit an
 SM in one block of 512 threads at 128 registers each, tiling (32, 16, 2, 4) (B_r = B_c = 64, as the default; each
