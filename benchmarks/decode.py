@@ -80,7 +80,12 @@ memcpy node, which ran at 0.61-0.64 of the 2 GiB rate from 0.5 GB up — presuma
 copy kernel a stream's copy runs; not profiled —, so the record takes the faster of its graph and stream timings.)
 The knobs of :mod:`benchmarks.decode_variants` on the H200 (``decode_h200_knobs.json``: three or four stages,
 eight warps, 32 splits; at batch 1 with 16k and 32k keys, batch 8 and 32 at 16k) were all slower than the defaults,
-by 0.4-8 %: the H100's choices hold on the H200.
+by 0.4-8 %: the H100's choices hold on the H200. The H100 grid again with the same-bytes copy (same day,
+``benchmarks/results/nvidia-h100/decode_same_bytes.json``, copy rate 3004 GB/s): batch 1 at 16k 0.72 of the copy
+rate as in ``decode.json``, where a copy of the same bytes reaches 0.88 — the kernel at 0.82× that copy; from 32k
+keys at batch 8 and 8k at batch 32 it outruns the copy (1.03-1.07×); against cuDNN 0.96-1.01× (faster at 5 of 18
+shapes, within 1.3 % at 12 more; ``decode.json``: 8 of 18): the shapes where it leads move by a percent from run to
+run.
 
 The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k keys, batch 8
 and 32 at every context) and timed each implementation once, the first of a shape right after the previous shape's
