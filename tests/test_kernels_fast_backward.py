@@ -60,6 +60,17 @@ def _check(Q, K, V, dO, causal, tiling, version="v1"):
     return grads
 
 
+def _against_previous(version, previous, tiling, Z, H_q, H_kv, N_q, N_k, d, causal, atol):
+    """``version`` against the oracle (:func:`_check`) and against the rung before it on the same inputs, to float32
+    rounding (``rtol`` 1e-5 and ``atol``)."""
+    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, version)) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
+    got = _check(Q, K, V, dO, causal, tiling, version=version)
+    O, L = (np.asarray(x, np.float32) for x in fa2edu.flash2_forward(Q, K, V, causal=causal)[:2])
+    want = BACKWARD_VERSIONS[previous](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
+
+
 CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
     (BackwardTiling(2, 2, 2, 2), 1, 1, 1, 9, 7, 8, False),        # KC = 2, several row and column blocks
     (BackwardTiling(2, 2, 2, 2), 1, 2, 1, 11, 13, 8, True),       # GQA, causal, N_q < N_k
@@ -87,12 +98,7 @@ def test_v3_matches_oracle_and_v2(tiling, Z, H_q, H_kv, N_q, N_k, d, causal, ptx
     into the same rows of dQ; its gradients are v2's up to the order of float32 additions; the reductions really
     were four-wide, 16-byte aligned, and as many as the scalar ones over four."""
     reductions = ptx_calls("red_add_v4_f32")             # (gmem, index, x0, x1, x2, x3)
-    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, "v3")) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
-    got = _check(Q, K, V, dO, causal, tiling, version="v3")
-    O, L = (np.asarray(x, np.float32) for x in fa2edu.flash2_forward(Q, K, V, causal=causal)[:2])
-    want = BACKWARD_VERSIONS["v2"](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _against_previous("v3", "v2", tiling, Z, H_q, H_kv, N_q, N_k, d, causal, atol=1e-6)
     calls = [int(c[1]) for c in reductions]
     assert calls and all(i % 4 == 0 for i in calls)
     assert len(calls) <= Z * H_q * N_q * d * -(-N_k // tiling.B_c) // 4
@@ -188,9 +194,4 @@ def test_v4_recomputes_the_forwards_P():
 @pytest.mark.parametrize("tiling, Z, H_q, H_kv, N_q, N_k, d, causal", [CASES[1], CASES[3]])
 def test_v4_matches_oracle_and_v3(tiling, Z, H_q, H_kv, N_q, N_k, d, causal):
     """v4 against the oracle, GQA and causal; at ordinary scales its gradients are v3's to float32 rounding."""
-    Q, K, V, dO = _problem(hash((N_q, N_k, d, causal, "v4")) % 2**32, Z, H_q, H_kv, N_q, N_k, d)
-    got = _check(Q, K, V, dO, causal, tiling, version="v4")
-    O, L = (np.asarray(x, np.float32) for x in fa2edu.flash2_forward(Q, K, V, causal=causal)[:2])
-    want = BACKWARD_VERSIONS["v3"](Q, K, V, O, L, dO, causal=causal, tiling=tiling)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _against_previous("v4", "v3", tiling, Z, H_q, H_kv, N_q, N_k, d, causal, atol=1e-5)
