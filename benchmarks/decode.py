@@ -17,7 +17,9 @@ Timed, each on the same inputs:
   grid, without Flash-Decoding);
 * ``sdpa_<backend>``: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` with q
   (B, 32, 1, 128) against the contiguous cache, under each of the flash, memory-efficient, cuDNN and math backends
-  (a backend that refuses the shape or runs out of memory is recorded as an error); ``sdpa_best`` is the fastest.
+  (a backend that refuses the shape or runs out of memory is recorded as an error), and ``sdpa_default``, the
+  same call outside ``sdpa_kernel`` (PyTorch's own choice of backend, without the context manager's host time);
+  ``sdpa_best`` is the fastest.
 
 Every implementation is checked once against SDPA's output on the same inputs (float16 rule: max error ≤ 2e-2), and
 paged against contiguous (bit for bit: same splits, same arithmetic). Times are CUDA-event medians, two ways:
@@ -360,6 +362,10 @@ def decode_impls(torch, page: int) -> dict:
     }
     for backend in SDPA_BACKENDS:
         impls[f"sdpa_{backend}"] = _sdpa(torch, backend)
+    # SDPA as most code calls it, PyTorch choosing the backend: the same kernels as one of the above, without the
+    # host time of entering and leaving sdpa_kernel (benchmarks.decode_host measures it)
+    impls["sdpa_default"] = lambda s: torch.nn.functional.scaled_dot_product_attention(s["q"], s["k"], s["v"],
+                                                                                       enable_gqa=True)
     return impls
 
 

@@ -5,14 +5,15 @@
 
 A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
 :mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
-(``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``warps`` (``decode.TC_WARPS``), ``l2``
-(``tensor_map.L2_PROMOTION``: "none", "64B", "128B", "256B") and ``splits`` (``num_splits`` of the call; default:
-the split rule). Each shape (batch × context, the :mod:`benchmarks.decode` grid's H_q = 32, H_kv = 8, d = 128,
-float16, contiguous cache) is timed by CUDA-graph replay (:func:`benchmarks.decode.time_graph`) in ``--rounds``
-rounds, every variant and SDPA's cuDNN backend once per round in turn, so that a drift of the clock or the memory
-touches all of them alike; the median over rounds is reported, with each variant's output checked against cuDNN's.
-``--ncu``: one call of each variant and of cuDNN per shape, each inside an NVTX range ``<name> B<batch>-<context>``
-inside a range ``variant``, for Nsight Compute (``--nvtx --nvtx-include "variant/"``).
+(``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``tile`` (``decode_tc.TILE``, keys per warp tile),
+``warps`` (``decode.TC_WARPS``), ``l2`` (``tensor_map.L2_PROMOTION``: "none", "64B", "128B", "256B") and ``splits``
+(``num_splits`` of the call; default: the split rule). Each shape (batch × context, the :mod:`benchmarks.decode`
+grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache) is timed by CUDA-graph replay
+(:func:`benchmarks.decode.time_graph`) in ``--rounds`` rounds, every variant and SDPA's cuDNN backend once per round
+in turn, so that a drift of the clock or the memory touches all of them alike; the median over rounds is reported,
+with each variant's output checked against cuDNN's. ``--ncu``: one call of each variant and of cuDNN per shape, each
+inside an NVTX range ``<name> B<batch>-<context>`` inside a range ``variant``, for Nsight Compute (``--nvtx
+--nvtx-include "variant/"``).
 
 This is the harness behind the A/B files of the decoding program's header (``decode_tc_bulk_ab.json``) and
 behind ``decode_sets_{1,2,4}.json`` (``--sets N --graph-calls 1``: N input sets, one call each per graph), which
@@ -31,7 +32,7 @@ from benchmarks import decode as bench
 from benchmarks.results_io import utc_now
 from benchmarks.timing import cuda_setup, package_versions
 
-KNOBS = ("copy", "stages", "warps", "splits", "l2", "chains")
+KNOBS = ("copy", "stages", "warps", "splits", "l2", "chains", "tile")
 
 
 def parse_variant(text: str) -> dict:
@@ -66,6 +67,7 @@ def apply(variant: dict) -> None:
     decode_tc.COPY = variant.get("copy", DEFAULTS["copy"])
     decode_tc.STAGES = variant.get("stages", DEFAULTS["stages"])
     decode_tc.CHAINS = variant.get("chains", DEFAULTS["chains"])
+    decode_tc.TILE = variant.get("tile", DEFAULTS["tile"])
     decode.TC_WARPS = variant.get("warps", DEFAULTS["warps"])
     tensor_map.L2_PROMOTION = variant.get("l2", DEFAULTS["l2"])
     decode._PLANS.clear()
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     import torch
 
     from kernels_gpu import decode, decode_tc, tensor_map
-    DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS,
+    DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS, tile=decode_tc.TILE,
                     l2=tensor_map.L2_PROMOTION, chains=decode_tc.CHAINS)
     variants = [parse_variant(v) for v in a.variants]
     shapes = [parse_shape(s) for s in a.shapes]

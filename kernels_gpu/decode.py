@@ -825,6 +825,7 @@ class _Call(NamedTuple):
     num_splits: int | None
     program: str = "cuda_core"      # the split program: "tensorcore" (decode_tc) or "cuda_core" (split_kernel)
     copy: str = "cp.async"          # how the tensor-core program copies whole tiles (decode_tc.COPY, where it applies)
+    tile: int = 16                  # the tensor-core program's keys per warp tile (decode_tc.tile_for)
 
 
 #: the split programs a caller may name (``kernel=``); None picks the tensor-core one wherever it applies
@@ -953,13 +954,15 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
     if kernel == "tensorcore" and not tc_ok:
         raise ValueError(f"kernel='tensorcore' needs float16 or bfloat16 storage, d and d_v multiples of 8 up to "
                          f"256, 16-byte aligned rows of q and the caches and a page size that is a multiple of "
-                         f"{decode_tc.TILE}; got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows "
+                         f"16; got {storage}, d = {d}, d_v = {d_v}, page size {page or 'none'}, rows "
                          f"aligned to {4 * tc_vec} bytes")
     program = "tensorcore" if tc_ok and kernel != "cuda_core" else "cuda_core"
     copy = "cp.async"
+    tile = 16
     if program == "tensorcore":
         row_tiles = -(-R // 16)                     # one 16-row MMA tile per program
         copy = decode_tc.COPY
+        tile = decode_tc.tile_for(page)
         # tensor copies: their maps are kept in PyTorch memory (the simulator's stand-ins aside), for caches whose
         # strides the copy engine can walk
         if copy == "tensor" and not ((kind == "torch-cuda" or rt.simulator_in_use())
@@ -968,7 +971,7 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
     return _Call(kind, storage, out, io.stream_of(kind, getattr(q, "device", None)), Qw, Kw, Vw, table_flat,
                  seq_flat, B, H_q, H_kv, N_new, d_pad, dv_pad, d_v, R, tiling, row_tiles, page, block, max_pages,
                  num_pages, capacity, n_max, k_strides[:3], v_strides[:3], float(tau) * LOG2E, bool(causal),
-                 num_splits, program, copy)
+                 num_splits, program, copy, tile)
 
 
 def _tensor_maps_apply(d: int, d_v: int, k_strides: tuple, v_strides: tuple) -> bool:
@@ -982,14 +985,14 @@ def _tensor_maps_apply(d: int, d_v: int, k_strides: tuple, v_strides: tuple) -> 
 
 def _tensor_maps(c: _Call) -> list:
     """The tensor maps of K and V (kernels_gpu.tensor_map.encode_4d): dims (column, row, head, sequence or page),
-    boxes of TILE rows × 64 columns."""
+    boxes of ``c.tile`` rows × 64 columns."""
     from kernels_gpu import tensor_map
     rows = c.page if c.page else c.capacity
     outer = c.num_pages if c.page else c.B
     maps = []
     for X, st, width in ((c.Kw, c.k_strides, c.d), (c.Vw, c.v_strides, c.d_v)):
         so, sh, sn = st[:3]
-        geometry = ((width, rows, c.H_kv, outer), (4 * sn, 4 * sh, 4 * so), (64, decode_tc.TILE, 1, 1))
+        geometry = ((width, rows, c.H_kv, outer), (4 * sn, 4 * sh, 4 * so), (64, c.tile, 1, 1))
         if rt.simulator_in_use():
             maps.append(tensor_map.simulated_map(X.numba_array(), *geometry))
         else:
@@ -1011,8 +1014,8 @@ def _split_program(c: _Call, simulator: bool) -> tuple:
                  else tc_warps(c.B * c.H_kv * c.row_tiles, _sms()))
         stages = decode_tc.STAGES
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
-                                          c.copy, decode_tc.CHAINS),
-                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy))
+                                          c.copy, decode_tc.CHAINS, c.tile),
+                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy, c.tile))
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
 
 
@@ -1063,15 +1066,28 @@ _MAPS = None
 _NO_MAPS: dict = {}
 
 
+def _map_geometry(c: _Call) -> tuple:
+    """What the tensor maps of a call depend on besides the caches' addresses and the L2 promotion."""
+    return (c.d, c.d_v, c.page, c.capacity, c.num_pages, c.B, c.H_kv, c.k_strides, c.v_strides, c.out.device,
+            c.tile)
+
+
 def _map_key(c: _Call, k_ptr: int, v_ptr: int) -> tuple:
     from kernels_gpu import tensor_map
-    return (k_ptr, v_ptr, c.d, c.d_v, c.page, c.capacity, c.num_pages, c.B, c.H_kv, c.k_strides, c.v_strides,
-            c.out.device, tensor_map.L2_PROMOTION)
+    return (k_ptr, v_ptr, _map_geometry(c), tensor_map.L2_PROMOTION)
+
+
+def _device_maps():
+    """The tensor maps kept for the caches that calls have used (kernels_gpu.tensor_map.DeviceMaps)."""
+    global _MAPS
+    if _MAPS is None:
+        from kernels_gpu.tensor_map import DeviceMaps
+        _MAPS = DeviceMaps()
+    return _MAPS
 
 
 def _map_arrays(c: _Call) -> tuple:
     """(K's map, V's map) as flat uint64 arrays of 16 words, the split program's last two parameters."""
-    global _MAPS
     if c.copy != "tensor":
         dev = None if rt.simulator_in_use() else cuda.get_current_device().id
         if dev not in _NO_MAPS:
@@ -1079,10 +1095,7 @@ def _map_arrays(c: _Call) -> tuple:
         return _NO_MAPS[dev], _NO_MAPS[dev]
     if rt.simulator_in_use():                   # (stand-in maps, made for each call)
         return tuple(io._numba_flat(cuda.to_device(m)) for m in _tensor_maps(c))
-    from kernels_gpu.tensor_map import DeviceMaps
-    if _MAPS is None:
-        _MAPS = DeviceMaps()
-    k, v = _MAPS.get(_map_key(c, c.Kw.ptr, c.Vw.ptr), lambda: _tensor_maps(c), c.out.device)
+    k, v = _device_maps().get(_map_key(c, c.Kw.ptr, c.Vw.ptr), lambda: _tensor_maps(c), c.out.device)
     return (io.Flat(k.data_ptr(), 16, np.dtype(np.uint64), None, k),
             io.Flat(v.data_ptr(), 16, np.dtype(np.uint64), None, v))
 
@@ -1182,8 +1195,43 @@ class DecodePlan:
         # (a plan must not keep a cache alive)
         self.call = c._replace(Qw=None, Kw=io.Flat(0, c.Kw.n, c.Kw.dtype), Vw=io.Flat(0, c.Vw.n, c.Vw.dtype),
                                table=None, seqlens=None)
+        self.geometry = _map_geometry(self.call)
+
+    def _maps(self, k_ptr: int, v_ptr: int) -> tuple:
+        """The addresses of the tensor maps of the caches at ``k_ptr``, ``v_ptr`` (made the first time)."""
+        from kernels_gpu import tensor_map
+
+        def encode():
+            return _tensor_maps(self.call._replace(Kw=io.Flat(k_ptr, self.call.Kw.n, self.call.Kw.dtype),
+                                                   Vw=io.Flat(v_ptr, self.call.Vw.n, self.call.Vw.dtype)))
+        return _device_maps().pointers((k_ptr, v_ptr, self.geometry, tensor_map.L2_PROMOTION), encode,
+                                       self.device)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table) -> DecodeResult:
+        import torch
+        stream = driver_launch.current_stream(self.device.index)
+        table = block_table if self.paged else cache_seqlens   # (a contiguous cache's kernel never reads it)
+        k, v = k_cache.data_ptr(), v_cache.data_ptr()
+        maps = self.no_maps
+        if maps is None:
+            maps = self._maps(k, v)
+        split = (stream, q.data_ptr(), k, v, table.data_ptr(), cache_seqlens.data_ptr())
+        if self.partials:
+            # With splits the split programs write only the partials O_s then L_s (one allocation, freed once the
+            # merge is queued): they are launched before O and L exist, so the GPU starts on the cache sooner.
+            P = torch.empty(self.partials * (self.d_v + 1), dtype=torch.float32, device=self.device)
+            op = P.data_ptr()
+            lp = op + 4 * self.partials * self.d_v
+            self.launches[0](*split, op, op, op, lp, *maps)     # (O and L: never written with splits)
+            O, L = self._outputs()
+            self.launches[1](stream, op, lp, O.data_ptr(), L.data_ptr())
+        else:
+            O, L = self._outputs()
+            o, l = O.data_ptr(), L.data_ptr()
+            self.launches[0](*split, o, l, l, l, *maps)         # (one split: no partials to write)
+        return DecodeResult(O, L)
+
+    def _outputs(self):
         import torch
         O = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
         L = torch.empty(self.l_shape, dtype=torch.float32, device=self.device)
@@ -1193,24 +1241,7 @@ class DecodePlan:
             else:
                 O.view(torch.int16).fill_(-1)
             L.fill_(math.nan)
-        o, l = O.data_ptr(), L.data_ptr()
-        op = lp = l                                   # one split: no partials (the kernel never writes them)
-        if self.partials:
-            Op = torch.empty(self.partials * self.d_v, dtype=torch.float32, device=self.device)
-            Lp = torch.empty(self.partials, dtype=torch.float32, device=self.device)
-            op, lp = Op.data_ptr(), Lp.data_ptr()
-        stream = driver_launch.current_stream(self.device.index)
-        table = block_table if self.paged else cache_seqlens   # (a contiguous cache's kernel never reads it)
-        maps = self.no_maps
-        if maps is None:
-            c = self.call._replace(Kw=io.Flat(k_cache.data_ptr(), self.call.Kw.n, self.call.Kw.dtype),
-                                   Vw=io.Flat(v_cache.data_ptr(), self.call.Vw.n, self.call.Vw.dtype))
-            maps = tuple(x.ptr for x in _map_arrays(c))
-        self.launches[0](stream, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-                         cache_seqlens.data_ptr(), o, l, op, lp, *maps)
-        if self.partials:
-            self.launches[1](stream, op, lp, o, l)
-        return DecodeResult(O, L)
+        return O, L
 
 
 # -- the public functions ----------------------------------------------------------------------------------------

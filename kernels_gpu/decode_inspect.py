@@ -88,15 +88,17 @@ def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, cau
     from kernels_gpu import decode_tc
     _compile_without_gpu()
     copy = decode_tc.COPY if copy is None else copy
+    tile = decode_tc.tile_for(page)
     kernel = decode_tc.split_kernel_tc(storage, d, d, warps, page, causal, False, decode_tc.STAGES, copy,
-                                       decode_tc.CHAINS)
+                                       decode_tc.CHAINS, tile)
     I = getattr(types, index)
     sig = ((types.uint32[::1],) * 3 + (I[::1],) * 2 + (types.uint32[::1],) + (types.float32[::1],) * 3 +
            (types.int64,) * 16 + (types.float32,) + (types.uint64[::1],) * 2)
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     cap = decode_tc.register_cap(d, d, copy)                    # as split_kernel_tc asks of the compiler
-    return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps, copy=copy,
-                shared_bytes=decode_tc.shared_bytes(d, d, warps, decode_tc.STAGES, copy), mma=ptx.count("mma.sync"),
+    return dict(kernel="decode_split_tc", storage=storage, d=d, page=page, warps=warps, copy=copy, tile=tile,
+                shared_bytes=decode_tc.shared_bytes(d, d, warps, decode_tc.STAGES, copy, tile),
+                mma=ptx.count("mma.sync"),
                 ldmatrix=ptx.count("ldmatrix"), cp_async=ptx.count("cp.async.cg"),
                 tensor_copies=ptx.count("cp.async.bulk.tensor"), **_ptxas(ptx, cap))
 

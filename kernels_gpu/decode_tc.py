@@ -259,7 +259,9 @@ from kernels_gpu.tensorcore.steps import Config, make_steps
 
 __all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout", "register_cap"]
 
-#: keys per warp tile (one ``ldmatrix`` row block of K; the k-extent of one O += P̃ V step)
+#: keys per warp tile (a multiple of 16: 16 is one ``ldmatrix`` row block of K and the k-extent of one O += P̃ V
+#: step; a larger tile is that many of each per stage). A paged cache whose pages do not hold whole tiles of TILE
+#: keys runs tiles of 16 (:func:`tile_for`).
 TILE = 16
 #: shared-memory stages per warp (the tile being computed and the next one on its way)
 STAGES = 2
@@ -288,27 +290,33 @@ def register_cap(d: int, d_v: int, copy: str = COPY) -> int | None:
     return REGISTER_CAP if max(d, d_v) <= 128 and copy != "tensor" else None
 
 
+def tile_for(page: int) -> int:
+    """Keys per warp tile for a cache of ``page``-key pages (0: contiguous): :data:`TILE` where the pages hold
+    whole tiles of it, else 16."""
+    return TILE if page % TILE == 0 else 16
+
+
 def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
     """Whether the tensor-core program takes this call: 16-bit storage, head sizes multiples of 8 up to 256 (16-byte
     chunks), rows of q and of the caches 16-byte aligned (``vec`` = 4 words, from the strides and addresses), and a
-    page size (paged caches) that is a multiple of :data:`TILE`, so that a tile never straddles two pages."""
+    page size (paged caches) that is a multiple of 16, so that a tile never straddles two pages."""
     return (storage in ("float16", "bfloat16") and d % 8 == 0 and d_v % 8 == 0 and 8 <= d <= 256
-            and 8 <= d_v <= 256 and vec == 4 and page % TILE == 0)
+            and 8 <= d_v <= 256 and vec == 4 and page % 16 == 0)
 
 
-def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY) -> dict:
+def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16) -> dict:
     """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
     8 different bank groups), ``stages`` stages per warp; after the loop the same memory holds the warps' (m, ℓ,
     Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk and tensor copies). With
     ``copy="tensor"`` the rows are not padded but swizzled (:mod:`kernels_gpu.tensor_map`): a stage is K's then V's
-    boxes of TILE rows × 64 columns (512 words each), every stage 1024-byte aligned."""
+    boxes of ``tile`` rows × 64 columns (32·tile words each), every stage 1024-byte aligned."""
     D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
     if copy == "tensor":
         RS, RSV = D // 2, DV // 2
-        stage = -(-TILE * (RS + RSV) // 256) * 256
+        stage = -(-tile * (RS + RSV) // 256) * 256
     else:
         RS, RSV = D // 2 + 4, DV // 2 + 4
-        stage = TILE * (RS + RSV)
+        stage = tile * (RS + RSV)
     OS = DV + 4                                          # floats per Õ row in the merge area
     merge = 2 * 16 * warps + 16 * warps * OS
     bars = -(-max(warps * stages * stage, merge) // 4) * 4       # 16-byte aligned
@@ -322,20 +330,21 @@ def tensor_copy_applies(d: int, d_v: int, simulator: bool) -> bool:
     return d % 64 == 0 and d_v % 64 == 0
 
 
-def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY) -> int:
+def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16) -> int:
     """Dynamic shared memory of one program, in bytes."""
-    return 4 * layout(d, d_v, warps, stages, copy)["words"]
+    return 4 * layout(d, d_v, warps, stages, copy, tile)["words"]
 
 
 @functools.lru_cache(maxsize=None)
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
-                    stages: int = STAGES, copy: str = COPY, chains: int = CHAINS):
+                    stages: int = STAGES, copy: str = COPY, chains: int = CHAINS, tile: int = 16):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
     causal masking, shared-memory stages per warp (2 to 4: 1 to 3 tiles on their way while one is computed), how
-    whole tiles are copied (:data:`COPY`). Parameters as :func:`kernels_gpu.decode.split_kernel` (flat word arrays;
-    the same launch arguments), then ``ktm``, ``vtm``: the tensor maps of K and V (16 uint64 words each; read only
-    with ``copy="tensor"``); grid (num_splits · row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps
-    threads; :func:`shared_bytes` of dynamic shared memory."""
+    whole tiles are copied (:data:`COPY`), keys per warp tile (``tile``: 16 to 64, dividing the page). Parameters
+    as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch arguments), then ``ktm``, ``vtm``:
+    the tensor maps of K and V (16 uint64 words each; read only with ``copy="tensor"``); grid (num_splits ·
+    row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads; :func:`shared_bytes` of dynamic shared
+    memory."""
     if stages not in (2, 3, 4):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
     if chains not in (1, 2):
@@ -344,11 +353,14 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         raise ValueError(f"copy must be 'bulk', 'cp.async' or 'tensor', got {copy!r}")
     if copy == "tensor" and not tensor_copy_applies(d, d_v, simulator):
         raise ValueError(f"tensor copies need head sizes multiples of 64, got d = {d}, d_v = {d_v}")
+    if tile % 16 or not 16 <= tile <= 64 or page % tile:
+        raise ValueError(f"tile must be 16, 32, 48 or 64 keys and divide the page size {page}, got {tile}")
+    TILE = tile
     W = warps
     THREADS = 32 * W
     NS = stages
     CHAINS = chains
-    lay = layout(d, d_v, W, NS, copy)
+    lay = layout(d, d_v, W, NS, copy, TILE)
     D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS",
                                                                     "OS", "BARS"))
     DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)

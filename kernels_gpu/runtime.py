@@ -64,10 +64,15 @@ class NoGPUError(RuntimeError):
     """A kernel was called on a machine with no usable CUDA GPU, outside the simulator."""
 
 
+_NUMBA_CONFIG = []
+
+
 def simulator_in_use() -> bool:
     """True when numba.cuda is the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` was set before numba was imported)."""
-    from numba.cuda.core import config
-    return bool(config.ENABLE_CUDASIM)
+    if not _NUMBA_CONFIG:                    # (numba's config module, found once: this runs on every call)
+        from numba.cuda.core import config
+        _NUMBA_CONFIG.append(config)
+    return bool(_NUMBA_CONFIG[0].ENABLE_CUDASIM)
 
 
 def require_device() -> None:

@@ -153,6 +153,14 @@ class DeviceMaps:
         self.entries, self.capacity = OrderedDict(), capacity
 
     def get(self, key, encode, device) -> list:
+        """The maps of ``key`` as device tensors of 16 words each (encoded and uploaded by ``encode()`` if new)."""
+        return self._entry(key, encode, device)["rows"]
+
+    def pointers(self, key, encode, device) -> tuple:
+        """The device addresses of :meth:`get`'s tensors (what a prepared launch takes)."""
+        return self._entry(key, encode, device)["pointers"]
+
+    def _entry(self, key, encode, device) -> dict:
         import torch
         entry = self.entries.get(key)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -161,9 +169,12 @@ class DeviceMaps:
             staged = torch.from_numpy(host).pin_memory()
             buffer = torch.empty(host.shape, dtype=torch.int64, device=device) if entry is None else entry["buffer"]
             buffer.copy_(staged, non_blocking=True)
-            entry = dict(buffer=buffer, staged=staged, in_capture=capturing)
+            rows = [buffer[i] for i in range(buffer.shape[0])]
+            entry = dict(buffer=buffer, staged=staged, in_capture=capturing, rows=rows,
+                         pointers=tuple(r.data_ptr() for r in rows))
             self.entries[key] = entry
             while len(self.entries) > self.capacity:
                 self.entries.popitem(last=False)
-        self.entries.move_to_end(key)
-        return [entry["buffer"][i] for i in range(entry["buffer"].shape[0])]
+        else:
+            self.entries.move_to_end(key)
+        return entry

@@ -258,6 +258,29 @@ def test_tensorcore_program_tensor_copies(name, storage, monkeypatch, ptx_calls)
         check_against_oracle(case, O, L, storage="float16")
 
 
+@pytest.mark.parametrize("tile, copy, paged", [(32, "tensor", False), (32, "cp.async", True), (48, "tensor", True)])
+def test_tensorcore_program_larger_tiles(tile, copy, paged, monkeypatch, ptx_calls):
+    """decode_tc.TILE = 32 or 48 keys per warp tile (two or three 16-key blocks of K and V per stage): the oracle's
+    answer by tensor copies (boxes of ``tile`` rows) and by cp.async, contiguous and paged (pages of two tiles,
+    shuffled), with a split's partial last tile, 2 new tokens (causal), an empty sequence; pages that do not hold
+    whole tiles run tiles of 16 (decode_tc.tile_for)."""
+    from kernels_gpu import decode_tc
+    monkeypatch.setattr(decode_tc, "TILE", tile)
+    monkeypatch.setattr(decode_tc, "COPY", copy)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    assert (decode_tc.tile_for(0), decode_tc.tile_for(2 * tile), decode_tc.tile_for(16)) == (tile, tile, 16)
+    calls = ptx_calls("tensor_copy_4d")                 # (sm, s_index, tmap, c0, c1, c2, c3, bar)
+    case = decode_case(tile + paged, paged=paged, B=3, H_kv=1, G=2, N_new=2, d=64, d_v=64, block=2 * tile,
+                       blocks=2, lengths=["full", 2 * tile + 7, 0], dtype=np.float16)
+    O, L = run_decode(case, kernel="tensorcore", num_splits=2)
+    check_against_oracle(case, O, L, storage="float16")
+    rows = {int(c[4]) for c in calls}
+    if copy == "tensor":
+        assert rows and all(r % tile == 0 for r in rows) and any(r % (2 * tile) for r in rows)
+    else:
+        assert not rows
+
+
 @pytest.mark.parametrize("name", ["contig-d40-gqa8-S5", "paged16-gqa4-S3"])
 def test_tensorcore_program_one_or_two_accumulator_chains(name, monkeypatch):
     """decode_tc.CHAINS: S = Q Kᵀ with its odd k-steps in a second set of accumulators (d = 40: three k-steps, an

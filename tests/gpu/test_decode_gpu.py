@@ -18,7 +18,8 @@ What it proves:
 * the driver-level launch (the default) and numba's ordinary launch give bit-identical results; a call is
   bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result; the
   merge launched early (programmatic dependent launch) gives the bits of an ordinary launch; a q that is not
-  16-byte aligned runs the CUDA-core program;
+  16-byte aligned runs the CUDA-core program; one kept plan called from four threads on their own streams gives
+  each thread its own answer;
 * device index arrays: ``validate=True`` refuses a bad block table; without it a bad one is clamped into the cache
   (never a fault);
 * packed varlen batches with long-tailed lengths (empty sequences included), causal or not, GQA, three dtypes.
@@ -377,6 +378,47 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(O_g, O_eager) and torch.equal(L_g, L_eager)
+
+
+def test_one_plan_from_threads_on_their_own_streams(monkeypatch):
+    """A kept plan's launches pack their parameters in storage the plan owns (kernels_gpu.driver_launch.Prepared):
+    four threads calling the same plan at once, each on its own stream with its own cache, get their own answers —
+    no thread's addresses end up in another's launch — bit for bit those of calls made one at a time."""
+    import threading
+
+    from kernels_gpu import decode
+    cases = [make_cache(40 + i, B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=["full", 900],
+                        dtype="float16") for i in range(4)]
+
+    def call(c):
+        return kernels_gpu.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"],
+                                            c["block_table"])
+    monkeypatch.setattr(decode, "_PLANS", {})
+    alone = [call(c) for c in cases]
+    torch.cuda.synchronize()
+    assert len(decode._PLANS) == 1
+    results, errors = {}, []
+    start = threading.Barrier(len(cases))
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            start.wait(timeout=60)
+            with torch.cuda.stream(stream):
+                results[i] = [call(cases[i]) for _ in range(50)]
+            stream.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for i, runs in results.items():
+        for O, L in runs:
+            assert torch.equal(O, alone[i].O) and torch.equal(L, alone[i].L)
+    check_decode(cases[0], *alone[0], "float16")
 
 
 def test_merge_launched_early_equals_an_ordinary_launch(monkeypatch, request):
