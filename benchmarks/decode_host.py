@@ -11,9 +11,10 @@ around one call, the GPU idle before it; 400 calls) of
 * ``plan_key``, ``plan_call``: the plan's cache key, and the plan's own call (outputs, maps, launches);
 * ``allocations``: the plan's ``torch.empty`` calls alone (O, L and, with splits, the partials);
 * ``maps``: finding the tensor maps of the caches (:meth:`kernels_gpu.tensor_map.DeviceMaps.pointers`);
-* ``launch_split``, ``launch_merge``: one prepared launch each (:class:`kernels_gpu.driver_launch.Prepared`:
-  ``cuLaunchKernelEx`` through ctypes); ``launch_split_cuda_bindings``, ``launch_split_cuda_core``: the same launch
-  through ``cuda.bindings``' ``cuLaunchKernelEx`` and through ``cuda.core.launch`` (how it went before);
+* ``launch_split``, ``launch_merge``: one prepared launch each (:class:`kernels_gpu.driver_launch.Prepared`);
+  ``launch_split_cuda_bindings``, ``launch_split_cuda_core``: the driver call alone, its parameter words as they
+  are (no addresses written, no lock), through ``cuda.bindings``' ``cuLaunchKernelEx`` and through
+  ``cuda.core.launch`` (the words handed over one by one, as Prepared did before);
 * ``sdpa_<backend>``: ``scaled_dot_product_attention`` under ``sdpa_kernel(<backend>)``, as
   :mod:`benchmarks.decode` calls it; ``sdpa_default``: the same call without the context manager (PyTorch picks
   the backend); ``sdpa_kernel_context``: entering and leaving the context manager alone.

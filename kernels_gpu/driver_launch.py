@@ -375,33 +375,6 @@ def _core_stream(handle: int):
     return stream
 
 
-class _LaunchAttribute(ctypes.Structure):
-    """The driver's ``CUlaunchAttribute``: an attribute id, padding to 8 bytes, a 64-byte union of values."""
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    """The driver's ``CUlaunchConfig`` (cuda.h): grid, block, dynamic shared bytes, stream, attributes."""
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` (cuda.h's CUlaunchAttributeID)
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-@functools.lru_cache(maxsize=None)
-def _cu_launch_kernel_ex():
-    """The driver's ``cuLaunchKernelEx`` from libcuda, called through ctypes with four pointer-sized arguments
-    (config, function, parameter array, extra)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    fn.argtypes = [ctypes.c_void_p] * 4
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class Prepared:
     """One launch with everything fixed but the arrays' addresses and the stream: the kernel compiled and loaded,
     its shared-memory limit raised, the launch configuration built, the parameters packed — all once, from the
@@ -410,19 +383,20 @@ class Prepared:
     must have the shapes, dtypes and strides of the first call's — the caller's cache key guarantees it.
     ``early``: as for :func:`launch`.
 
-    Everything the driver reads lives in C memory made once: one ctypes object per parameter word, the array of
-    their addresses that ``cuLaunchKernelEx`` takes (the driver copies the values when it queues the launch), and
-    a ``CUlaunchConfig`` per stream. A call writes the addresses and calls the driver's function through ctypes —
-    where ``cuda.core.launch`` converts every one of a decoding program's 94 parameter words on every call
-    (host time of one launch: ``benchmarks.decode_host``, ``decode_host_breakdown.json``). A lock keeps two threads
-    from writing each other's addresses between the writes and the launch."""
+    The parameters live in C memory made once — one ctypes object per parameter word, and the array of their
+    addresses that the driver's ``cuLaunchKernelEx`` takes (it copies the values when it queues the launch) —, the
+    driver's launch configuration is made once per stream, and a call writes the addresses and hands the driver
+    the array (``cuda.bindings``). Host time of one launch of the decoding split program (94 parameter words):
+    ``benchmarks.decode_host``. A lock keeps two threads from writing each other's addresses between the writes
+    and the launch."""
 
     __slots__ = ("kernel", "func", "dims", "early", "words", "pointers", "address", "slot_words", "configs",
-                 "lock", "attribute")
+                 "lock", "driver", "success")
 
     def __init__(self, kernel, grid, block, args: tuple, shared_bytes: int = 0, early: bool = False):
         if not enabled():
             raise RuntimeError("a Prepared launch needs the driver-level launch (a GPU, FA2EDU_LEAN_LAUNCH not 0)")
+        from cuda.bindings import driver
         raise_shared_limit(kernel, args, shared_bytes)
         cufunc, _ = _compiled(kernel, _argument_types(args))
         words, slots = [], []
@@ -436,8 +410,8 @@ class Prepared:
                 words.append(ctypes.c_bool(bool(a)))
             else:
                 words.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
-        self.kernel = cufunc.kernel                     # (cuda.core's Kernel: benchmarks.decode_host compares)
-        self.func = int(cufunc.kernel.handle)           # the loaded kernel, as the driver names it
+        self.kernel = cufunc.kernel                     # cuda.core's Kernel (benchmarks.decode_host compares)
+        self.func = cufunc.kernel.handle                # the loaded kernel, as the driver names it
         self.dims = (_dim3(grid), _dim3(block), int(shared_bytes))
         self.early = bool(early) and pdl_available()
         self.words = words
@@ -446,28 +420,33 @@ class Prepared:
         self.slot_words = tuple(words[i] for i in slots)
         self.configs = {}
         self.lock = threading.Lock()
-        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attribute.value[0] = 1                     # programmaticStreamSerializationAllowed = 1
+        self.driver, self.success = driver, driver.CUresult.CUDA_SUCCESS
 
-    def _config(self, stream: int) -> int:
-        """The address of the launch configuration on ``stream`` (a raw handle), made once per stream."""
-        (gx, gy, gz), (bx, by, bz), shared = self.dims
-        config = _LaunchConfig(gx, gy, gz, bx, by, bz, shared, stream or None)
+    def _config(self, stream: int):
+        """The driver's launch configuration on ``stream`` (a raw handle), made once per stream."""
+        drv = self.driver
+        config = drv.CUlaunchConfig()
+        (config.gridDimX, config.gridDimY, config.gridDimZ), (config.blockDimX, config.blockDimY,
+                                                              config.blockDimZ), config.sharedMemBytes = self.dims
+        config.hStream = drv.CUstream(stream)
         if self.early:
-            config.attrs = ctypes.pointer(self.attribute)
+            attribute = drv.CUlaunchAttribute()
+            attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attribute]
             config.numAttrs = 1
-        self.configs[stream] = config, ctypes.addressof(config)
-        return self.configs[stream][1]
+        else:
+            config.numAttrs = 0
+        self.configs[stream] = config
+        return config
 
     def __call__(self, stream: int, *addresses: int) -> None:
         _bind_context()
-        entry = self.configs.get(stream)
-        config = entry[1] if entry is not None else self._config(stream)
+        config = self.configs.get(stream) or self._config(stream)
         with self.lock:
             for word, address in zip(self.slot_words, addresses):
                 word.value = address
-            err = _cu_launch_kernel_ex()(config, self.func, self.address, None)
-        if err:
-            from cuda.bindings import driver
-            _, name = driver.cuGetErrorName(driver.CUresult(err))
-            raise RuntimeError(f"cuLaunchKernelEx failed: {name.decode() if name else err}")
+            err, = self.driver.cuLaunchKernelEx(config, self.func, self.address, 0)
+        if err != self.success:
+            _, name = self.driver.cuGetErrorName(err)
+            raise RuntimeError(f"cuLaunchKernelEx failed: {name.decode() if name else err!r}")

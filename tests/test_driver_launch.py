@@ -84,20 +84,3 @@ def test_plan_cache_keeps_the_most_recently_used():
     with pytest.raises(ValueError, match="maxsize"):
         driver_launch.PlanCache(0)
 
-
-def test_launch_structures_have_cuda_h_layout():
-    """The ctypes structures a prepared launch hands to cuLaunchKernelEx have cuda.h's layout (x86-64): seven
-    unsigned ints, the stream handle at byte 32 (after 4 bytes of padding), the attribute pointer at 40, their
-    count at 48, 56 bytes in all; an attribute is its 4-byte id padded to 8, then a 64-byte union of values — and
-    the id for programmatic stream serialization is the driver bindings' own."""
-    import ctypes
-
-    from kernels_gpu.driver_launch import _LaunchAttribute, _LaunchConfig
-    config = {name: getattr(_LaunchConfig, name).offset for name, _ in _LaunchConfig._fields_}
-    assert [config[f"{a}Dim{x}"] for a in ("grid", "block") for x in "XYZ"] == [0, 4, 8, 12, 16, 20]
-    assert (config["sharedMemBytes"], config["hStream"], config["attrs"], config["numAttrs"]) == (24, 32, 40, 48)
-    assert ctypes.sizeof(_LaunchConfig) == 56
-    assert (_LaunchAttribute.value.offset, ctypes.sizeof(_LaunchAttribute)) == (8, 72)
-    driver = pytest.importorskip("cuda.bindings.driver")
-    assert driver_launch._PROGRAMMATIC_STREAM_SERIALIZATION == int(
-        driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
