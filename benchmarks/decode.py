@@ -52,23 +52,29 @@ padding fraction (the work saved grows with n², not n).
 
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
-0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-26 20:30 UTC, the full grid, the tensor-core
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-27 06:01 UTC, the full grid, the tensor-core
 program of :mod:`kernels_gpu.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor maps),
 S = Q Kᵀ in two accumulator chains, its split rule of one program per SM, two-warp programs where the programs
-outnumber the SMs, no register cap, the merge launched early; graphs of at least 4 calls, 2 rounds;
-``benchmarks/results/nvidia-h100/decode.json``, copy rate 2992 GB/s), graph times at 4k … 128k:
+outnumber the SMs, no register cap, the merge launched early; the leaner host path of :class:`kernels_gpu.decode
+.DecodePlan`; graphs of at least 4 calls, 2 rounds; ``benchmarks/results/nvidia-h100/decode.json``, copy rate
+3000 GB/s), graph times at 4k … 128k:
 
-* batch 1: 37 %, 55 %, 72 %, 81 %, 91 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k);
-  batch 8: 84-104 % (97-104 % from 16k: met); batch 32: 99-105 % (103-105 % from 16k: met);
-* num_splits = 1 is 6.9-8.1× slower at batch 1 from 32k (target ≥ 3×: met); paged 1.00-1.02× contiguous from 16k
-  keys (1.07 at batch 1, 8k), bit for bit the same output (target within 10 %: met);
-* against SDPA's best backend (cuDNN at every shape), graph time: 1.00-1.045× (as fast or faster) at batch 1 with
-  8k, 16k and 128k keys, batch 8 from 64k and batch 32 from 16k (8 of 18 shapes); 0.99-0.998× at 5 more, 0.974-
-  0.984× at batch 8 with 4k and 16k keys, 0.96× at batch 1 with 4k and 32k keys (target faster: missed at 10 of 18
-  shapes). The run before the two accumulator chains (same day, 19:16): as fast or faster at 6 shapes,
-  0.945-0.997× at the others; batch 1 moves by ±3 % between runs of the same program (0.958 at 32k here, 0.99
-  then), the larger batches by under 1 %. Before tensor copies (``cp.async``, 09:36): 0.94-0.97× everywhere;
-* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 4.9× faster than padded, same
+* batch 1: 40 %, 56 %, 73 %, 85 %, 93 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k,
+  where a copy of the step's own bytes reaches 88 % and the kernel runs at 0.82× that copy); batch 8: 85-104 %
+  (98-104 % from 16k: met); batch 32: 99-105 % (102-105 % from 16k: met);
+* num_splits = 1 is 7.1-8.1× slower at batch 1 from 32k (target ≥ 3×: met); paged 1.00-1.03× contiguous, bit
+  for bit the same output (target within 10 %: met);
+* against SDPA's best (cuDNN's kernels, whether chosen under ``sdpa_kernel`` or by PyTorch's default dispatch,
+  ``sdpa_default``), graph time: 0.967-1.007× — as fast or faster at 6 of 18 shapes (batch 1 at 16k, batch 8
+  from 64k, batch 32 from 32k), 0.978-0.997× at 11 more, 0.967× at batch 1 with 4k keys (target faster everywhere:
+  missed). The runs before (``decode_same_bytes.json``, 2026-11-27, and the run of 2026-11-26 20:30) gave
+  0.959-1.008× and 0.96-1.045×: the shapes where this program leads move by a percent from run to run;
+* call times (a Python call between two events, host time included): 0.38-0.996× SDPA's default call, which
+  spends 18-64 µs of host time per call in C++ where this program's plan spends 36-106 µs in Python (the rest of
+  a decoding call: ``benchmarks.decode_host``) — behind most at batch 1 with short contexts, where the host time
+  is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` (41-133 µs of host time) faster at 11
+  of 18 shapes;
+* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
   output (target: met).
 
 **On an H200** (2026-11-27, the same program and harness, ``benchmarks/results/nvidia-h200/decode.json``, copy
@@ -86,8 +92,8 @@ by 0.4-8 %: the H100's choices hold on the H200. The H100 grid again with the sa
 ``benchmarks/results/nvidia-h100/decode_same_bytes.json``, copy rate 3004 GB/s): batch 1 at 16k 0.72 of the copy
 rate as in ``decode.json``, where a copy of the same bytes reaches 0.88 — the kernel at 0.82× that copy; from 32k
 keys at batch 8 and 8k at batch 32 it outruns the copy (1.03-1.07×); against cuDNN 0.96-1.01× (faster at 5 of 18
-shapes, within 1.3 % at 12 more; ``decode.json``: 8 of 18): the shapes where it leads move by a percent from run to
-run.
+shapes, within 1.3 % at 12 more; the run of 2026-11-26 20:30: 8 of 18): the shapes where it leads move by a
+percent from run to run.
 
 The previous runs timed graphs of one call where one input set filled twice the L2 (batch 1 from 32k keys, batch 8
 and 32 at every context) and timed each implementation once, the first of a shape right after the previous shape's

@@ -10,10 +10,16 @@ tensors); all arithmetic float32. O (B, H_q, N_new, d_v) in the storage dtype, L
 a token that sees no key).
 
 **Calls from Python.** A call on PyTorch CUDA tensors (index data too) keeps a :class:`DecodePlan` per shapes,
-strides, dtypes and options: the next such call skips the checks, the typing and the split rule and only allocates
-its outputs and makes two prepared launches. Host time per call (H100, ``decode_host_time.json``): 45-53 µs,
-against 208-394 µs without the plan (``host_us`` of the benchmark's run before it) and 48-71 µs for SDPA's cuDNN
-backend.
+strides, dtypes and options: the next such call skips the checks, the typing and the split rule; it allocates the
+partials, launches the split programs, then allocates O and L and launches the merge — each launch one
+``cuLaunchKernelEx`` of parameters packed once (:class:`kernels_gpu.driver_launch.Prepared`), the tensor maps found
+by the caches' addresses. Where its host time goes (``python -m benchmarks.decode_host``, H100, batch 1 with 16k
+keys, ``decode_host_breakdown.json``): 65 µs a call — the plan's key 9, allocations 18, the maps 4, the two
+launches 10 and 8 —, against 75 µs for SDPA's cuDNN backend under ``sdpa_kernel`` and 31 µs for SDPA's default
+call, whose dispatch is C++ (host times move with the machine: the same measurement on another H100 host gave 38,
+45 and 23 µs, ``decode_host_breakdown_ctypes.json``). The first plan (launches through ``cuda.core.launch``, maps
+looked up as a list of tensor rows, four allocations) spent 94 µs at that shape in the decoding grid against
+cuDNN's 87 (``decode_same_bytes.json``); this one 51 against 55, and SDPA's default call 27 (``decode.json``).
 
 **Two split programs.** This module's :func:`split_kernel` does its dot products on the FMA units (the first
 version, described below); :mod:`kernels_gpu.decode_tc` does them on tensor cores and is the default for float16
@@ -1174,10 +1180,9 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, nu
 class DecodePlan:
     """A decoding call on PyTorch CUDA tensors of fixed shapes, strides, dtypes and options, made from a first
     call's checked :class:`_Call` and its launches (:class:`~kernels_gpu.driver_launch.Prepared`: compiled,
-    configured, parameters packed). A call allocates O, L (and the partials, with S > 1 splits), poisons them when
-    asked, and launches the split program and the merge on PyTorch's current stream with the new addresses: no
-    checks, no typing, no split rule (host time per call on an H100: 208-394 µs without a plan, 45-53 µs with one;
-    ``benchmarks/results/nvidia-h100/decode_host_time.json``)."""
+    configured, parameters packed). A call allocates the partials (with S > 1 splits), launches the split programs,
+    allocates O and L (poisoned when asked) and launches the merge, on PyTorch's current stream with the new
+    addresses: no checks, no typing, no split rule (host time: the module's header, ``benchmarks.decode_host``)."""
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch

@@ -243,6 +243,18 @@ keys 14.1 → 13.8 µs, 16k 0.5-1 % faster, batch 8 and 32 unchanged. Measured (
 ``benchmarks.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1 /
 20.7 / 31.6 / 52.8 µs without, 14.1 / 20.9 / 31.4 / 52.9 with, at batch 1 with 4k / 8k / 16k / 32k keys; batch 8
 and 32 at 4k within 0.1 µs — no change: the map's fetch is not on the program's critical path. Taken out again.
+
+**Tried, not kept: 32-key tiles** (:data:`TILE`, 2026-11-27). A warp's stage holds two 16-key blocks of K and V
+(boxes of 32 rows), so the waits, the copies' issue and the online softmax's rescale of Õ (64 multiplies a lane)
+come once per 32 keys, and a warp has twice the bytes on their way. Prediction (before the run): batch 8 and 32
+from 16k keys 0-2 % faster, batch 1 within ±2 % at 16k and up to 3 % slower at 4k (a warp's last tile, computed
+after it lands, is twice as long). Measured (H100, ``python -m benchmarks.decode_variants --variants tile=16
+tile=32 --rounds 5``, seven shapes, cuDNN in every round; ``decode_tile_ab.json``): 32-key tiles slower at every
+shape — batch 1 at 4k / 16k / 64k keys 14.4 / 31.2 / 95.9 µs against 14.0 / 30.7 / 95.3, batch 8 at 4k and 32k
+52.9 and 355.1 against 52.6 and 354.3, batch 32 at 4k and 16k 180.3 and 698.9 against 179.1 and 691.4 (0.2-2.9 %):
+the large-batch prediction failed. The instructions saved per byte were not what held the stream back where the
+batch fills the GPU (DRAM already ran at cuDNN's 92 % of its peak there); the tile stays 16, the knob stays (the
+simulator tests run 32 and 48).
 """
 
 from __future__ import annotations
