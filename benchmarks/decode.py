@@ -52,29 +52,30 @@ padding fraction (the work saved grows with n², not n).
 
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
-0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-27 06:01 UTC, the full grid, the tensor-core
+0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-27 06:18 UTC, the full grid, the tensor-core
 program of :mod:`kernels_gpu.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor maps),
 S = Q Kᵀ in two accumulator chains, its split rule of one program per SM, two-warp programs where the programs
-outnumber the SMs, no register cap, the merge launched early; the leaner host path of :class:`kernels_gpu.decode
-.DecodePlan`; graphs of at least 4 calls, 2 rounds; ``benchmarks/results/nvidia-h100/decode.json``, copy rate
-3000 GB/s), graph times at 4k … 128k:
+outnumber the SMs, no register cap; the splits merged inside their thread-block cluster where the GPU holds the
+clusters (batch 8: clusters of 2), else by the merge launch, launched early (batch 1); the lean host path of
+:class:`kernels_gpu.decode.DecodePlan`; graphs of at least 4 calls, 2 rounds;
+``benchmarks/results/nvidia-h100/decode.json``, copy rate 3001 GB/s), graph times at 4k … 128k:
 
-* batch 1: 40 %, 56 %, 73 %, 85 %, 93 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k,
-  where a copy of the step's own bytes reaches 88 % and the kernel runs at 0.82× that copy); batch 8: 85-104 %
-  (98-104 % from 16k: met); batch 32: 99-105 % (102-105 % from 16k: met);
-* num_splits = 1 is 7.1-8.1× slower at batch 1 from 32k (target ≥ 3×: met); paged 1.00-1.03× contiguous, bit
+* batch 1: 40 %, 55 %, 71 %, 86 %, 94 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k,
+  where a copy of the step's own bytes reaches 88 % and the kernel runs at 0.81× that copy; 0.72-0.73 in the runs
+  before); batch 8: 89-104 % (97-104 % from 16k: met); batch 32: 100-105 % (103-105 % from 16k: met);
+* num_splits = 1 is 7.0-7.9× slower at batch 1 from 32k (target ≥ 3×: met); paged 0.98-1.04× contiguous, bit
   for bit the same output (target within 10 %: met);
 * against SDPA's best (cuDNN's kernels, whether chosen under ``sdpa_kernel`` or by PyTorch's default dispatch,
-  ``sdpa_default``), graph time: 0.967-1.007× — as fast or faster at 6 of 18 shapes (batch 1 at 16k, batch 8
-  from 64k, batch 32 from 32k), 0.978-0.997× at 11 more, 0.967× at batch 1 with 4k keys (target faster everywhere:
-  missed). The runs before (``decode_same_bytes.json``, 2026-11-27, and the run of 2026-11-26 20:30) gave
-  0.959-1.008× and 0.96-1.045×: the shapes where this program leads move by a percent from run to run;
-* call times (a Python call between two events, host time included): 0.38-0.996× SDPA's default call, which
-  spends 18-64 µs of host time per call in C++ where this program's plan spends 36-106 µs in Python (the rest of
-  a decoding call: ``benchmarks.decode_host``) — behind most at batch 1 with short contexts, where the host time
-  is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` (41-133 µs of host time) faster at 11
-  of 18 shapes;
-* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.6× faster than padded, same
+  ``sdpa_default``; flash at batch 8, 16k), graph time: 0.974-1.027× — as fast or faster at 10 of 18 shapes
+  (batch 8 but at 16k, batch 32 but at 8k), 0.987-0.989× at those two, 0.974-0.994× at batch 1, where the 8
+  clusters of 16 splits do not fit and the merge launch stays (target faster everywhere: missed at 8 shapes). The
+  runs before the cluster merge (06:01 and ``decode_same_bytes.json``, same day) gave 0.967-1.007× and
+  0.959-1.008×, as fast or faster at 6 and 5 shapes; batch 8 gained 1-4 % (``decode_cluster_ab.json``);
+* call times (a Python call between two events, host time included): 0.59-1.05× SDPA's best call (PyTorch's
+  default dispatch at most shapes: 19-147 µs of host time a call in C++, where this program's plan spends 32-107
+  µs in Python; ``benchmarks.decode_host`` takes a call apart) — behind most at batch 1 with short contexts, where
+  the host time is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` faster at 10 of 18;
+* varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.2× faster than padded, same
   output (target: met).
 
 **On an H200** (2026-11-27, the same program and harness, ``benchmarks/results/nvidia-h200/decode.json``, copy

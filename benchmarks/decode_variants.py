@@ -6,6 +6,8 @@
 A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
 :mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
 (``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``tile`` (``decode_tc.TILE``, keys per warp tile),
+``cluster`` (``decode.CLUSTER_MERGE``: 1 merges the splits inside their thread-block cluster, 0 by the merge launch),
+``cluster_shared`` (``decode.CLUSTER_SHARED_BYTES``: the least shared memory a clustered program asks for),
 ``warps`` (``decode.TC_WARPS``), ``l2`` (``tensor_map.L2_PROMOTION``: "none", "64B", "128B", "256B") and ``splits``
 (``num_splits`` of the call; default: the split rule). Each shape (batch × context, the :mod:`benchmarks.decode`
 grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache) is timed by CUDA-graph replay
@@ -32,7 +34,7 @@ from benchmarks import decode as bench
 from benchmarks.results_io import utc_now
 from benchmarks.timing import cuda_setup, package_versions
 
-KNOBS = ("copy", "stages", "warps", "splits", "l2", "chains", "tile")
+KNOBS = ("copy", "stages", "warps", "splits", "l2", "chains", "tile", "cluster", "cluster_shared")
 
 
 def parse_variant(text: str) -> dict:
@@ -68,6 +70,9 @@ def apply(variant: dict) -> None:
     decode_tc.STAGES = variant.get("stages", DEFAULTS["stages"])
     decode_tc.CHAINS = variant.get("chains", DEFAULTS["chains"])
     decode_tc.TILE = variant.get("tile", DEFAULTS["tile"])
+    decode.CLUSTER_MERGE = bool(variant.get("cluster", DEFAULTS["cluster"]))
+    decode.CLUSTER_SHARED_BYTES = variant.get("cluster_shared", DEFAULTS["cluster_shared"])
+    decode._CLUSTER_FITS.clear()
     decode.TC_WARPS = variant.get("warps", DEFAULTS["warps"])
     tensor_map.L2_PROMOTION = variant.get("l2", DEFAULTS["l2"])
     decode._PLANS.clear()
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
 
     from kernels_gpu import decode, decode_tc, tensor_map
     DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS, tile=decode_tc.TILE,
+                    cluster=int(decode.CLUSTER_MERGE), cluster_shared=decode.CLUSTER_SHARED_BYTES,
                     l2=tensor_map.L2_PROMOTION, chains=decode_tc.CHAINS)
     variants = [parse_variant(v) for v in a.variants]
     shapes = [parse_shape(s) for s in a.shapes]

@@ -37,7 +37,9 @@ element its memory delivers (chapter 13). So the kernel's only job is to stream 
    sequence are cut into ``num_splits`` ranges of whole key blocks (pages of a paged cache: the cut of
    :func:`fa2edu.inference.split_ranges`); each range is a program that writes a partial (O_s, L_s) in float32, and
    a second, small launch merges them by the log-sum-exp rule of :func:`fa2edu.merge_attention_states` (a split
-   that saw no key holds O = 0, L = +inf, the merge's identity).
+   that saw no key holds O = 0, L = +inf, the merge's identity). On a Hopper GPU that can hold a (sequence, KV
+   head)'s S programs as one thread-block cluster, the tensor-core programs merge among themselves instead,
+   through distributed shared memory (:func:`_cluster_merge`; :mod:`kernels_gpu.decode_tc`'s header measures it).
 3. **Paged KV** (PagedAttention): key j of sequence b lives in physical page ``block_table[b, j // page_size]``,
    row ``j % page_size``; the page size is a compile-time constant, so the division is a multiply and a shift.
 4. **Wide loads, no shared memory in the loop.** Inside a program, groups of ``lanes`` consecutive threads each
@@ -1013,16 +1015,54 @@ def _slots(kernel, args, threads: int, shared: int = 0) -> int:
     return io.resident_blocks(kernel, args, threads, shared)
 
 
-def _split_program(c: _Call, simulator: bool) -> tuple:
-    """(kernel, threads, dynamic shared bytes) of the call's split program."""
+def _split_program(c: _Call, simulator: bool, cluster: int = 0) -> tuple:
+    """(kernel, threads, dynamic shared bytes) of the call's split program; ``cluster``: the tensor-core program
+    that merges its cluster's partials itself (:func:`_cluster_merge`)."""
     if c.program == "tensorcore":
         warps = (SIMULATOR_WARPS if simulator else TC_WARPS if TC_WARPS is not None
                  else tc_warps(c.B * c.H_kv * c.row_tiles, _sms()))
         stages = decode_tc.STAGES
+        shared = decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy, c.tile, cluster)
+        if cluster:
+            # one program per SM, as the split rule plans: more than half an SM's shared memory per program
+            shared = max(shared, CLUSTER_SHARED_BYTES)
         return (decode_tc.split_kernel_tc(c.storage, c.d, c.d_v, warps, c.page, c.causal, simulator, stages,
-                                          c.copy, decode_tc.CHAINS, c.tile),
-                32 * warps, decode_tc.shared_bytes(c.d, c.d_v, warps, stages, c.copy, c.tile))
+                                          c.copy, decode_tc.CHAINS, c.tile, cluster),
+                32 * warps, shared)
     return split_kernel(c.storage, c.d, c.d_v, c.tiling, c.page, c.causal, simulator), c.tiling.threads, 0
+
+
+#: merge the splits inside the split launch where the GPU can (:func:`_cluster_merge`); False: always the merge
+#: launch (:func:`merge_kernel`)
+CLUSTER_MERGE = True
+#: the dynamic shared memory a clustered split program asks for at least: more than half of an sm_90 SM's 228 KB,
+#: so that no SM holds two programs (the split rule's one program per SM)
+CLUSTER_SHARED_BYTES = 116 * 1024
+
+
+def _cluster_merge(c: _Call, S: int, simulator: bool, args: tuple) -> int:
+    """S when the call's S split programs of each (sequence, KV head) can run as one thread-block cluster and
+    merge their partials through distributed shared memory — no partials in HBM, no merge launch —, else 0.
+
+    Where: the tensor-core program with one row tile, 2 ≤ S ≤ 16 (16 is Hopper's largest cluster), the
+    driver-level launch on a GPU of compute capability 9 or more (not numba's simulator, which runs one block at a
+    time), :data:`CLUSTER_MERGE`, and the GPU able to hold every cluster of the grid at once
+    (``cuOccupancyMaxActiveClusters`` ≥ B·H_kv: the clusters must not wait for each other, one program per SM)."""
+    if (not CLUSTER_MERGE or simulator or c.program != "tensorcore" or c.row_tiles != 1 or not 2 <= S <= 16
+            or not driver_launch.enabled()):
+        return 0
+    key = (c.storage, c.d, c.d_v, c.page, c.causal, c.copy, c.tile, S, c.B * c.H_kv, TC_WARPS, decode_tc.STAGES)
+    hit = _CLUSTER_FITS.get(key)
+    if hit is None:
+        kernel, threads, shared = _split_program(c, simulator, S)
+        grid = (S, c.H_kv, c.B)
+        hit = _CLUSTER_FITS[key] = driver_launch.max_active_clusters(kernel, args, grid, threads, shared,
+                                                                     S) >= c.B * c.H_kv
+    return S if hit else 0
+
+
+#: whether a clustered launch fits (see _cluster_merge), per call geometry
+_CLUSTER_FITS: dict = {}
 
 
 def tc_warps(programs: int, sms: int) -> int:
@@ -1131,15 +1171,19 @@ def _run(c: _Call, partials_out: bool = False, plan_key=None):
         Opart = Lpart = Lf                          # (not written: the single split writes O and L)
     args = _split_args(c, S, Ow, Lf, Opart, Lpart)
     grid = (S * c.row_tiles, c.H_kv, c.B)
-    launches = [(kernel, grid, threads, args, shared, False)]
-    if S > 1:
+    cluster = 0 if partials_out else _cluster_merge(c, S, simulator, args)
+    if cluster:
+        # the S programs of a (sequence, KV head) as one cluster, merging in the launch: no partials, no merge
+        kernel, threads, shared = _split_program(c, simulator, cluster)
+    launches = [(kernel, grid, threads, args, shared, False, cluster)]
+    if S > 1 and not cluster:
         # The merge as a programmatic dependent launch: its blocks may be scheduled while the split programs'
         # last blocks still run, and wait (griddepcontrol.wait) before reading the partials.
         rows = c.B * c.H_kv * c.R
         launches.append((merge_kernel(c.storage, c.d_v, simulator), (rows,), 32 * MERGE_WARPS,
-                         (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)), 0, True))
-    for kernel_, grid_, threads_, args_, shared_, early in launches:
-        io.launch(kernel_, grid_, threads_, c.stream, args_, shared_, early)
+                         (Opart, Lpart, Ow, Lf, np.int64(rows), np.int64(c.R), np.int64(S)), 0, True, 0))
+    for kernel_, grid_, threads_, args_, shared_, early, cluster_ in launches:
+        io.launch(kernel_, grid_, threads_, c.stream, args_, shared_, early, cluster_)
     if plan_key is not None:
         _PLANS[plan_key] = DecodePlan(c, S, launches)
     O = c.out.finish(O_user, c.storage)
@@ -1186,11 +1230,12 @@ class DecodePlan:
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch
-        self.launches = [driver_launch.Prepared(kernel, grid, threads, args, shared, early)
-                         for kernel, grid, threads, args, shared, early in launches]
+        self.launches = [driver_launch.Prepared(kernel, grid, threads, args, shared, early, cluster)
+                         for kernel, grid, threads, args, shared, early, cluster in launches]
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.storage]
         self.o_shape, self.l_shape = (c.B, c.H_q, c.N_new, c.d_v), (c.B, c.H_q, c.N_new)
-        self.partials = c.B * c.H_kv * S * c.R if S > 1 else 0          # partial rows (O_s, L_s)
+        # partial rows (O_s, L_s) in HBM: with S > 1 splits, unless the splits merge in their cluster
+        self.partials = c.B * c.H_kv * S * c.R if len(launches) > 1 else 0
         self.d_v, self.paged = c.d_v, c.page > 0
         self.device = c.out.device
         # tensor copies: the maps hold the caches' addresses (kept per address by _MAPS); else the stand-ins

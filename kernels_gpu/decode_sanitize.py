@@ -11,7 +11,8 @@ Run on the GPU machine from the repository root::
 every one a call to ``cuGetProcAddress_v2`` from numba's driver initialisation — none from a kernel.)
 
 Launches: decoding from a paged float16 cache (shuffled pages, ragged lengths with an idle slot and a full one, GQA
-4, 3 splits and their merge launch, on the tensor-core program), from a contiguous bfloat16 cache with
+4, 3 splits merged inside their thread-block cluster — and once more by the merge launch —, on the tensor-core
+program), from a contiguous bfloat16 cache with
 2 new tokens (causal: a token that sees no key) and one split, float32 with the default split rule (the CUDA-core
 program, 16-byte loads), the CUDA-core program on float16 (3 splits and the merge launch), and a contiguous float16
 cache with 3 new tokens and the default split rule — the tensor-core ones with whole tiles by tensor copies (the
@@ -131,6 +132,13 @@ def main(argv=None) -> int:
             ok &= decode_case(torch.bfloat16, paged=False, N_new=2, num_splits=None, seed=8 + 2 * i)
     finally:
         decode_tc.COPY = default
+        decode._PLANS.clear()
+    # the splits merged by the merge launch instead of inside their thread-block cluster (the default where it fits)
+    try:
+        decode.CLUSTER_MERGE = False
+        ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=11)
+    finally:
+        decode.CLUSTER_MERGE = True
         decode._PLANS.clear()
     ok &= varlen_case(torch.float16, causal=True, seed=3)
     ok &= varlen_case(torch.float32, causal=False, seed=4)

@@ -31,7 +31,9 @@ loads go from HBM to shared memory by ``cp.async`` without passing through regis
    accumulators, V by ``ldmatrix.trans``).
 4. The W warps merge their (m, ℓ, Õ) through shared memory by the (m, ℓ) rule of FA1 Section 3.1, and the
    program writes its partial (O_s, L_s) in float32 — or, with a single split, O and L themselves. The merge of
-   the splits is :func:`kernels_gpu.decode.merge_kernel`, the launch both programs share.
+   the splits is :func:`kernels_gpu.decode.merge_kernel`, the launch both programs share — or, where the GPU holds
+   a (sequence, KV head)'s S programs as one thread-block cluster, the programs themselves, through each other's
+   shared memory (the last section below).
 
 Costs as the first program: per (sequence, KV head), n_b·(d + d_v) cache elements read once; the tensor cores do
 16/R times the useful FLOPs (the rows past R are zeros), which costs nothing here: at R = 4 and d = 128 a 16k-key
@@ -255,6 +257,33 @@ shape — batch 1 at 4k / 16k / 64k keys 14.4 / 31.2 / 95.9 µs against 14.0 / 3
 the large-batch prediction failed. The instructions saved per byte were not what held the stream back where the
 batch fills the GPU (DRAM already ran at cuDNN's 92 % of its peak there); the tile stays 16, the knob stays (the
 simulator tests run 32 and 48).
+
+**The splits merged inside their cluster** (``cluster`` = S; :func:`kernels_gpu.decode._cluster_merge` decides;
+2026-11-27). What the merge launch costs a step, measured first (``python -m benchmarks.decode_merge_cost``, H100,
+graph replays of the whole step against the same plan with its merge launch replaced by nothing;
+``decode_merge_cost.json``): 3.0 µs at batch 1 with 4k / 8k / 16k / 32k keys (14.0 → 11.0, 20.0 → 17.1, 31.0 → 28.3,
+52.1 → 49.5 µs) and 2.9-3.0 µs at batch 8 — as much as this program trails cuDNN by, and more. So the S programs of a
+(sequence, KV head) run as one thread-block cluster: each keeps its partial (O_s, L_s) in its own shared memory,
+the cluster meets at a barrier (``barrier.cluster`` arrive.release / wait.acquire), program s merges its share of
+the group's outputs reading the S partials from the other programs' shared memory (``mapa`` + ``ld.shared::cluster``:
+distributed shared memory) by the merge launch's rule, and a second barrier keeps every program's memory alive
+until the reads are done. No partials in HBM, no second launch. Each program asks for more than half an SM's shared
+memory (:data:`kernels_gpu.decode.CLUSTER_SHARED_BYTES`), so that an SM holds one, as the split rule plans, and the
+path is taken only where ``cuOccupancyMaxActiveClusters`` says every cluster of the grid fits at once.
+Prediction: 2-2.5 µs less a step wherever it applies (two barriers and one round of reads from a neighbour's shared
+memory, ~0.5-1 µs, for the merge's 3). Measured (``python -m benchmarks.decode_variants --variants cluster=1
+cluster=0 --rounds 5``, cuDNN in every round; ``decode_cluster_ab.json``): batch 8 with 4k and 16k keys (2 splits,
+clusters of 2) 50.9 and 180.8 µs against 52.9 and 183.0 with the merge launch — 2.0 and 2.2 µs, as predicted, and
+ahead of cuDNN's 52.1 and 181.3 —; batch 1 unchanged (14.0 / 30.9 / 95.0 µs at 4k / 16k / 64k): its 8 clusters of 16
+programs do not fit an H100 one program per SM (``cuOccupancyMaxActiveClusters``: 7 — clusters of 10 to 16 blocks
+fit only 7 of its GPCs; clusters of 8, 15), so the call keeps the merge launch. Letting two programs share an SM
+so that they fit (``cluster_shared=0``, ``decode_cluster_shared_ab.json``) made batch 1 slower — 14.8 against 14.1
+µs at 4k keys, 32.4 against 30.9 at 16k, 103.0 against 95.0 at 64k —: the cluster is placed on half as many SMs.
+Bit for bit, the cluster's merge adds the S terms in split order where the merge launch folds them in two warps'
+blocks: the two agree within float16 rounding, and each meets the oracle's rule (GPU tests:
+``test_splits_merged_in_their_cluster``; memcheck and racecheck of :mod:`kernels_gpu.decode_sanitize`, whose
+first launch is clustered: 0 errors, 0 hazards, ``sanitizer_decode_cluster_*.log``). numba's simulator runs one block
+at a time, so the cluster path is GPU-only; CI runs the merge launch.
 """
 
 from __future__ import annotations
@@ -316,10 +345,13 @@ def supports(storage: str, d: int, d_v: int, page: int, vec: int) -> bool:
             and 8 <= d_v <= 256 and vec == 4 and page % 16 == 0)
 
 
-def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16) -> dict:
+def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16,
+           cluster: int = 0) -> dict:
     """The shared-memory layout (32-bit words): rows of K and V tiles padded by 4 words (``ldmatrix`` reads 8 rows in
     8 different bank groups), ``stages`` stages per warp; after the loop the same memory holds the warps' (m, ℓ,
-    Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk and tensor copies). With
+    Õ). Then, from word ``BARS`` on, one 8-byte mbarrier per stage and warp (for bulk and tensor copies); with
+    ``cluster``, from word ``CL`` on, the program's partial for the cluster's merge: L_s of 16 rows, then O_s
+    (DV floats a row). With
     ``copy="tensor"`` the rows are not padded but swizzled (:mod:`kernels_gpu.tensor_map`): a stage is K's then V's
     boxes of ``tile`` rows × 64 columns (32·tile words each), every stage 1024-byte aligned."""
     D, DV = -(-d // 16) * 16, -(-d_v // 16) * 16
@@ -332,8 +364,10 @@ def layout(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY,
     OS = DV + 4                                          # floats per Õ row in the merge area
     merge = 2 * 16 * warps + 16 * warps * OS
     bars = -(-max(warps * stages * stage, merge) // 4) * 4       # 16-byte aligned
-    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=stages * stage, OS=OS, BARS=bars,
-                words=bars + 2 * stages * warps)
+    cl = -(-(bars + 2 * stages * warps) // 4) * 4
+    words = cl + (16 + 16 * DV if cluster else 0)
+    return dict(D=D, DV=DV, RS=RS, RSV=RSV, STAGE=stage, WARP_WORDS=stages * stage, OS=OS, BARS=bars, CL=cl,
+                words=words)
 
 
 def tensor_copy_applies(d: int, d_v: int, simulator: bool) -> bool:
@@ -342,17 +376,21 @@ def tensor_copy_applies(d: int, d_v: int, simulator: bool) -> bool:
     return d % 64 == 0 and d_v % 64 == 0
 
 
-def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16) -> int:
+def shared_bytes(d: int, d_v: int, warps: int, stages: int = STAGES, copy: str = COPY, tile: int = 16,
+                 cluster: int = 0) -> int:
     """Dynamic shared memory of one program, in bytes."""
-    return 4 * layout(d, d_v, warps, stages, copy, tile)["words"]
+    return 4 * layout(d, d_v, warps, stages, copy, tile, cluster)["words"]
 
 
 @functools.lru_cache(maxsize=None)
 def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causal: bool, simulator: bool,
-                    stages: int = STAGES, copy: str = COPY, chains: int = CHAINS, tile: int = 16):
+                    stages: int = STAGES, copy: str = COPY, chains: int = CHAINS, tile: int = 16,
+                    cluster: int = 0):
     """Compile-time specialisation: storage dtype, head sizes, warps per program, page size (0: contiguous cache),
     causal masking, shared-memory stages per warp (2 to 4: 1 to 3 tiles on their way while one is computed), how
-    whole tiles are copied (:data:`COPY`), keys per warp tile (``tile``: 16 to 64, dividing the page). Parameters
+    whole tiles are copied (:data:`COPY`), keys per warp tile (``tile``: 16 to 64, dividing the page), and
+    ``cluster``: 0, or the split count S when the S programs of a (sequence, KV head) run as one thread-block
+    cluster and merge their partials through distributed shared memory (one row tile; GPU only). Parameters
     as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch arguments), then ``ktm``, ``vtm``:
     the tensor maps of K and V (16 uint64 words each; read only with ``copy="tensor"``); grid (num_splits ·
     row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads; :func:`shared_bytes` of dynamic shared
@@ -367,14 +405,19 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
         raise ValueError(f"tensor copies need head sizes multiples of 64, got d = {d}, d_v = {d_v}")
     if tile % 16 or not 16 <= tile <= 64 or page % tile:
         raise ValueError(f"tile must be 16, 32, 48 or 64 keys and divide the page size {page}, got {tile}")
+    if cluster and not 2 <= cluster <= 16:
+        raise ValueError(f"cluster must be 0 or a split count from 2 to 16, got {cluster}")
     TILE = tile
+    CLUSTER = cluster
     W = warps
     THREADS = 32 * W
     NS = stages
     CHAINS = chains
-    lay = layout(d, d_v, W, NS, copy, TILE)
-    D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE", "WARP_WORDS",
-                                                                    "OS", "BARS"))
+    lay = layout(d, d_v, W, NS, copy, TILE, CLUSTER)
+    D, DV, RS, RSV, STAGE, WARP_WORDS, OS, BARS, CL = (lay[k] for k in ("D", "DV", "RS", "RSV", "STAGE",
+                                                                        "WARP_WORDS", "OS", "BARS", "CL"))
+    CL_O = CL + 16                           # (cluster merge: L_s of 16 rows at CL, then O_s, DV floats a row)
+    POS_INF = float32(math.inf)
     DW, DVW = d // 2, d_v // 2               # words of a real row of K (and q), of V (and O)
     CH_K, CH_V = D // 8, DV // 8             # 16-byte chunks of a padded row
     KS = D // 16                             # 16-wide k-steps of S = Q Kᵀ
@@ -710,7 +753,13 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
             inv = float32(0.0) if lt == 0.0 else float32(1.0) / lt
             L_r = float32(math.inf) if lt == 0.0 else float32(LN2) * (M + math.log2(lt))
             r = r0 + rr
-            if S == 1:
+            if CLUSTER:
+                # This program's partial (O_s, L_s), kept in its own shared memory for the cluster's merge.
+                smf[uint64(CL_O + rr * DV + 2 * w)] = a_lo * inv
+                smf[uint64(CL_O + rr * DV + 2 * w + 1)] = a_hi * inv
+                if w == 0:
+                    smf[uint64(CL + rr)] = L_r
+            elif S == 1:
                 # Alg. 1 lines 14-15: the only split writes O and L.
                 Ow[uint64((q_base + r) * DVW + w)] = pack(a_lo * inv, a_hi * inv)
                 if w == 0:
@@ -722,5 +771,42 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 Opart[uint64(part * d_v + 2 * w + 1)] = a_hi * inv
                 if w == 0:
                     Lpart[uint64(part)] = L_r
+        if CLUSTER:
+            # Flash-Decoding's merge inside the launch: the S programs of this (sequence, KV head) are one
+            # thread-block cluster. Once every program's partial is in its shared memory (the cluster barrier,
+            # release then acquire), program s merges its share of the (row, word) outputs, reading the S partials
+            # from the programs' shared memories (distributed shared memory) by fa2edu.merge_attention_states'
+            # rule — M = max_s L_s, O = Σ_s e^{L_s − M} O_s / Σ_s e^{L_s − M}, L = M + log Σ_s e^{L_s − M}; a split
+            # with L_s = +inf weighs 0, and no key at all gives O = 0, L = +inf.
+            ptx.cluster_arrive()
+            ptx.cluster_wait()
+            Ls = cuda.local.array(CLUSTER, float32)
+            for e in range(split * THREADS + tid, rows_here * DVW, CLUSTER * THREADS):
+                rr = e // DVW
+                w = e - rr * DVW
+                M = NEG_INF
+                for x in range(CLUSTER):
+                    Ls[x] = ptx.ld_cluster_f32(smf, uint64(CL + rr), uint32(x))
+                    if Ls[x] != POS_INF:
+                        M = max(M, Ls[x])
+                out_lo = float32(0.0)
+                out_hi = float32(0.0)
+                L_r = POS_INF
+                if M != NEG_INF:
+                    total = float32(0.0)
+                    for x in range(CLUSTER):
+                        wgt = float32(0.0) if Ls[x] == POS_INF else float32(math.exp(Ls[x] - M))
+                        total += wgt
+                        out_lo += wgt * ptx.ld_cluster_f32(smf, uint64(CL_O + rr * DV + 2 * w), uint32(x))
+                        out_hi += wgt * ptx.ld_cluster_f32(smf, uint64(CL_O + rr * DV + 2 * w + 1), uint32(x))
+                    out_lo /= total
+                    out_hi /= total
+                    L_r = M + float32(math.log(total))
+                Ow[uint64((q_base + r0 + rr) * DVW + w)] = pack(out_lo, out_hi)
+                if w == 0:
+                    L[uint64(q_base + r0 + rr)] = L_r
+            # No program leaves while another may still read its shared memory.
+            ptx.cluster_arrive()
+            ptx.cluster_wait()
 
     return decode_split_tc

@@ -41,7 +41,8 @@ from numba import cuda
 from kernels_gpu import runtime as rt
 
 __all__ = ["Buffer", "Prepared", "PlanCache", "enabled", "launch", "compiled_resources", "resident_blocks",
-           "raise_shared_limit", "current_stream", "pdl_available", "MAX_DYNAMIC_BYTES"]
+           "raise_shared_limit", "current_stream", "pdl_available", "MAX_DYNAMIC_BYTES", "allow_cluster",
+           "max_active_clusters"]
 
 #: the most dynamic shared memory a block may ask for on sm_90 (227 KiB)
 MAX_DYNAMIC_BYTES = 227 * 1024
@@ -293,12 +294,67 @@ def _ordinary(a):
     return a.numba_array() if hasattr(a, "numba_array") else a
 
 
-def _config(grid, block, shared_bytes: int, early: bool):
-    """The launch configuration; ``early``: programmatic dependent launch, where this ``cuda.core`` has it."""
+def _config(grid, block, shared_bytes: int, early: bool, cluster: int = 0):
+    """The launch configuration; ``early``: programmatic dependent launch, where this ``cuda.core`` has it;
+    ``cluster``: blocks along x per thread-block cluster (0: none)."""
     from cuda.core import LaunchConfig
+    extra = {}
     if early and pdl_available():
-        return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes, programmatic_stream_serialization=True)
-    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+        extra["programmatic_stream_serialization"] = True
+    if cluster:
+        extra["cluster"] = (int(cluster), 1, 1)
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes, **extra)
+
+
+#: the kernels allowed clusters of more than 8 blocks, by id of the compiled function
+_CLUSTER_ALLOWED: dict = {}
+
+
+def allow_cluster(kernel, args, cluster: int) -> None:
+    """Let ``kernel`` (compiled for ``args``) be launched in clusters of ``cluster`` blocks: above 8 (the portable
+    size) the driver asks for ``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED``; Hopper takes up to 16.
+    Once per compiled kernel."""
+    if not 1 <= cluster <= 16:
+        raise ValueError(f"a cluster holds 1 to 16 blocks, got {cluster}")
+    if cluster <= 8 or rt.simulator_in_use():
+        return
+    cufunc, _ = _compiled(kernel, _argument_types(args))
+    if _CLUSTER_ALLOWED.get(id(cufunc)):
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    driver.cuKernelSetAttribute(attr, 1, cufunc.handle, cufunc.device.id)
+    _CLUSTER_ALLOWED[id(cufunc)] = True
+
+
+def max_active_clusters(kernel, args, grid, block, shared_bytes: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` blocks of ``kernel`` (compiled for ``args``, ``block`` threads,
+    ``shared_bytes`` of dynamic shared memory) the GPU holds at once — the driver's
+    ``cuOccupancyMaxActiveClusters``; 0 where it cannot place one (or has no clusters: before sm_90)."""
+    if not enabled() or cuda.get_current_device().compute_capability < (9, 0):
+        return 0
+    from cuda.bindings import driver as drv
+    raise_shared_limit(kernel, args, shared_bytes)
+    allow_cluster(kernel, args, cluster)
+    cufunc, _ = _compiled(kernel, _argument_types(args))
+    err, func = drv.cuKernelGetFunction(cufunc.kernel.handle)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return 0
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = _dim3(grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)
+    config.sharedMemBytes = int(shared_bytes)
+    config.attrs = [_cluster_attribute(drv, cluster)]
+    config.numAttrs = 1
+    err, count = drv.cuOccupancyMaxActiveClusters(func, config)
+    return int(count) if err == drv.CUresult.CUDA_SUCCESS else 0
+
+
+def _cluster_attribute(drv, cluster: int):
+    attribute = drv.CUlaunchAttribute()
+    attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = int(cluster), 1, 1
+    return attribute
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,18 +376,24 @@ def pdl_available() -> bool:
     return cuda.get_current_device().compute_capability >= (9, 0)
 
 
-def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0, early: bool = False) -> None:
+def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0, early: bool = False,
+           cluster: int = 0) -> None:
     """Launch ``kernel`` (a ``cuda.jit`` dispatcher) on ``grid`` × ``block`` threads with ``shared_bytes`` of
     dynamic shared memory on the stream whose raw handle is ``stream`` (0: numba's default stream).
 
     ``args``: :class:`Buffer` s and like objects, numba device arrays, NumPy int32/int64/float32 scalars, bools —
     the kernel's parameters in order. The shared-memory limit is raised (once) above 48 KiB. ``early``: a
     programmatic dependent launch where :func:`pdl_available` (the kernel must begin its reads of the previous
-    kernel's results with ``griddepcontrol.wait``); an ordinary launch otherwise."""
+    kernel's results with ``griddepcontrol.wait``); an ordinary launch otherwise. ``cluster``: 0, or the blocks
+    along x of one thread-block cluster (:func:`allow_cluster`; the driver-level launch only)."""
     grid, block = _dim3(grid), _dim3(block)
     shared_bytes = int(shared_bytes)
     raise_shared_limit(kernel, args, shared_bytes)
+    if cluster:
+        allow_cluster(kernel, args, cluster)
     if not enabled():
+        if cluster:
+            raise RuntimeError("a cluster launch needs the driver-level launch (a GPU, FA2EDU_LEAN_LAUNCH not 0)")
         values = [_ordinary(a) for a in args]
         on = 0 if rt.simulator_in_use() or not stream else cuda.external_stream(stream)
         kernel[grid, block, on, shared_bytes](*values)
@@ -350,7 +412,7 @@ def launch(kernel, grid, block, stream: int, args: tuple, shared_bytes: int = 0,
             params.append(bool(a))
         else:
             params.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
-    core_launch(_core_stream(stream), _config(grid, block, shared_bytes, early), cufunc.kernel, *params)
+    core_launch(_core_stream(stream), _config(grid, block, shared_bytes, early, cluster), cufunc.kernel, *params)
 
 
 _THREAD = threading.local()
@@ -381,7 +443,7 @@ class Prepared:
     arguments of a first call (``args``, as for :func:`launch`). A call, ``prepared(stream, *addresses)``, writes
     one device address per array argument (in their order) into the packed parameters and launches. The arrays
     must have the shapes, dtypes and strides of the first call's — the caller's cache key guarantees it.
-    ``early``: as for :func:`launch`.
+    ``early``, ``cluster``: as for :func:`launch`.
 
     The parameters live in C memory made once — one ctypes object per parameter word, and the array of their
     addresses that the driver's ``cuLaunchKernelEx`` takes (it copies the values when it queues the launch) —, the
@@ -394,13 +456,17 @@ class Prepared:
     writing each other's addresses between the writes and the launch."""
 
     __slots__ = ("kernel", "func", "dims", "early", "words", "pointers", "address", "slot_words", "configs",
-                 "lock", "driver", "success")
+                 "lock", "driver", "success", "cluster")
 
-    def __init__(self, kernel, grid, block, args: tuple, shared_bytes: int = 0, early: bool = False):
+    def __init__(self, kernel, grid, block, args: tuple, shared_bytes: int = 0, early: bool = False,
+                 cluster: int = 0):
         if not enabled():
             raise RuntimeError("a Prepared launch needs the driver-level launch (a GPU, FA2EDU_LEAN_LAUNCH not 0)")
         from cuda.bindings import driver
         raise_shared_limit(kernel, args, shared_bytes)
+        if cluster:
+            allow_cluster(kernel, args, cluster)
+        self.cluster = int(cluster)
         cufunc, _ = _compiled(kernel, _argument_types(args))
         words, slots = [], []
         for a in args:
@@ -432,14 +498,16 @@ class Prepared:
         (config.gridDimX, config.gridDimY, config.gridDimZ), (config.blockDimX, config.blockDimY,
                                                               config.blockDimZ), config.sharedMemBytes = self.dims
         config.hStream = drv.CUstream(stream)
+        attributes = []
         if self.early:
             attribute = drv.CUlaunchAttribute()
             attribute.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attribute]
-            config.numAttrs = 1
-        else:
-            config.numAttrs = 0
+            attributes.append(attribute)
+        if self.cluster:
+            attributes.append(_cluster_attribute(drv, self.cluster))
+        config.attrs = attributes
+        config.numAttrs = len(attributes)
         self.configs[stream] = config
         return config
 

@@ -79,6 +79,17 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
                                dependents``: this block lets the dependent
                                grid start early (programmatic dependent
                                launch; both are no-ops in a launch without it)
+    ``cluster_arrive``,        ``barrier.cluster.arrive.release.aligned``,      9.7.13.4 (barrier.cluster)
+    ``cluster_wait``           ``barrier.cluster.wait.acquire.aligned``: every
+                               thread of every block of the thread-block
+                               cluster meets; shared-memory writes before the
+                               arrival are visible to the cluster's blocks
+                               after the wait (GPU only: the simulator runs
+                               one block at a time)
+    ``ld_cluster_f32``         ``mapa.shared::cluster.u32`` then ``ld.shared::   9.7.9.20 (mapa), 9.7.9.8
+                               cluster.f32``: the float at the same shared-      (ld, .shared::cluster)
+                               memory word of block ``rank`` of the cluster
+                               (distributed shared memory; GPU only)
     ``red_add_v4_f32``         ``red.global.add.v4.f32``: four consecutive      red (vector types: PTX
                                floats added atomically into global memory by    ISA 8.1, sm_90)
                                one instruction (16-byte aligned); each of the
@@ -118,7 +129,8 @@ __all__ = [
     "pack_bf16x2", "unpack_f16x2", "unpack_bf16x2", "ex2",
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "split_tf32", "tf32_round", "griddep_wait",
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
-    "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32",
+    "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32", "cluster_arrive",
+    "cluster_wait", "ld_cluster_f32",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -544,6 +556,12 @@ def _red_add_v4_f32_twin(gmem, index, x0, x1, x2, x3):
             flat[i + e] += x
 
 
+def _cluster_twin(*args):
+    """Simulator stand-in of the cluster instructions: numba's simulator runs a grid one block at a time, so blocks
+    cannot meet or read each other's shared memory — kernels_gpu.decode never takes its cluster path there."""
+    raise RuntimeError("thread-block clusters need a GPU: numba's CUDA simulator runs one block at a time")
+
+
 def _shfl_xor_twin(value, mask):
     """Simulator twin of ``shfl.sync.bfly.b32`` over the full warp (every lane passes the same ``mask``)."""
     m = int(mask)
@@ -789,6 +807,18 @@ def _build_gpu() -> dict:
                                                                "llvm.nvvm.ex2.approx.ftz.f"), [v])
         return types.float32(x), codegen
 
+    @intrinsic
+    def ld_cluster_f32(typingctx, smem, index, rank):
+        sig = types.float32(smem, index, rank)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            local = shared_address(context, builder, a[0], args[0], args[1], a[1])
+            r = context.cast(builder, args[2], a[2], types.uint32)
+            text = "{ .reg .u32 remote; mapa.shared::cluster.u32 remote, $1, $2; ld.shared::cluster.f32 $0, [remote]; }"
+            return asm(builder, f32, [local, r], text, "=f,r,r,~{memory}")
+        return sig, codegen
+
     @cuda.jit(device=True, inline=True)
     def shfl_xor(value, mask):
         return cuda.shfl_xor_sync(FULL_MASK, value, mask)
@@ -815,7 +845,9 @@ def _build_gpu() -> dict:
                 mbar_arrive_expect_tx=make_mbar_op("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"),
                 mbar_try_wait=mbar_try_wait,
                 fence_mbarrier_init=make_simple("fence.mbarrier_init.release.cluster;"),
-                fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"), red_add_v4_f32=red_add_v4_f32)
+                fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"), red_add_v4_f32=red_add_v4_f32,
+                cluster_arrive=make_simple("barrier.cluster.arrive.release.aligned;"),
+                cluster_wait=make_simple("barrier.cluster.wait.acquire.aligned;"), ld_cluster_f32=ld_cluster_f32)
 
 
 def _build_twins() -> dict:
@@ -834,7 +866,8 @@ def _build_twins() -> dict:
                 bulk_copy=_bulk_copy_twin, tensor_copy_4d=_tensor_copy_twin, mbar_init=_mbar_init_twin,
                 mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
                 mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin,
-                red_add_v4_f32=_red_add_v4_f32_twin)
+                red_add_v4_f32=_red_add_v4_f32_twin, cluster_arrive=_cluster_twin, cluster_wait=_cluster_twin,
+                ld_cluster_f32=_cluster_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())

@@ -19,7 +19,8 @@ What it proves:
   bit-identical over reruns (no race); a decoding call captured in a CUDA graph replays to the same result; the
   merge launched early (programmatic dependent launch) gives the bits of an ordinary launch; a q that is not
   16-byte aligned runs the CUDA-core program; one kept plan called from four threads on their own streams gives
-  each thread its own answer;
+  each thread its own answer; splits merged inside their thread-block cluster give the oracle's answer, and the
+  merge launch's within float16 rounding;
 * device index arrays: ``validate=True`` refuses a bad block table; without it a bad one is clamped into the cache
   (never a fault);
 * packed varlen batches with long-tailed lengths (empty sequences included), causal or not, GQA, three dtypes.
@@ -336,6 +337,11 @@ def test_decode_strided_cache_read_in_place():
 
 
 def test_lean_launch_equals_numba_launch_and_reruns(monkeypatch):
+    """The same kernels launched by the driver-level launch and by numba's: the same bits (the merge launch in
+    both: numba's launch has no clusters), over reruns too."""
+    from kernels_gpu import decode
+    monkeypatch.setattr(decode, "CLUSTER_MERGE", False)
+    monkeypatch.setattr(decode, "_PLANS", {})
     case = make_cache(5, B=3, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=[2000, "full", 300],
                       dtype="bfloat16")
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
@@ -378,6 +384,41 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(O_g, O_eager) and torch.equal(L_g, L_eager)
+
+
+@pytest.mark.parametrize("B, lengths, S, clustered", [
+    (1, [1500], 4, True),                                        # 4 splits a head, some past the keys (empty)
+    (2, ["full", 0], 3, True),                                   # an idle slot: every split empty
+    (8, [777, "full", 0, 5, 4000, 256, 3000, "full"], None, True),   # the split rule: 2 splits
+    (1, ["full"], None, None),                                   # 16 splits: clusters only where the GPU fits them
+])
+def test_splits_merged_in_their_cluster(B, lengths, S, clustered, monkeypatch):
+    """Where the GPU can hold them, the S split programs of a (sequence, KV head) run as one thread-block cluster
+    and merge their partials through distributed shared memory (one launch, nothing in HBM but O and L): within
+    the rule of the oracle, sequences with no key included, and within float16 rounding of the merge launch's
+    answer (a different order of float32 additions). Clusters of 2 to 4 programs, one per SM, fit an H100 or H200
+    many times over, so those calls must take the cluster path; 8 clusters of 16 do not fit an H100 one program
+    per SM (``cuOccupancyMaxActiveClusters``: 7), and the call then takes the merge launch."""
+    from kernels_gpu import decode
+    case = make_cache(60 + B, B=B, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=16, lengths=lengths,
+                      dtype="float16")
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
+    out = {}
+    for merged in (True, False):
+        monkeypatch.setattr(decode, "CLUSTER_MERGE", merged)
+        monkeypatch.setattr(decode, "_PLANS", {})
+        out[merged] = kernels_gpu.decode_attention(*args, num_splits=S)
+        plan = next(iter(decode._PLANS.values()))
+        splits = kernels_gpu.decode.planned_splits(*args, num_splits=S)
+        taken = len(plan.launches) == 1 and plan.launches[0].cluster == splits
+        assert taken if merged and clustered else not taken if not merged else True
+        assert len(plan.launches) == 1 + (splits > 1 and not taken)
+        again = kernels_gpu.decode_attention(*args, num_splits=S)         # through the kept plan
+        torch.cuda.synchronize()
+        assert torch.equal(again.O, out[merged].O) and torch.equal(again.L, out[merged].L)
+        check_decode(case, *out[merged], "float16")
+    torch.testing.assert_close(out[True].O.float(), out[False].O.float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(out[True].L, out[False].L, atol=1e-5, rtol=1e-6)
 
 
 def test_one_plan_from_threads_on_their_own_streams(monkeypatch):
