@@ -231,6 +231,16 @@ def test_shfl_and_ex2_twins():
     np.testing.assert_allclose(powers, exp_powers, rtol=1e-6, atol=0)
 
 
+def test_cluster_instructions_have_no_twin_but_a_clear_error():
+    """Thread-block clusters cannot be emulated by numba's simulator, which runs one block at a time: the cluster
+    instructions' stand-ins refuse clearly (kernels_gpu.decode never takes its cluster path there)."""
+    if not ptx.SIMULATED:
+        pytest.skip("the stand-ins exist in numba's simulator")
+    for call in (ptx.cluster_arrive, ptx.cluster_wait, lambda: ptx.ld_cluster_f32(None, 0, 1)):
+        with pytest.raises(RuntimeError, match="clusters need a GPU"):
+            call()
+
+
 # -- every rung against the float64 oracle ------------------------------------------------------------------------
 
 def _inputs(shape_q, shape_kv, dtype, seed, scale=1.0):
