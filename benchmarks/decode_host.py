@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -175,8 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="CALLS")
     a = p.parse_args(argv)
-    from benchmarks.results_io import utc_now
-    from benchmarks.timing import cuda_setup, package_versions
+    from benchmarks.results_io import write_measurement
+    from benchmarks.timing import cuda_setup
     cuda_setup(use_torch_allocator=False)
     import torch
     rows = []
@@ -186,11 +185,7 @@ def main(argv=None) -> int:
         print({key: val for key, val in r.items() if key != "profile"}, flush=True)
         if "profile" in r:
             print(r["profile"][:5000], flush=True)
-    out = dict(schema="fa2edu.decode_host/1", device=torch.cuda.get_device_name(0), versions=package_versions(),
-               date=utc_now(), command=" ".join(sys.argv), unit="microseconds", rows=rows)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_measurement(a.out, "fa2edu.decode_host/1", rows, unit="microseconds")
     return 0
 
 

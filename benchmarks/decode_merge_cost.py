@@ -14,7 +14,6 @@ measurement behind the cluster merge of :mod:`kernels_gpu.decode_tc`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -26,8 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
-    from benchmarks.results_io import utc_now
-    from benchmarks.timing import cuda_setup, package_versions
+    from benchmarks.results_io import write_measurement
+    from benchmarks.timing import cuda_setup
     cuda_setup(use_torch_allocator=False)
     import torch
 
@@ -62,12 +61,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
         rows.append(row)
         decode._PLANS.clear()
-    out = dict(schema="fa2edu.decode_merge_cost/1", device=torch.cuda.get_device_name(0),
-               versions=package_versions(), date=utc_now(), command=" ".join(sys.argv), unit="microseconds",
-               rows=rows)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_measurement(a.out, "fa2edu.decode_merge_cost/1", rows, unit="microseconds")
     return 0
 
 
