@@ -78,15 +78,17 @@ clusters (batch 8: clusters of 2), else by the merge launch, launched early (bat
 * varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.2× faster than padded, same
   output (target: met).
 
-**On an H200** (2026-11-27, the same program and harness, ``benchmarks/results/nvidia-h200/decode.json``, copy
-rate 4214 GB/s, 1.41× the H100's): batch 1 reaches 33 %, 48 %, 64 %, 80 %, 89 %, 94 % of the copy rate at 4k …
-128k (16k: 25.0 µs), batch 8 79-102 %, batch 32 98-106 %; SDPA's best backend (cuDNN; flash at batch 8, 128k) is
-faster at every shape, ours at 0.92-0.99× its speed. The copy of the same bytes says how much of batch 1's shortfall
-any kernel pays at these sizes: at batch 1 it reaches 72 %, 81 %, 86 %, 91 %, 97 %, 97 % of the 2 GiB rate (16k:
-67 MB in 18.5 µs), so at 16k this program runs at 0.74× a copy of its own bytes and cuDNN at about 0.77×; from
-batch 8 at 32k and batch 32 at 8k on, ours outruns the same-bytes copy (1.01-1.09×). (The copy's graph time is a
-memcpy node, which ran at 0.61-0.64 of the 2 GiB rate from 0.5 GB up — presumably on a copy engine rather than the
-copy kernel a stream's copy runs; not profiled —, so the record takes the faster of its graph and stream timings.)
+**On an H200** (2026-11-27 06:37 UTC, the same program and harness as the H100's run above,
+``benchmarks/results/nvidia-h200/decode.json``, copy rate 4243 GB/s, 1.41× the H100's): batch 1 reaches 33 %,
+46 %, 63 %, 79 %, 89 %, 96 % of the copy rate at 4k … 128k (16k: 25.0 µs), batch 8 83-104 %, batch 32 96-104 %;
+SDPA's best is faster at 16 of 18 shapes, ours at 0.949-0.986× its speed there and 1.008-1.012× at batch 1 and 8
+with 4k keys (the run before the cluster merge and the lean host path, same day: faster at every shape,
+0.92-0.99×). The copy of the same bytes says how much of batch 1's shortfall any kernel pays at these sizes: at
+batch 1 it reaches 68 %, 81 %, 86 %, 92 %, 97 %, 99 % of the 2 GiB rate (16k: 67 MB in 18.4 µs), so at 16k this
+program runs at 0.74× a copy of its own bytes and cuDNN at 0.77×; from batch 8 at 32k and batch 32 at 8k on, ours
+outruns the same-bytes copy (1.01-1.08×). (The copy's graph time is a memcpy node, which ran at 0.61-0.64 of the
+2 GiB rate from 0.5 GB up — presumably on a copy engine rather than the copy kernel a stream's copy runs; not
+profiled —, so the record takes the faster of its graph and stream timings.)
 The knobs of :mod:`benchmarks.decode_variants` on the H200 (``decode_h200_knobs.json``: three or four stages,
 eight warps, 32 splits; at batch 1 with 16k and 32k keys, batch 8 and 32 at 16k) were all slower than the defaults,
 by 0.4-8 %: the H100's choices hold on the H200. The H100 grid again with the same-bytes copy (same day,
