@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="CALLS")
     a = p.parse_args(argv)
     from benchmarks.results_io import write_measurement
-    from benchmarks.timing import cuda_setup
+    from benchmarks.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
     rows = []
@@ -185,7 +185,8 @@ def main(argv=None) -> int:
         print({key: val for key, val in r.items() if key != "profile"}, flush=True)
         if "profile" in r:
             print(r["profile"][:5000], flush=True)
-    write_measurement(a.out, "fa2edu.decode_host/1", rows, unit="microseconds")
+    write_measurement(a.out, "fa2edu.decode_host/1", rows, device=torch.cuda.get_device_name(0),
+                      versions=package_versions(), unit="microseconds")
     return 0
 
 

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
     from benchmarks.results_io import write_measurement
-    from benchmarks.timing import cuda_setup
+    from benchmarks.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
 
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
         print(row, flush=True)
         rows.append(row)
         decode._PLANS.clear()
-    write_measurement(a.out, "fa2edu.decode_merge_cost/1", rows, unit="microseconds")
+    write_measurement(a.out, "fa2edu.decode_merge_cost/1", rows, device=torch.cuda.get_device_name(0),
+                      versions=package_versions(), unit="microseconds")
     return 0
 
 

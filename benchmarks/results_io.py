@@ -50,16 +50,12 @@ def default_results_path(device_name, name, root=None):
     return os.path.join(root, device_slug(device_name), f"{name}.json")
 
 
-def write_measurement(path, schema: str, rows: list, **fields) -> dict:
-    """A small harness's results file: its ``schema``, the device, package versions, date and command line, any
-    ``fields``, then ``rows``; written to ``path`` (skipped when it is None). Returns the record."""
+def write_measurement(path, schema: str, rows: list, *, device: str, versions: dict, **fields) -> dict:
+    """A small harness's results file: its ``schema``, the ``device``, package ``versions``, date and command line,
+    any ``fields``, then ``rows``; written to ``path`` (skipped when it is None). Returns the record."""
     import sys
-
-    import torch
-
-    from benchmarks.timing import package_versions
-    out = dict(schema=schema, device=torch.cuda.get_device_name(0), versions=package_versions(), date=utc_now(),
-               command=" ".join(sys.argv), **fields, rows=rows)
+    out = dict(schema=schema, device=device, versions=versions, date=utc_now(), command=" ".join(sys.argv),
+               **fields, rows=rows)
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
