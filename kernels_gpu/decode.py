@@ -11,7 +11,8 @@ a token that sees no key).
 
 **Calls from Python.** A call on PyTorch CUDA tensors (index data too) keeps a :class:`DecodePlan` per shapes,
 strides, dtypes and options: the next such call skips the checks, the typing and the split rule; it allocates the
-partials, launches the split programs, then allocates O and L and launches the merge — each launch one
+partials, launches the split programs, then allocates O and L and launches the merge (or, where the splits merge
+inside their thread-block cluster, allocates O and L and makes the one launch) — each launch one
 ``cuLaunchKernelEx`` of parameters packed once (:class:`kernels_gpu.driver_launch.Prepared`), the tensor maps found
 by the caches' addresses. Where its host time goes (``python -m benchmarks.decode_host``, H100, batch 1 with 16k
 keys, ``decode_host_breakdown.json``): 65 µs a call — the plan's key 9, allocations 18, the maps 4, the two
@@ -1224,9 +1225,11 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, nu
 class DecodePlan:
     """A decoding call on PyTorch CUDA tensors of fixed shapes, strides, dtypes and options, made from a first
     call's checked :class:`_Call` and its launches (:class:`~kernels_gpu.driver_launch.Prepared`: compiled,
-    configured, parameters packed). A call allocates the partials (with S > 1 splits), launches the split programs,
-    allocates O and L (poisoned when asked) and launches the merge, on PyTorch's current stream with the new
-    addresses: no checks, no typing, no split rule (host time: the module's header, ``benchmarks.decode_host``)."""
+    configured, parameters packed). A call allocates the partials (with S > 1 splits merged by the merge launch),
+    launches the split programs, allocates O and L (poisoned when asked) and launches the merge — or, with one
+    split or the splits merged inside their cluster, allocates O and L and makes the one launch —, on PyTorch's
+    current stream with the new addresses: no checks, no typing, no split rule (host time: the module's header,
+    ``benchmarks.decode_host``)."""
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch
