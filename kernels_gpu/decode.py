@@ -20,7 +20,7 @@ launches 10 and 8 —, against 75 µs for SDPA's cuDNN backend under ``sdpa_kern
 call, whose dispatch is C++ (host times move with the machine: the same measurement on another H100 host gave 38,
 45 and 23 µs, ``decode_host_breakdown_ctypes.json``). The first plan (launches through ``cuda.core.launch``, maps
 looked up as a list of tensor rows, four allocations) spent 94 µs at that shape in the decoding grid against
-cuDNN's 87 (``decode_same_bytes.json``); this one 51 against 55, and SDPA's default call 27 (``decode.json``).
+cuDNN's 87 (``decode_same_bytes.json``); this one 40 against 72, and SDPA's default call 33 (``decode.json``).
 
 **Two split programs.** This module's :func:`split_kernel` does its dot products on the FMA units (the first
 version, described below); :mod:`kernels_gpu.decode_tc` does them on tensor cores and is the default for float16
