@@ -6,16 +6,17 @@
 A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
 :mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
 (``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``tile`` (``decode_tc.TILE``, keys per warp tile),
-``cluster`` (``decode.CLUSTER_MERGE``: 1 merges the splits inside their thread-block cluster, 0 by the merge launch),
-``cluster_shared`` (``decode.CLUSTER_SHARED_BYTES``: the least shared memory a clustered program asks for),
+``cluster`` (``decode.CLUSTER_MERGE``: 1 merges the splits inside their thread-block cluster, 0 by the merge
+launch), ``cluster_shared`` (``decode.CLUSTER_SHARED_BYTES``: the least shared memory a clustered program asks for),
 ``warps`` (``decode.TC_WARPS``), ``l2`` (``tensor_map.L2_PROMOTION``: "none", "64B", "128B", "256B") and ``splits``
 (``num_splits`` of the call; default: the split rule). Each shape (batch × context, the :mod:`benchmarks.decode`
 grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache) is timed by CUDA-graph replay
 (:func:`benchmarks.decode.time_graph`) in ``--rounds`` rounds, every variant and SDPA's cuDNN backend once per round
 in turn, so that a drift of the clock or the memory touches all of them alike; the median over rounds is reported,
-with each variant's output checked against cuDNN's. ``--ncu``: one call of each variant and of cuDNN per shape, each
-inside an NVTX range ``<name> B<batch>-<context>`` inside a range ``variant``, for Nsight Compute (``--nvtx
---nvtx-include "variant/"``).
+with each variant's output checked against cuDNN's. ``--cluster-occupancy``: only how many clusters of S split
+programs the GPU holds at once. ``--ncu``: one call of each variant and of cuDNN per shape, each inside an NVTX
+range ``<name> B<batch>-<context>`` inside a range ``variant``, for Nsight Compute (``--nvtx --nvtx-include
+"variant/"``).
 
 This is the harness behind the A/B files of the decoding program's header (``decode_tc_bulk_ab.json``) and
 behind ``decode_sets_{1,2,4}.json`` (``--sets N --graph-calls 1``: N input sets, one call each per graph), which
@@ -105,12 +106,16 @@ def main(argv=None) -> int:
     p.add_argument("--sets", type=int, default=0, help="input sets per shape, each a call of the graph (default: "
                    "enough to exceed twice the L2 cache, at least 2)")
     p.add_argument("--ncu", action="store_true", help="one call per variant in NVTX ranges, nothing timed")
+    p.add_argument("--cluster-occupancy", action="store_true",
+                   help="only print how many clusters of S split programs the GPU holds at once (batch 1, 16k keys)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cuda_setup(use_torch_allocator=False)
     import torch
 
     from kernels_gpu import decode, decode_tc, tensor_map
+    if a.cluster_occupancy:
+        return cluster_occupancy(torch, a.page)
     DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS, tile=decode_tc.TILE,
                     cluster=int(decode.CLUSTER_MERGE), cluster_shared=decode.CLUSTER_SHARED_BYTES,
                     l2=tensor_map.L2_PROMOTION, chains=decode_tc.CHAINS)
@@ -160,6 +165,32 @@ def main(argv=None) -> int:
                    copy_GBps=copy_GBps, rounds=a.rounds, rows=rows, seconds=time.time() - t0)
         with open(a.out, "w") as f:
             json.dump(rec, f, indent=1)
+    return 0
+
+
+def cluster_occupancy(torch, page: int) -> int:
+    """For clusters of S = 2 … 16 split programs (the decoding grid's batch 1, 16k keys): how many the GPU holds at
+    once (``cuOccupancyMaxActiveClusters``), with each program's own shared memory and with the floor that keeps
+    one program per SM (``decode.CLUSTER_SHARED_BYTES``). The split rule's batch 1 needs 8 clusters of 16."""
+    import numpy as np
+
+    from kernels_gpu import decode, driver_launch
+    s = bench.make_sets(torch, 1, 16384, page, 1, seed=0)[0]
+    c = decode._prepare(s["q"], s["k"], s["v"], s["seqlens"], None, True, None, None, page, None, None)
+    _, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, np.uint32)
+    _, Lf = c.out.empty((c.B, c.H_q, c.N_new), "float32")
+    floor = decode.CLUSTER_SHARED_BYTES
+    print(f"{torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+    try:
+        for S in (2, 4, 8, 10, 12, 14, 15, 16):
+            args = decode._split_args(c, S, Ow, Lf, Lf, Lf)
+            for least in (0, floor):
+                decode.CLUSTER_SHARED_BYTES = least
+                kernel, threads, shared = decode._split_program(c, False, S)
+                n = driver_launch.max_active_clusters(kernel, args, (S, c.H_kv, c.B), threads, shared, S)
+                print(f"S = {S:2d}, {shared:6d} bytes of shared memory a program: {n} clusters at once", flush=True)
+    finally:
+        decode.CLUSTER_SHARED_BYTES = floor
     return 0
 
 

@@ -275,8 +275,9 @@ memory, ~0.5-1 µs, for the merge's 3). Measured (``python -m benchmarks.decode_
 cluster=0 --rounds 5``, cuDNN in every round; ``decode_cluster_ab.json``): batch 8 with 4k and 16k keys (2 splits,
 clusters of 2) 50.9 and 180.8 µs against 52.9 and 183.0 with the merge launch — 2.0 and 2.2 µs, as predicted, and
 ahead of cuDNN's 52.1 and 181.3 —; batch 1 unchanged (14.0 / 30.9 / 95.0 µs at 4k / 16k / 64k): its 8 clusters of 16
-programs do not fit an H100 one program per SM (``cuOccupancyMaxActiveClusters``: 7 — clusters of 10 to 16 blocks
-fit only 7 of its GPCs; clusters of 8, 15), so the call keeps the merge launch. Letting two programs share an SM
+programs do not fit an H100 one program per SM (``cuOccupancyMaxActiveClusters``: 7 for clusters of 10 to 16
+programs, 15 of 8: ``decode_cluster_occupancy.log``, ``benchmarks.decode_variants --cluster-occupancy``), so the call
+keeps the merge launch. Letting two programs share an SM
 so that they fit (``cluster_shared=0``, ``decode_cluster_shared_ab.json``) made batch 1 slower — 14.8 against 14.1
 µs at 4k keys, 32.4 against 30.9 at 16k, 103.0 against 95.0 at 64k —: the cluster is placed on half as many SMs.
 Bit for bit, the cluster's merge adds the S terms in split order where the merge launch folds them in two warps'
