@@ -63,14 +63,10 @@ def event_us(torch, fn, calls: int = 50) -> float:
 
 
 def bindings_launcher(prepared, stream: int):
-    """A call of ``prepared`` (its parameter words as they are) through ``cuda.bindings``' cuLaunchKernelEx."""
-    from cuda.bindings import driver
-    config = driver.CUlaunchConfig()
-    (config.gridDimX, config.gridDimY, config.gridDimZ), (config.blockDimX, config.blockDimY, config.blockDimZ), \
-        config.sharedMemBytes = prepared.dims
-    config.hStream = driver.CUstream(stream)
-    config.numAttrs = 0
-    return lambda: driver.cuLaunchKernelEx(config, prepared.kernel.handle, prepared.address, 0)
+    """The driver call alone of ``prepared``: ``cuda.bindings``' cuLaunchKernelEx with its parameter words and its
+    launch configuration for ``stream`` as they are."""
+    config = prepared.configs.get(stream) or prepared._config(stream)
+    return lambda: prepared.driver.cuLaunchKernelEx(config, prepared.func, prepared.address, 0)
 
 
 def core_launcher(prepared, stream: int):

@@ -73,7 +73,6 @@ def apply(variant: dict) -> None:
     decode_tc.TILE = variant.get("tile", DEFAULTS["tile"])
     decode.CLUSTER_MERGE = bool(variant.get("cluster", DEFAULTS["cluster"]))
     decode.CLUSTER_SHARED_BYTES = variant.get("cluster_shared", DEFAULTS["cluster_shared"])
-    decode._CLUSTER_FITS.clear()
     decode.TC_WARPS = variant.get("warps", DEFAULTS["warps"])
     tensor_map.L2_PROMOTION = variant.get("l2", DEFAULTS["l2"])
     decode._PLANS.clear()

@@ -1052,7 +1052,8 @@ def _cluster_merge(c: _Call, S: int, simulator: bool, args: tuple) -> int:
     if (not CLUSTER_MERGE or simulator or c.program != "tensorcore" or c.row_tiles != 1 or not 2 <= S <= 16
             or not driver_launch.enabled()):
         return 0
-    key = (c.storage, c.d, c.d_v, c.page, c.causal, c.copy, c.tile, S, c.B * c.H_kv, TC_WARPS, decode_tc.STAGES)
+    key = (c.storage, c.d, c.d_v, c.page, c.causal, c.copy, c.tile, S, c.B * c.H_kv, TC_WARPS, decode_tc.STAGES,
+           decode_tc.CHAINS, CLUSTER_SHARED_BYTES)
     hit = _CLUSTER_FITS.get(key)
     if hit is None:
         kernel, threads, shared = _split_program(c, simulator, S)

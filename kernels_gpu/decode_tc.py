@@ -261,8 +261,8 @@ simulator tests run 32 and 48).
 **The splits merged inside their cluster** (``cluster`` = S; :func:`kernels_gpu.decode._cluster_merge` decides;
 2026-11-27). What the merge launch costs a step, measured first (``python -m benchmarks.decode_merge_cost``, H100,
 graph replays of the whole step against the same plan with its merge launch replaced by nothing;
-``decode_merge_cost.json``): 3.0 µs at batch 1 with 4k / 8k / 16k / 32k keys (14.0 → 11.0, 20.0 → 17.1, 31.0 → 28.3,
-52.1 → 49.5 µs) and 2.9-3.0 µs at batch 8 — as much as this program trails cuDNN by, and more. So the S programs of a
+``decode_merge_cost.json``): 2.6-3.0 µs at batch 1 with 4k / 8k / 16k / 32k keys (14.0 → 11.0, 20.0 → 17.1, 31.0 → 28.3,
+52.1 → 49.5 µs) and 2.9-3.0 µs at batch 8 — more than this program trails cuDNN by. So the S programs of a
 (sequence, KV head) run as one thread-block cluster: each keeps its partial (O_s, L_s) in its own shared memory,
 the cluster meets at a barrier (``barrier.cluster`` arrive.release / wait.acquire), program s merges its share of
 the group's outputs reading the S partials from the other programs' shared memory (``mapa`` + ``ld.shared::cluster``:
