@@ -19,14 +19,19 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 jupytext = pytest.importorskip("jupytext")
 nbclient = pytest.importorskip("nbclient")
+yaml = pytest.importorskip("yaml")
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 CHAPTER_FILES = sorted(CHAPTERS.glob("[0-9][0-9]_*.md"))
 IDS = [path.stem for path in CHAPTER_FILES]
+#: A chapter's lab notebook: the history of its rungs, attempts and re-runs (``appendix_NN_slug.md``), executed as
+#: the chapters are, with no exercises of its own.
+APPENDIX_FILES = sorted(CHAPTERS.glob("appendix_[0-9][0-9]_*.md"))
+BOOK_FILES = CHAPTER_FILES + APPENDIX_FILES
+BOOK_IDS = [path.stem for path in BOOK_FILES]
 
 #: Seconds one cell may run before the chapter fails (a chapter should take well under a minute in all).
 CELL_TIMEOUT_S = 180
@@ -34,7 +39,7 @@ CELL_TIMEOUT_S = 180
 PRINT_WIDTH = 96
 
 
-@pytest.mark.parametrize("path", CHAPTER_FILES, ids=IDS)
+@pytest.mark.parametrize("path", BOOK_FILES, ids=BOOK_IDS)
 def test_chapter_executes(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run every code cell of the chapter in order in a clean kernel; any exception fails the test."""
     # The kernel is a child process: it inherits this environment.
@@ -116,6 +121,9 @@ def _check_exercise(name: str, exercise_id: str, cells: list) -> None:
     assert hidden, f"{where}: needs the solution's code in a code cell after the folded solution"
     for _source, meta in hidden:
         assert "hide-cell" in meta.get("tags", []), f"{where}: the solution's code cell must be tagged hide-cell"
+        folded = meta.get("jupyter", {})
+        assert folded.get("source_hidden") is True and folded.get("outputs_hidden") is True, \
+            f"{where}: the solution's code cell must be folded in JupyterLab (jupyter: source_hidden, outputs_hidden)"
         prompt = meta.get("mystnb", {}).get("code_prompt_show", "")
         assert "solution" in prompt.lower(), f"{where}: the hidden cell's toggle must say it shows the solution"
     checked = set(_CHECK.findall(try_source))
@@ -127,7 +135,7 @@ def _check_exercise(name: str, exercise_id: str, cells: list) -> None:
             f"{where}: the solution must pass its own checker (assert exercises.check(...))"
 
 
-@pytest.mark.parametrize("path", CHAPTER_FILES, ids=IDS)
+@pytest.mark.parametrize("path", BOOK_FILES, ids=BOOK_IDS)
 def test_chapter_format(path: Path) -> None:
     """The shared format: a jupytext MyST header with the python3 kernel, no outputs, 2–4 exercises."""
     text = path.read_text(encoding="utf-8")
@@ -141,8 +149,19 @@ def test_chapter_format(path: Path) -> None:
     notebook = jupytext.reads(text, fmt="md:myst")
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
         f"{path.name} stores outputs: chapters are kept without them so that diffs stay readable"
-    # The preface is a map, not a lesson: it needs no exercises.
-    if path.stem.startswith("00_"):
+    # Every folded cell is folded in JupyterLab too: the site reads the tags, JupyterLab the cell's "jupyter"
+    # metadata (a hide-cell folds code and output, a hide-input its code).
+    for cell in notebook.cells:
+        tags = set(cell.metadata.get("tags", []))
+        shown = cell.metadata.get("jupyter", {})
+        if cell.cell_type == "code" and tags & {"hide-cell", "hide-input"}:
+            assert shown.get("source_hidden") is True, \
+                f"{path.name}: a {sorted(tags)} cell needs jupyter: {{source_hidden: true}} ({cell.source[:40]!r}…)"
+        if cell.cell_type == "code" and "hide-cell" in tags:
+            assert shown.get("outputs_hidden") is True, \
+                f"{path.name}: a hide-cell cell needs jupyter: {{outputs_hidden: true}} ({cell.source[:40]!r}…)"
+    # The preface is a map, not a lesson, and an appendix is a lab notebook: neither has exercises.
+    if path.stem.startswith(("00_", "appendix_")):
         return
     exercises = _exercise_cells(notebook)
     ids = [exercise_id for exercise_id, _ in exercises]
@@ -177,6 +196,9 @@ The answer.
 
 ```{code-cell} ipython3
 ---
+jupyter:
+  outputs_hidden: true
+  source_hidden: true
 mystnb:
   code_prompt_show: Show the solution's code and output
 tags: [hide-cell]
@@ -193,6 +215,7 @@ print(42)
         "no try cell": good.replace("```{code-cell} ipython3\n# Your code here.\n```\n", ""),
         "no hint": good.replace("<summary>Hint</summary>", "<summary>Note</summary>"),
         "solution not hidden": good.replace("tags: [hide-cell]", "tags: [hide-input]"),
+        "solution not folded in JupyterLab": good.replace("  source_hidden: true\n", ""),
         "unchecked id": good.replace("# Your code here.", 'exercises.check("3.1", f)\nraise NotImplementedError'),
     }
     for what, text in broken.items():
