@@ -685,6 +685,8 @@ def _solution_block_kind(N_q, N_k, rows, cols):
 # -- 9.4 a numba.cuda kernel in the simulator ---------------------------------------------------------------------
 
 def _run_row_stats_kernel(kernel, case):
+    from fa2edu import simulator
+    simulator.choose()      # no CUDA driver here: numba's CUDA simulator, chosen before numba.cuda is imported
     from numba import cuda  # numba only for this exercise; its CUDA simulator when NUMBA_ENABLE_CUDASIM=1
 
     if not cuda.is_available():
@@ -736,6 +738,8 @@ def _solution_row_stats():
     global cuda
     if "row_stats" not in _KERNELS:
         # A module global, not a local: the CUDA simulator swaps the `cuda` module in the kernel's globals.
+        from fa2edu import simulator
+        simulator.choose()
         from numba import cuda
 
         @cuda.jit

@@ -16,9 +16,10 @@ Arrays are (..., N, d) float32 with heads on the axis before N (GQA when Q has m
 arrays are copied to the device and the results come back as NumPy arrays; numba device arrays and anything with
 ``__cuda_array_interface__`` (PyTorch, CuPy) are used in place, zero-copy, and the results are numba device arrays.
 
-No GPU? Run everything in numba's CUDA simulator: set ``NUMBA_ENABLE_CUDASIM=1`` in the environment *before*
-numba is imported (the test suite does this). ``import kernels_gpu`` itself needs neither a GPU nor the CUDA
-toolkit: kernels are compiled on first use, one compiled kernel per tile shape.
+No GPU? Everything runs in numba's CUDA simulator. ``import kernels_gpu`` chooses it by itself on a machine with no
+CUDA driver (:func:`fa2edu.simulator.choose`, saying so in one line); elsewhere set ``NUMBA_ENABLE_CUDASIM=1`` in
+the environment *before* numba is imported (the test suite does this). ``import kernels_gpu`` itself needs neither
+a GPU nor the CUDA toolkit: kernels are compiled on first use, one compiled kernel per tile shape.
 
 Modules: :mod:`kernels_gpu.runtime` (device checks, layouts, interop), :mod:`kernels_gpu.standard`,
 :mod:`kernels_gpu.flash1`, :mod:`kernels_gpu.flash2` (the kernels), :mod:`kernels_gpu.counting` (global-memory
@@ -29,6 +30,11 @@ batches; the decoding program's tiles come by Hopper's copy engine, through the 
 """
 
 import numpy as _np
+
+from fa2edu import simulator as _simulator
+
+# No CUDA driver here: numba's CUDA simulator, chosen before numba.cuda is imported (it reads the variable once).
+_simulator.choose()
 
 # numba-cuda 0.30.4 still calls np.row_stack, which NumPy 2.5 removed: restore it before numba compiles anything.
 if not hasattr(_np, "row_stack"):
