@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, with its set-up: installs fa2edu with its test, notebook and torch extras, then runs pytest.
+# The whole test suite, with its set-up: installs fa2edu with its test, notebook and torch extras (PyTorch's CPU-only
+# build where there is no NVIDIA driver), then runs pytest.
 # Extra arguments go to pytest. Kernels run in numba's CUDA simulator (tests/conftest.py selects it).
 #
 # The install runs only when needed: build/test-env.stamp (git-ignored) holds a hash of pyproject.toml, the torch
@@ -35,6 +36,13 @@ EOF
 if [[ "$(cat "$STAMP" 2>/dev/null)" == "$key" ]] && installed; then
     echo "scripts/test.sh: the environment is up to date with pyproject.toml (delete $STAMP to reinstall)"
 else
+    # PyTorch's CPU-only build on a machine without an NVIDIA driver: a plain `pip install torch` on Linux brings
+    # several GB of CUDA libraries that the suite (numba's CUDA simulator, CPU tensors) never loads.
+    if ! python3 -c "import torch" 2>/dev/null; then
+        index=()
+        command -v nvidia-smi >/dev/null 2>&1 || index=(--index-url https://download.pytorch.org/whl/cpu)
+        python3 -m pip install --quiet --disable-pip-version-check "$TORCH" "${index[@]}"
+    fi
     python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,torch]" "$TORCH"
     mkdir -p "$(dirname "$STAMP")" && echo "$key" > "$STAMP"
 fi
