@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
-pytestmark = [
+slow_route = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("FA2EDU_BOOK_ROUTE") != "1",
                        reason="the README's notebook route in a fresh venv takes minutes: FA2EDU_BOOK_ROUTE=1 runs it"),
@@ -84,6 +84,8 @@ def _learner_environment(home: Path) -> dict:
     return env
 
 
+@slow_route[0]
+@slow_route[1]
 def test_every_chapter_runs_on_the_readme_route(tmp_path: Path) -> None:
     commands = route_commands(README.read_text(encoding="utf-8"))
     # What a fresh clone holds: the tracked files (with this checkout's changes to them).
