@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -28,10 +29,15 @@ from fa2edu import hardware
 from fa2edu.blocks import DEFAULT_M
 from fa2edu.io import METHODS, simulate_io
 
-__all__ = ["main", "build_parser", "tour"]
+__all__ = ["main", "build_parser", "tour", "execute_bytes", "available_memory"]
 
 #: The tour's realistic size: a 4k-token sequence, head dimension 64, 96 K elements of SRAM (192 KiB of fp16).
 TOUR_N, TOUR_D, TOUR_M = 4096, 64, 98_304
+#: The widest line the tour prints (the book's page width).
+WIDTH = 96
+#: N × N_k float32 matrices that ``--method execute`` holds at its peak: standard attention's P, kept from its
+#: forward pass for its backward pass, and the backward pass's dP and dS (measured: about 3.2 of them at N = 4096).
+EXECUTE_SCORE_MATRICES = 3
 
 
 def _positive_int(text: str) -> int:
@@ -89,9 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     # Errors found after parsing (M too small for d, block sizes that overflow the SRAM) print this usage.
     io.set_defaults(subparser=io)
 
-    sub.add_parser("tour", help="a guided run of a few seconds through the book's main results")
-    sub.add_parser("errata", help="the papers' errata: printed formula vs corrected, checked numerically")
-    sub.add_parser("version", help="print the version")
+    sub.add_parser("tour", help="a guided run of a few seconds through the book's main results",
+                   description="A guided run of a few seconds through the book's main results, every number "
+                               "computed as it runs: (1) HBM traffic of standard attention, FlashAttention and "
+                               "FlashAttention-2 at N = 4,096; (2) FA1 Theorem 2's scaling in N and M; (3) FA1 "
+                               "and FA2 exact against the float64 oracle, gradients included; (4) the blocks a "
+                               "causal mask skips; (5) where to read on.")
+    sub.add_parser("errata", help="the papers' errata: printed formula vs corrected, checked numerically",
+                   description="The typos of the FlashAttention and FlashAttention-2 papers: for each erratum, the "
+                               "formula as printed and as corrected, both evaluated on random blocks and compared "
+                               "with the float64 oracle (the printed one is WRONG where the typo changes the "
+                               "result); then the errata that cannot be checked numerically, and why.")
+    sub.add_parser("version", help="print the version", description="Print fa2edu's version and exit.")
     return parser
 
 
@@ -104,17 +119,56 @@ def _format_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def execute_bytes(N: int, N_k: int | None = None) -> int:
+    """About the memory ``fa2edu io --method execute`` needs: its peak is standard attention's N × N_k matrices
+    (:data:`EXECUTE_SCORE_MATRICES` of them, float32; the tiled algorithms need far less)."""
+    N_k = N if N_k is None else N_k
+    return EXECUTE_SCORE_MATRICES * N * N_k * np.dtype(np.float32).itemsize
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give a process (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _memory_message(N: int, N_k: int | None, available: int | None) -> str:
+    """What ``--method execute`` needs, what there is, and what to run instead."""
+    N_k = N if N_k is None else N_k
+    have = "" if available is None else f"; this machine has {_format_bytes(available)} available"
+    return (f"--method execute runs the algorithms on N = {N:,} by N_k = {N_k:,} scores and needs about "
+            f"{_format_bytes(execute_bytes(N, N_k))} of memory ({EXECUTE_SCORE_MATRICES} float32 matrices of "
+            f"{N:,} × {N_k:,}: standard attention's P, dP and dS){have}. Use --method closed_form (the formulas, "
+            f"proven equal to the executed ledger; instant at any N), or a smaller --N.")
+
+
 def _run_io(args, parser: argparse.ArgumentParser, out) -> int:
     """``fa2edu io``; ``parser`` is the ``io`` subcommand's parser, whose usage an error prints."""
     M = args.M
     if M is None:
         M = hardware.M_for(args.device, args.dtype) if args.device else DEFAULT_M
+    if args.method == "execute":
+        # Refuse before allocating when the estimate already exceeds what the machine has.
+        available = available_memory()
+        if available is not None and execute_bytes(args.N, args.N_k) > available:
+            parser.error(_memory_message(args.N, args.N_k, available))
     try:
         report = simulate_io(args.N, args.d, M, args.causal, N_k=args.N_k,
                              block_sizes=tuple(args.block_sizes) if args.block_sizes else None,
                              block_sparsity=args.block_sparsity, method=args.method, progress=args.progress)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
+    except MemoryError:       # numpy's _ArrayMemoryError, when the estimate fitted but the allocation did not
+        parser.error(_memory_message(args.N, args.N_k, available_memory()))
     print(report, file=out)
     print(file=out)
     programs = f"{args.batch} × {args.heads} (batch × heads)"
@@ -133,10 +187,30 @@ def _run_io(args, parser: argparse.ArgumentParser, out) -> int:
 
 # -- fa2edu tour ------------------------------------------------------------------------------------------------------
 
+def _say(out, text: str, indent: str = "") -> None:
+    """Print ``text`` as a paragraph wrapped to :data:`WIDTH` columns (a long path is kept whole)."""
+    print(textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent, break_long_words=False,
+                        break_on_hyphens=False), file=out)
+
+
 def _section(out, number: int, title: str) -> None:
     print(file=out)
     print(f"({number}) {title}", file=out)
     print("-" * (len(title) + 4), file=out)
+
+
+def _tour_table(out, report) -> None:
+    """The traffic table of ``report`` in the columns the tour needs, narrow enough for the page."""
+    head = ["algorithm", "pass", "B_r × B_c", "reads", "writes", "total", "vs standard"]
+    body = []
+    for r in report.rows:
+        versus = "baseline" if r.algorithm == "standard" else f"{report.ratio(r.algorithm, r.pass_):.2f}× less"
+        blocks = "—" if r.block_sizes is None else f"{r.block_sizes[0]} × {r.block_sizes[1]}"
+        body.append([r.algorithm, r.pass_, blocks, f"{r.reads:,}", f"{r.writes:,}", f"{r.total:,}", versus])
+    widths = [max(len(row[k]) for row in [head] + body) for k in range(len(head))]
+    for row in [head] + body:
+        print("  " + "  ".join(cell.rjust(w) if k >= 3 else cell.ljust(w)
+                               for k, (cell, w) in enumerate(zip(row, widths))).rstrip(), file=out)
 
 
 def _both_passes(report, algorithm: str) -> int:
@@ -145,18 +219,19 @@ def _both_passes(report, algorithm: str) -> int:
 
 def _tour_traffic(out) -> None:
     _section(out, 1, f"HBM traffic at a realistic size: N = {TOUR_N:,}, d = {TOUR_D}, M = {TOUR_M:,} elements")
-    print("Standard attention writes the N × N matrices S and P to HBM and reads them back; FlashAttention tiles\n"
-          "Q, K, V into blocks that fit in the SRAM of M elements and never stores S or P (FA1 Algorithm 1).\n"
-          "Elements moved between HBM and SRAM per (batch, head):", file=out)
+    _say(out, "Standard attention writes the N × N matrices S and P to HBM and reads them back; FlashAttention "
+              "tiles Q, K, V into blocks that fit in the SRAM of M elements and never stores S or P (FA1 "
+              "Algorithm 1). Elements moved between HBM and SRAM per (batch, head):")
     report = simulate_io(TOUR_N, TOUR_D, TOUR_M)
-    print(report, file=out)
+    _tour_table(out, report)
     std, fa1, fa2 = (_both_passes(report, a) for a in ("standard", "flash1", "flash2"))
-    print(f"Forward + backward: standard {std:,}, FlashAttention {fa1:,} ({std / fa1:.1f}× less), "
-          f"FlashAttention-2 {fa2:,} ({std / fa2:.1f}× less).", file=out)
+    _say(out, f"Forward + backward: standard {std:,}, FlashAttention {fa1:,} ({std / fa1:.1f}× less), "
+              f"FlashAttention-2 {fa2:,} ({std / fa2:.1f}× less).")
     fp16 = hardware.itemsize("float16")
-    print(f"In fp16 that is {std * fp16 / 1e6:,.0f} MB against {fa2 * fp16 / 1e6:,.1f} MB per head. FA2 moves "
-          f"{fa2 / fa1:.2f}× FA1's traffic: its forward loop keeps O_i, ℓ_i, m_i on chip, its backward pass\n"
-          f"computes D once instead of reloading O_i for every block.", file=out)
+    _say(out, f"In fp16, per head, forward + backward: standard attention moves {std * fp16 / 1e6:,.0f} MB "
+              f"(most of it its S and P), FlashAttention-2 {fa2 * fp16 / 1e6:,.1f} MB. FA2 moves {fa2 / fa1:.2f}× "
+              f"FA1's traffic: its forward loop keeps O_i, ℓ_i, m_i on chip, its backward pass computes D once "
+              f"instead of reloading O_i for every block.")
 
 
 def _tour_scaling(out) -> None:
@@ -173,11 +248,11 @@ def _tour_scaling(out) -> None:
     for label, (s, f) in ((f"N = {N:,}, M = {M:,}", base), (f"N = {N:,}, M = {2 * M:,}", double_M),
                           (f"N = {2 * N:,}, M = {M:,}", double_N)):
         print(f"  {label:<24}{s:>16,}{f:>18,}", file=out)
-    print(f"Double M: standard × {double_M[0] / base[0]:.2f} (it never uses the SRAM's size), "
-          f"FlashAttention × {double_M[1] / base[1]:.2f} (∝ 1/M: blocks twice as large, half as many passes).",
-          file=out)
-    print(f"Double N: standard × {double_N[0] / base[0]:.2f} (∝ N²), FlashAttention × {double_N[1] / base[1]:.2f} "
-          f"(∝ N², with the factor d²/M ≈ {d * d / M:.3f} in front).", file=out)
+    _say(out, f"Double M: standard × {double_M[0] / base[0]:.2f} (it never uses the SRAM's size), "
+              f"FlashAttention × {double_M[1] / base[1]:.2f} (∝ 1/M: blocks twice as large, half as many "
+              f"passes).")
+    _say(out, f"Double N: standard × {double_N[0] / base[0]:.2f} (∝ N²), FlashAttention × "
+              f"{double_N[1] / base[1]:.2f} (∝ N², with the factor d²/M ≈ {d * d / M:.3f} in front).")
 
 
 def _tour_exactness(out) -> None:
@@ -185,8 +260,8 @@ def _tour_exactness(out) -> None:
     rng = np.random.default_rng(0)
     batch, heads, N, d, M = 1, 2, 150, 16, 512
     Q, K, V, dO = (rng.standard_normal((batch, heads, N, d)) for _ in range(4))
-    print(f"A random causal problem: Q, K, V of shape {Q.shape}, M = {M} (blocks do not divide N), float64.",
-          file=out)
+    _say(out, f"A random causal problem: Q, K, V of shape {Q.shape}, M = {M} (blocks do not divide N), "
+              f"float64.")
     O, L = fa2edu.attention_reference(Q, K, V, causal=True)
     grads = fa2edu.attention_reference_backward(Q, K, V, dO, causal=True)
     f1 = fa2edu.flash1_forward(Q, K, V, M=M, causal=True)
@@ -202,24 +277,25 @@ def _tour_exactness(out) -> None:
     for name, fwd_O, fwd_L, g in (("FlashAttention", f1.O, L1, g1), ("FlashAttention-2", f2.O, f2.L, g2)):
         errors = [err(fwd_O, O), err(fwd_L, L), err(g.dQ, grads.dQ), err(g.dK, grads.dK), err(g.dV, grads.dV)]
         print(f"  {name:<18}" + "".join(f"{e:>10.1e}" for e in errors), file=out)
-    print("Errors at float64 rounding level: tiling and the online softmax change the order of the sums, not the "
-          "result.", file=out)
+    _say(out, "Errors at float64 rounding level: tiling and the online softmax change the order of the sums, "
+              "not the result.")
 
 
 def _tour_causal(out) -> None:
     _section(out, 4, "Causal masking skips blocks (FA2 Section 3.1)")
     dense = simulate_io(TOUR_N, TOUR_D, TOUR_M, algorithms=("flash2",))
     causal = simulate_io(TOUR_N, TOUR_D, TOUR_M, causal=True, algorithms=("flash2",))
-    print("Blocks entirely above the diagonal are never loaded; those that straddle it are masked elementwise.",
-          file=out)
+    _say(out, "Blocks entirely above the diagonal are never loaded; those that straddle it are masked "
+              "elementwise.")
     for pass_ in ("forward", "backward"):
         a, b = dense.row("flash2", pass_), causal.row("flash2", pass_)
-        print(f"  FA2 {pass_:<8}: {b.blocks_visited:,} of {b.blocks_total:,} blocks visited "
-              f"({b.blocks_visited / b.blocks_total:.0%}); traffic {a.total:,} → {b.total:,} elements "
-              f"({1 - b.total / a.total:.0%} saved)", file=out)
+        _say(out, f"FA2 {pass_:<8}: {b.blocks_visited:,} of {b.blocks_total:,} blocks visited "
+                  f"({b.blocks_visited / b.blocks_total:.0%}), traffic {a.total:,} → {b.total:,} "
+                  f"({1 - b.total / a.total:.0%} saved)", indent="  ")
     row = causal.row("flash2", "forward")
-    print(f"Visiting {row.blocks_visited / row.blocks_total:.0%} of the blocks bounds the forward pass's causal "
-          f"speedup by {row.blocks_total / row.blocks_visited:.2f}× (FA2 Section 3.1 measures 1.7-1.8×).", file=out)
+    _say(out, f"Visiting {row.blocks_visited / row.blocks_total:.0%} of the blocks bounds the forward pass's "
+              f"causal speedup by {row.blocks_total / row.blocks_visited:.2f}× (FA2 Section 3.1 measures "
+              f"1.7-1.8×).")
 
 
 def _tour_read_on(out) -> None:
@@ -227,23 +303,22 @@ def _tour_read_on(out) -> None:
     root = Path(fa2edu.__file__).resolve().parent.parent
     chapters = sorted((root / "chapters").glob("[0-9][0-9]_*.md"))
     if chapters:
-        print(f"The book's chapters ({root / 'chapters'}), one notebook each (jupytext Markdown):", file=out)
+        _say(out, f"The book's chapters ({root / 'chapters'}), one notebook each (jupytext Markdown):")
         for path in chapters:
             print(f"  {path.name}", file=out)
-        print(f"Open them as notebooks in JupyterLab: bash {root / 'scripts' / 'lab.sh'}   (pip install -e "
-              f"\".[notebooks]\" first)", file=out)
+        _say(out, "Open them as notebooks in JupyterLab (pip install -e \".[notebooks]\" first):")
+        print(f"  bash {root / 'scripts' / 'lab.sh'}", file=out)
     else:
-        print("The chapters live in the source checkout's chapters/ folder (not installed with the package).",
-              file=out)
+        _say(out, "The chapters live in the source checkout's chapters/ folder (not installed with the package).")
     docs = root / "docs"
     built = docs / "_build" / "html" / "index.html"
     if built.exists():
-        print(f"The book as a website, with the API reference: {built}", file=out)
+        _say(out, f"The book as a website, with the API reference: {built}")
     else:
-        print("The book as a website, with the API reference: `bash scripts/build_docs.sh` in the source checkout,"
-              " then open docs/_build/html/index.html.", file=out)
-    print("Try: fa2edu io --help   (e.g. fa2edu io --N 16384 --d 128 --causal --device H100-SXM --batch 8 "
-          "--heads 16)", file=out)
+        _say(out, "The book as a website, with the API reference: `bash scripts/build_docs.sh` in the source "
+                  "checkout, then open docs/_build/html/index.html.")
+    print("Try: fa2edu io --help", file=out)
+    print("     fa2edu io --N 16384 --d 128 --causal --device H100-SXM --batch 8 --heads 16", file=out)
     print("     fa2edu errata      (the papers' typos, each checked against the oracle)", file=out)
 
 

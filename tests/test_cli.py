@@ -110,3 +110,88 @@ def test_io_errors_print_the_io_usage_not_the_top_level_one(capsys, argv):
     err = capsys.readouterr().err
     assert err.startswith("usage: fa2edu io [-h]") and "--block-sizes" in err
     assert "fa2edu io: error: " in err and "{io,tour,errata,version}" not in err
+
+
+# -- the small defects of issue 34: help for every subcommand, a page-wide tour, a clear out-of-memory error ------
+
+@pytest.mark.parametrize("command", ["io", "tour", "errata", "version"])
+def test_every_subcommand_has_a_description(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]          # usage, blank line, the description, blank line, the options
+    assert not description.startswith(("options:", "optional arguments:")), f"{command} --help has no description"
+    assert len(description.split()) >= 4
+
+
+def test_tour_lines_fit_the_page_and_name_both_algorithms(capsys):
+    from fa2edu.cli import WIDTH
+
+    out = run(capsys, "tour")
+    long = [line for line in out.splitlines() if len(line) > WIDTH]
+    assert WIDTH == 96 and not long, long
+    report = simulate_io(TOUR_N, TOUR_D, TOUR_M)
+    fp16 = fa2edu.hardware.itemsize("float16")
+    std = (report.row("standard", "forward").total + report.row("standard", "backward").total) * fp16 / 1e6
+    fa2 = (report.row("flash2", "forward").total + report.row("flash2", "backward").total) * fp16 / 1e6
+    sentence = " ".join(out.split())                      # the paragraph, unwrapped
+    assert f"standard attention moves {std:,.0f} MB" in sentence
+    assert f"FlashAttention-2 {fa2:,.1f} MB" in sentence
+
+
+def test_execute_too_large_for_memory_is_refused_before_allocating(capsys, monkeypatch):
+    from fa2edu import cli
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("simulate_io ran although the estimate exceeded the memory")
+
+    monkeypatch.setattr(cli, "available_memory", lambda: 10**9)          # 1 GB available
+    monkeypatch.setattr(cli, "simulate_io", no_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["io", "--method", "execute", "--N", "100000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    need = cli.execute_bytes(100_000)
+    assert need == 3 * 100_000**2 * 4
+    assert f"needs about {cli._format_bytes(need)} of memory" in err and "120.00 GB" in err
+    assert "1.00 GB available" in err and "--method closed_form" in err
+
+
+def test_execute_memory_error_is_reported_not_raised(capsys, monkeypatch):
+    import numpy as np
+
+    from fa2edu import cli
+
+    try:                                       # what numpy raises when an allocation fails
+        from numpy._core._exceptions import _ArrayMemoryError
+    except ImportError:                        # numpy 1.x
+        from numpy.core._exceptions import _ArrayMemoryError
+
+    def out_of_memory(*args, **kwargs):
+        raise _ArrayMemoryError((4000, 4000), np.dtype(np.float32))
+
+    monkeypatch.setattr(cli, "available_memory", lambda: None)           # no estimate possible: try, then catch
+    monkeypatch.setattr(cli, "simulate_io", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["io", "--method", "execute", "--N", "4000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"needs about {cli._format_bytes(cli.execute_bytes(4000))}" in err
+    assert "--method closed_form" in err and "available" not in err
+
+
+def test_execute_estimate_is_the_size_of_a_real_run():
+    """The estimate is of the right size: at N = 2,048 the executed run's peak is within 25 % of it (48 MB)."""
+    import tracemalloc
+
+    from fa2edu import cli
+
+    tracemalloc.start()
+    try:
+        simulate_io(2048, 16, 8192, method="execute", algorithms=("standard",))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 0.8 < peak / cli.execute_bytes(2048) < 1.25
