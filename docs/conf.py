@@ -7,6 +7,7 @@ they execute with their working directory in ``chapters/``, as the chapter test 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,15 @@ os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 os.environ.setdefault("FA2EDU_PROGRESS", "0")
 
 import fa2edu  # noqa: E402  (after the environment is set)
+
+# PyTorch is optional, and the book's route does not install it (a reader without a GPU should not download its CUDA
+# build). Without it, autodoc imports the torch modules (fa2edu.torch, fa2edu.distributed, and the private
+# fa2edu._torch_ops) against a stand-in ``torch`` (autodoc_mock_imports): their pages still list every function with
+# its signature and docstring as with PyTorch installed (their module docstrings say that they need it). The
+# chapters' torch cells skip themselves with a one-line note (``%%needs torch``, fa2edu/notebook.py). With torch
+# installed nothing is mocked.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+autodoc_mock_imports = [] if HAVE_TORCH else ["torch"]
 
 project = "fa2edu"
 author = "the fa2edu authors"
@@ -78,11 +88,14 @@ def _reexports() -> dict[str, list[str]]:
     import importlib
     import pkgutil
 
+    from sphinx.ext.autodoc.mock import mock
+
     import kernels_gpu
     found = {}
     for package in (fa2edu, kernels_gpu):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            module = importlib.import_module(info.name)
+            with mock(autodoc_mock_imports):      # as autodoc will import it: torch mocked where it is missing
+                module = importlib.import_module(info.name)
             names = [name for name in getattr(module, "__all__", [])
                      if getattr(getattr(module, name, None), "__module__", module.__name__) != module.__name__]
             if names:
@@ -100,6 +113,37 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
             return True
     return None
 
+def _no_mock_return_type(app, what, name, obj, options, signature, return_annotation):
+    """Without PyTorch, a class derived from a mocked ``torch.autograd.Function`` takes its signature from the mock's
+    ``__new__(*args, **kwargs) -> Any``: drop the "Return type: Any" that would add to the class's description (with
+    PyTorch the signature is the same and has no return type)."""
+    if what == "class" and isinstance(obj, type) and any(getattr(base, "__sphinx_mock__", False)
+                                                         for base in obj.__mro__[1:]):
+        document = getattr(app.env, "current_document", None)      # Sphinx 8.2+; before: env.temp_data
+        annotations = (document.autodoc_annotations if document is not None
+                       else app.env.temp_data.get("annotations", {}))
+        annotations.get(name, {}).pop("return", None)
+    return None
+
+
+def _chapter_links(app, doctree):
+    """A chapter's Markdown link to another chapter, ``[Appendix 13](appendix_13_inference.md)``, as myst-parser
+    resolves it: Sphinx resolves the path through the ``docs/chapters`` link to ``chapters/`` at the repository's
+    root, outside the source directory, and the reference then names no document ("Unknown source document
+    '/…/chapters/appendix_13_inference'"). Name the document through the link instead: ``chapters/appendix_13_…``.
+    (The link as written is the one JupyterLab follows, so the chapters keep it.)"""
+    from sphinx.addnodes import pending_xref
+
+    chapters = (ROOT / "chapters").resolve()
+    for node in doctree.findall(pending_xref):
+        target = node.get("reftarget", "")
+        if node.get("reftype") == "myst" and node.get("refdomain") == "doc" and Path(target).is_absolute():
+            try:
+                node["reftarget"] = "chapters/" + Path(target).relative_to(chapters).as_posix()
+            except ValueError:
+                pass
+
+
 # -- HTML --------------------------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"fa2edu {release}: FlashAttention you can run"
@@ -109,3 +153,6 @@ html_css_files = ["fa2edu.css"]     # a content column wide enough for 88-charac
 
 def setup(app):
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+    app.connect("doctree-read", _chapter_links)
+    if autodoc_mock_imports:
+        app.connect("autodoc-process-signature", _no_mock_return_type)

@@ -9,17 +9,17 @@ d = 128 (GPU.md), where cuBLAS's float32 GEMM on the FMA units makes 50.8 and ke
 36-40. This rung does the same on the MMAs fa2edu already issues, to measure what it buys here.
 
 **The split.** Every float32 operand x becomes two tf32 values (:func:`kernels_gpu.tensorcore.ptx.split_tf32`):
-big = x rounded to tf32 (``cvt.rna``: 10 mantissa bits, |x − big| ≤ u·|x| with u = 2⁻¹¹) and small = (x − big)
-rounded to tf32 (x − big is exact in float32; |x − big − small| ≤ u²·|x| = 2⁻²²·|x|). A product of two operands is
+big = x rounded to tf32 (``cvt.rna``: 10 mantissa bits, ``|x − big| ≤ u·|x|`` with u = 2⁻¹¹) and small = (x − big)
+rounded to tf32 (x − big is exact in float32; ``|x − big − small| ≤ u²·|x| = 2⁻²²·|x|``). A product of two operands is
 then
 
     a·b ≈ a_small·b_big + a_big·b_small + a_big·b_big
 
 three ``mma.m16n8k8`` with float32 accumulation, the small terms first (added while the accumulator is small).
-What is left out: a_small·b_small (≤ u²·|a·b|·(1 + u)²) and the residuals of the splits (≤ u²·|a·b| each side), so
-every product is off by at most ε = 3u²(1 + u)² ≈ 7.2e-7 of its size — about 12 of float32's unit roundoffs, where
-TF32 is off by 2u ≈ 1e-3 (8200 of them). Accumulated over d products, float32's own summation error (up to d
-roundoffs of the running sum) is of the same size: this is float32 accuracy, not TF32's
+What is left out: a_small·b_small (``≤ u²·|a·b|·(1 + u)²``) and the residuals of the splits (``≤ u²·|a·b|``
+each side), so every product is off by at most ε = 3u²(1 + u)² ≈ 7.2e-7 of its size — about 12 of float32's unit
+roundoffs, where TF32 is off by 2u ≈ 1e-3 (8200 of them). Accumulated over d products, float32's own summation error
+(up to d roundoffs of the running sum) is of the same size: this is float32 accuracy, not TF32's
 (:func:`error_bound` states it; chapter 12 shows the arithmetic in NumPy).
 
 **What changes against the TF32 rung:** only the operands and the product (``TF32Config.products = 3``: the same
@@ -47,7 +47,7 @@ product of PyTorch's memory-efficient attention is three tf32 MMAs. The float32 
 tensor-core kernel.
 
 **Measured** (H200, 2026-11-26, ``python -m benchmarks.tensorcore_variants --parts precision``; batch × N = 16k
-tokens, non-causal, TFLOP/s by the FA2 model; error: largest |O − O_float64| at N = 2048, batch 1):
+tokens, non-causal, TFLOP/s by the FA2 model; error: largest ``|O − O_float64|`` at N = 2048, batch 1):
 
 * **first form, one accumulator chain** (``tensorcore_3xtf32_unstaged.json``, the TF32 rung, kernels_gpu.fast and
   SDPA in the same run): d = 128 21.1 / 21.8 / 22.4 TFLOP/s at N = 2048 / 4096 / 16384, d = 64 25.3 / 26.6 / 27.4
