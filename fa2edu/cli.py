@@ -127,18 +127,26 @@ def execute_bytes(N: int, N_k: int | None = None) -> int:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory this machine can still give a process (Linux's MemAvailable), or None if unknown."""
+    """Bytes of memory this process can still get, or None if unknown: Linux's MemAvailable, lowered to what a
+    container's memory limit leaves (cgroup v2), else the free pages the system reports."""
+    found = []
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            found += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    return max(min(found), 0)
 
 
 def _memory_message(N: int, N_k: int | None, available: int | None) -> str:

@@ -195,3 +195,10 @@ def test_execute_estimate_is_the_size_of_a_real_run():
     finally:
         tracemalloc.stop()
     assert 0.8 < peak / cli.execute_bytes(2048) < 1.25
+
+
+def test_available_memory_is_a_plausible_number():
+    from fa2edu import cli
+
+    available = cli.available_memory()
+    assert available is None or 0 <= available < 2**50          # bytes, under a petabyte
