@@ -45,6 +45,17 @@ def test_import_kernels_gpu_picks_the_simulator_without_a_driver() -> None:
     assert out.count("numba's CUDA simulator") == 1
 
 
+@pytest.mark.skipif(simulator.driver_present(), reason="this machine has a CUDA driver")
+def test_the_choice_holds_after_numba_was_imported() -> None:
+    """``import numba`` first (a learner's own cell) and kernels_gpu still gets the simulator."""
+    out = _fresh_python("""
+        import numba
+        import kernels_gpu
+        print("simulator:", kernels_gpu.simulator_in_use())
+    """)
+    assert "simulator: True" in out
+
+
 def test_a_users_choice_is_left_alone() -> None:
     out = _fresh_python("""
         import os, kernels_gpu
