@@ -32,12 +32,15 @@ Only NumPy and fa2edu are needed; exercise 9.4 also needs numba (its CUDA simula
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 import sysconfig
 import textwrap
 import traceback
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -52,7 +55,11 @@ from fa2edu.reference import attention_reference, attention_reference_backward
 from fa2edu.softmax import Stats, block_stats, exp_minus, safe_softmax
 from fa2edu.standard import standard_attention
 
-__all__ = ["check", "hint", "list_exercises", "solution", "CheckResult", "Failure", "Exercise", "Catalogue"]
+__all__ = ["check", "hint", "list_exercises", "solution", "show_solution", "CheckResult", "Failure", "Exercise",
+           "Catalogue", "SKIP", "MASK", "PLAIN"]
+
+#: What exercise 9.4's ``tile_kind`` returns (numba device functions return numbers, not strings).
+SKIP, MASK, PLAIN = 0, 1, 2
 
 
 # -- the parts of an exercise ------------------------------------------------------------------------------------
@@ -109,7 +116,9 @@ class Exercise:
     solution: Callable
     valid: Callable = lambda case: True
     shrink_budget: int = 200
-    solution_is_factory: bool = False      # ``solution()`` builds the solution (9.4 compiles a kernel on first use)
+    solution_is_factory: bool = False      # ``solution()`` builds the solution (the kernel ones import numba)
+    kernel: bool = False                   # runs the reader's code in a numba.cuda kernel (fa2edu.exercise_kernels)
+    budget: str = ""                       # a kernel exercise's global-memory budget, in words
 
 
 @dataclass
@@ -151,12 +160,20 @@ class CheckResult:
 class _Mismatch(Exception):
     """A wrong answer: readable lines, plus the values behind them."""
 
-    def __init__(self, lines, expected=None, got=None):
+    def __init__(self, lines, expected=None, got=None, kind=None):
         super().__init__("\n".join(lines))
         self.lines = list(lines)
         self.expected, self.got = expected, got
         self.inputs: dict = {}
         self.call = ""           # which call failed: the function's name and where in the case (a tile, a launch)
+        self.index: tuple | None = None    # the first wrong entry, where an array was compared
+        self.kind = kind         # how it fails (see _failure_kind); shrinking keeps it
+        self.traffic: str | None = None    # a kernel exercise: the launch's global-memory traffic beside its budget
+
+
+class _LearnerExit(Exception):
+    """``SystemExit`` (``sys.exit``) or another ``BaseException`` raised by the reader's code where it cannot travel as
+    itself: in a simulated CUDA thread, which it would end silently. The kernel harnesses raise this instead."""
 
 
 class _NotAttempted(Exception):
@@ -184,14 +201,28 @@ class _Calls:
                 return self.fn(*args)
         except NotImplementedError:
             raise _NotAttempted from None
-        except Exception as error:  # noqa: BLE001  (any exception of the reader's code is a finding)
-            raise _Mismatch([f"your function raised {type(error).__name__}: {error}", *_raising_line(error)]) \
-                from None
+        except KeyboardInterrupt:
+            raise                            # the reader stopping the check, not a finding
+        except BaseException as error:  # noqa: BLE001  (any exception of the reader's code is a finding, sys.exit too)
+            raise _Mismatch(_raised(error)) from None
+
+
+def _raised(error: BaseException, doing: str = "your function raised") -> list[str]:
+    """The report's lines for an exception of the reader's code: its type and message, and the line that raised it."""
+    if isinstance(error, SystemExit):
+        return [f"{doing} SystemExit ({error.code!r}): sys.exit() stops the whole program; a checked function must "
+                "return its answer", *_raising_line(error)]
+    if isinstance(error, _LearnerExit):
+        return [f"{doing} {error}: it would have ended its simulated thread silently"]
+    return [f"{doing} {type(error).__name__}: {error}", *_raising_line(error)]
+
+
+_KERNELS_FILE = str(Path(__file__).with_name("exercise_kernels.py"))
 
 
 def _raising_line(error: BaseException) -> list[str]:
     """The last line of the reader's own code in the traceback (not NumPy's, not this module's)."""
-    library = (__file__, sysconfig.get_paths()["stdlib"], "site-packages", "dist-packages")
+    library = (__file__, _KERNELS_FILE, sysconfig.get_paths()["stdlib"], "site-packages", "dist-packages")
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not any(f.filename == part or f.filename.startswith(part) or part in f.filename
                          for part in library)]
@@ -227,7 +258,7 @@ def _unpack(got, n: int, names: str):
     if not isinstance(got, (tuple, list)) or len(got) != n:
         kind = "None" if got is None else (f"a {type(got).__name__} of length {len(got)}"
                                            if isinstance(got, (tuple, list)) else f"a {type(got).__name__}")
-        raise _Mismatch([f"your function returned {kind}; expected a tuple {names}"], got=got)
+        raise _Mismatch([f"your function returned {kind}; expected a tuple {names}"], got=got, kind="type")
     return tuple(got)
 
 
@@ -241,11 +272,7 @@ def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -
     if got is None:
         raise _Mismatch([f"{name}: your function returned None; expected an array of shape {expected.shape}"],
                         expected, got)
-    try:
-        g = np.asarray(got, dtype=np.float64)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise _Mismatch([f"{name}: what came back ({type(got).__name__}) is not an array of numbers: {error}"],
-                        expected, got) from None
+    g = _as_numbers(name, got, expected)
     if g.shape != expected.shape:
         raise _Mismatch([f"{name}: wrong shape {g.shape}; expected {expected.shape}"], expected, g)
     bad_nan = np.isnan(g) & ~np.isnan(expected)
@@ -253,13 +280,14 @@ def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -
         where = np.argwhere(bad_nan)
         shown = ", ".join(f"{name}{_index(i)} (expected {_fmt(expected[tuple(i)])})" for i in where[:4])
         more = f" and {len(where) - 4} more" if len(where) > 4 else ""
-        raise _Mismatch([f"{name}: NaN in {len(where)} of {g.size} entries: {shown}{more}"], expected, g)
+        raise _at(_Mismatch([f"{name}: NaN in {len(where)} of {g.size} entries: {shown}{more}"], expected, g,
+                            kind="nan"), where[0])
     bad_inf = (np.isinf(g) | np.isinf(expected)) & (g != expected)
     if bad_inf.any():
         i = tuple(np.argwhere(bad_inf)[0])
-        raise _Mismatch([f"{name}{_index(i)}: expected {_fmt(expected[i])}, got {_fmt(g[i])} "
-                         f"({_count(int(bad_inf.sum()), 'entry disagrees', 'entries disagree')} about "
-                         "infinity)"], expected, g)
+        raise _at(_Mismatch([f"{name}{_index(i)}: expected {_fmt(expected[i])}, got {_fmt(g[i])} "
+                             f"({_count(int(bad_inf.sum()), 'entry disagrees', 'entries disagree')} about "
+                             "infinity)"], expected, g, kind="infinity"), i)
     finite = np.isfinite(expected)
     if not finite.any():
         return
@@ -267,9 +295,47 @@ def _expect_close(name: str, got, expected, *, rtol: float, atol: float = 0.0) -
     err = np.where(finite, np.abs(g - np.where(finite, expected, 0.0)), 0.0)
     if err.max() > tol:
         i = np.unravel_index(int(np.argmax(err)), err.shape)
-        raise _Mismatch([f"{name}: max |got − expected| = {err.max():.2e} at {name}{_index(i)}: expected "
-                         f"{_fmt(expected[i])}, got {_fmt(g[i])} (tolerance {tol:.1e}; "
-                         f"{_count(int((err > tol).sum()), 'entry', 'entries')} of {g.size} off)"], expected, g)
+        raise _at(_Mismatch([f"{name}: max |got − expected| = {err.max():.2e} at {name}{_index(i)}: expected "
+                             f"{_fmt(expected[i])}, got {_fmt(g[i])} (tolerance {tol:.1e}; "
+                             f"{_count(int((err > tol).sum()), 'entry', 'entries')} of {g.size} off)"], expected, g,
+                            kind="value"), i)
+
+
+def _as_float(got, what: str, expected=None) -> float:
+    """``float(got)``, or a mismatch naming what was expected and what ``float()`` raised."""
+    try:
+        return float(got)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001
+        raise _Mismatch(_raised(error, f"your function returned {type(got).__name__} {_short_repr(got)}; expected "
+                                       f"{what}, and float() of it raised"), expected, got, kind="type") from None
+
+
+def _short_repr(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001  (a reader's object whose repr fails)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _at(mismatch: _Mismatch, index) -> _Mismatch:
+    mismatch.index = tuple(int(i) for i in index)
+    return mismatch
+
+
+def _as_numbers(name: str, got, expected=None) -> np.ndarray:
+    """What came back as a float64 array, or a mismatch saying why it is not one (whatever its ``__array__`` or
+    ``__float__`` raised: the reader's object, the reader's exception)."""
+    try:
+        with np.errstate(all="ignore"):
+            return np.asarray(got, dtype=np.float64)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001
+        raise _Mismatch(_raised(error, f"{name}: what came back ({type(got).__name__}) is not an array of numbers: "
+                                       "converting it raised"), expected, got, kind="type") from None
 
 
 def _expect_equal_ints(names: tuple, got, expected: tuple, *, explain: str = "") -> None:
@@ -278,14 +344,28 @@ def _expect_equal_ints(names: tuple, got, expected: tuple, *, explain: str = "")
     wrong = []
     for name, g, e in zip(names, parts, expected):
         try:
-            ok = float(g) == float(e)
-        except (TypeError, ValueError):
-            raise _Mismatch([f"{name}: expected a number, got {type(g).__name__} {g!r}"], expected, got) from None
-        if not ok:
-            wrong.append(f"{name}: expected {int(e):,}, got {_fmt(g) if not float(g).is_integer() else f'{int(g):,}'}"
-                         f" (off by {float(g) - e:+,.0f})")
+            value = float(g)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001
+            raise _Mismatch(_raised(error, f"{name}: expected a number, got {type(g).__name__}; float() of it "
+                                           "raised"), expected, got, kind="type") from None
+        if value != float(e):
+            wrong.append(f"{name}: expected {int(e):,}, got {_exact(value)} (off by {_exact(value - float(e), '+')})")
     if wrong:
         raise _Mismatch(wrong + ([explain] if explain else []), expected, got)
+
+
+def _exact(x: float, sign: str = "") -> str:
+    """A number written exactly, with thousands separators: −4.5 stays −4.5 (never rounded to −4), 1e21 stays
+    1e+21, and inf and nan are named."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return _fmt(x) if sign or x < 0 else "inf"
+    if x.is_integer() and abs(x) < 1e18:
+        return format(int(x), f"{sign},")
+    return format(x, f"{sign},")
 
 
 def _offset(offset: int) -> str:
@@ -469,7 +549,7 @@ def _solution_online_softmax(x, block):
     for start in range(0, x.shape[-1], block):
         x_b = x[..., start:start + block]
         m_new = np.maximum(m, x_b.max(axis=-1))
-        # Rescale the old sum to the new maximum; exp_minus guards m_new = −inf (nothing seen yet).
+        # Rescale the old sum to the new maximum (exp_minus guards m_new = −inf: nothing seen).
         l = exp_minus(m[..., None], m_new)[..., 0] * l + exp_minus(x_b, m_new).sum(axis=-1)
         m = m_new
     # The second pass: normalise (guard ℓ = 0 on a fully masked row).
@@ -520,7 +600,8 @@ def _run_tile_updates(fn, case, *, unscaled: bool):
 
 
 def _solution_fa1_update(O_i, l_i, m_i, S_ij, V_j):
-    # Alg. 1 line 10: this tile alone: m̃ = rowmax(S_ij), P̃ = exp(S_ij − m̃), ℓ̃ = rowsum(P̃) (guarded m̃ = −inf).
+    # Alg. 1 line 10: this tile alone: m̃ = rowmax(S_ij), P̃ = exp(S_ij − m̃), ℓ̃ = rowsum(P̃)
+    # (guarded where m̃ = −inf).
     m_tilde = S_ij.max(axis=1)
     P_tilde = exp_minus(S_ij, m_tilde)
     l_tilde = P_tilde.sum(axis=1)
@@ -529,13 +610,15 @@ def _solution_fa1_update(O_i, l_i, m_i, S_ij, V_j):
     alpha = exp_minus(m_i[:, None], m_new)[:, 0]
     beta = exp_minus(m_tilde[:, None], m_new)[:, 0]
     l_new = alpha * l_i + beta * l_tilde
-    # Alg. 1 line 12: O ← diag(ℓ_new)⁻¹ (diag(ℓ_i) e^{m_i − m_new} O_i + e^{m̃ − m_new} P̃ V_j); guard ℓ_new = 0.
-    O_new = ((l_i * alpha)[:, None] * O_i + beta[:, None] * (P_tilde @ V_j)) / np.where(l_new == 0, 1, l_new)[:, None]
-    return O_new, l_new, m_new
+    # Alg. 1 line 12: O ← diag(ℓ_new)⁻¹ (diag(ℓ_i) e^{m_i − m_new} O_i + e^{m̃ − m_new} P̃ V_j),
+    # guarded where ℓ_new = 0.
+    O_new = (l_i * alpha)[:, None] * O_i + beta[:, None] * (P_tilde @ V_j)
+    return O_new / np.where(l_new == 0, 1, l_new)[:, None], l_new, m_new
 
 
 def _solution_fa2_update(O_tilde, l, m, S_ij, V_j):
-    # Alg. 1 line 9: m_new = max(m, rowmax(S_ij)); P̃ = exp(S_ij − m_new), guarded where m_new = −inf.
+    # Alg. 1 line 9: m_new = max(m, rowmax(S_ij)); P̃ = exp(S_ij − m_new)
+    # (guarded where m_new = −inf).
     m_new = np.maximum(m, S_ij.max(axis=1))
     P_tilde = exp_minus(S_ij, m_new)
     alpha = exp_minus(m[:, None], m_new)[:, 0]          # e^{m − m_new}: 0 while m = −inf
@@ -572,8 +655,8 @@ def _solution_flash1_io(N, d, M):
     # Alg. 1 line 1: B_c = ceil(M / 4d); T_c = ceil(N / B_c), the last block ragged.
     B_c = math.ceil(M / (4 * d))
     T_c = math.ceil(N / B_c)
-    # Line 6 reads K_j, V_j once (2Nd in all); each outer step reads Q, O, ℓ, m (lines 8) and writes O, ℓ, m
-    # (lines 12-13) for every row.
+    # Line 6 reads K_j, V_j once (2Nd in all); each outer step reads Q, O, ℓ, m (lines 8)
+    # and writes O, ℓ, m (lines 12-13) for every row.
     return 2 * N * d + T_c * (2 * N * d + 2 * N), T_c * (N * d + 2 * N)
 
 
@@ -638,7 +721,8 @@ def _run_merge_warps(fn, case):
 def _solution_merge_warps(m, l, O_tilde):
     # The merged maximum; a row that every warp saw as empty keeps m = −inf.
     m_all = m.max(axis=0)
-    # Rescale each warp's partial from its own maximum to the merged one (exp_minus guards m_all = −inf).
+    # Rescale each warp's partial from its own maximum to the merged one
+    # (exp_minus guards m_all = −inf).
     scale = exp_minus(m.T, m_all).T                                   # (W, r): e^{m_w − m}
     return m_all, (scale * l).sum(axis=0), (scale[..., None] * O_tilde).sum(axis=0)
 
@@ -674,7 +758,7 @@ def _run_block_kind(fn, case):
 
 
 def _solution_block_kind(N_q, N_k, rows, cols):
-    offset = N_k - N_q                         # bottom-right alignment: query i sees key j iff j <= i + offset
+    offset = N_k - N_q                   # bottom-right: query i sees key j iff j <= i + offset
     if cols.start > rows.stop - 1 + offset:    # even the tile's bottom-left entry is masked
         return "skip"
     if cols.stop - 1 <= rows.start + offset:   # even the tile's top-right entry is visible
@@ -682,86 +766,24 @@ def _solution_block_kind(N_q, N_k, rows, cols):
     return "mask"
 
 
-# -- 9.4 a numba.cuda kernel in the simulator ---------------------------------------------------------------------
+# -- 9.2-9.4, 13.3, 14.1-14.3: kernel steps run in numba's CUDA simulator (fa2edu.exercise_kernels) ---------
 
-def _run_row_stats_kernel(kernel, case):
-    from fa2edu import simulator
-    simulator.choose()      # no CUDA driver here: numba's CUDA simulator, chosen before numba.cuda is imported
-    from numba import cuda  # numba only for this exercise; its CUDA simulator when NUMBA_ENABLE_CUDASIM=1
-
-    if not cuda.is_available():
-        raise RuntimeError("exercise 9.4 launches your kernel with numba.cuda, but there is no GPU and numba's CUDA "
-                           "simulator is off: set the environment variable NUMBA_ENABLE_CUDASIM=1 before numba is "
-                           "imported (at the top of the notebook, or restart the kernel)")
-    if not hasattr(kernel, "__getitem__"):
-        raise _Mismatch([f"expected a kernel decorated with @cuda.jit (launched as kernel[blocks, threads](S, m, l)); "
-                         f"got {type(kernel).__name__}"], None, kernel)
-    rng = np.random.default_rng(case["seed"])
-    rows, cols, threads = case["rows"], case["cols"], case["threads"]
-    S = _logits(rng, (rows, cols), case["logits"])
-    if case["masked"] == "entries":
-        hide = rng.random((rows, cols)) < 0.3
-        hide[:, 0] = False
-        S[hide] = -np.inf
-    elif case["masked"] == "rows":
-        S[0] = -np.inf
-        S[rows // 2, :cols // 2] = -np.inf
-    S = S.astype(np.float32)
-    expected = block_stats(S.astype(np.float64))
-    blocks = num_blocks(rows, threads)
-
-    def launch(S_host, m_host, l_host):
-        S_dev, m_dev, l_dev = cuda.to_device(S_host), cuda.to_device(m_host), cuda.to_device(l_host)
-        kernel[blocks, threads](S_dev, m_dev, l_dev)
-        return m_dev.copy_to_host(), l_dev.copy_to_host()
-
-    # m and l start as NaN: a row the kernel never writes shows up as NaN.
-    unwritten = np.full(rows, np.nan, dtype=np.float32)
-    calls = _Calls(launch, "row_stats")
-    m, l = calls(("S", S), ("m", unwritten), ("l", unwritten), where=f"launched as kernel[{blocks}, {threads}]")
-    try:
-        _expect_close("m", m, expected.m, rtol=1e-6)
-        _expect_close("l", l, expected.l, rtol=2e-5, atol=1e-6)
-    except _Mismatch as mismatch:
-        mismatch.lines.append(f"the grid has {blocks} × {threads} threads for {rows} rows; m and l start as NaN, so "
-                              "a NaN row was never written (or was computed as NaN)")
-        mismatch.lines += _row_note(S.astype(np.float64))
-        raise
+def _kernel_run(name: str) -> Callable:
+    """The runner of a kernel exercise, imported on first use: numba is needed only when one is checked."""
+    def run(fn, case):
+        from fa2edu import exercise_kernels
+        return getattr(exercise_kernels, f"run_{name}")(fn, case)
+    run.__name__ = f"run_{name}"
+    return run
 
 
-_KERNELS: dict = {}
-cuda = None        # numba.cuda, imported by _solution_row_stats on first use (import fa2edu never needs numba)
-
-
-def _solution_row_stats():
-    """The worked kernel for 9.4, compiled on first use (numba is imported only here)."""
-    global cuda
-    if "row_stats" not in _KERNELS:
-        # A module global, not a local: the CUDA simulator swaps the `cuda` module in the kernel's globals.
-        from fa2edu import simulator
-        simulator.choose()
-        from numba import cuda
-
-        @cuda.jit
-        def row_stats(S, m, l):
-            i = cuda.grid(1)
-            if i >= S.shape[0]:               # threads past the last row have nothing to do
-                return
-            m_i = -math.inf
-            l_i = 0.0
-            for j in range(S.shape[1]):
-                x = S[i, j]
-                if x == -math.inf:            # a masked entry adds e^{−inf} = 0: skip it (and its −inf − −inf)
-                    continue
-                m_new = max(m_i, x)
-                # Rescale the running sum to the new maximum, then add this entry (online softmax, chapter 2).
-                l_i = l_i * math.exp(m_i - m_new) + math.exp(x - m_new)
-                m_i = m_new
-            m[i] = m_i
-            l[i] = l_i
-
-        _KERNELS["row_stats"] = row_stats
-    return _KERNELS["row_stats"]
+def _kernel_solution(name: str) -> Callable:
+    """The worked kernel or device function of a kernel exercise (compiled, or wrapped by the simulator)."""
+    def solution():
+        from fa2edu import exercise_kernels
+        return getattr(exercise_kernels, name)
+    solution.__name__ = name
+    return solution
 
 
 # -- 10.1 TFLOP/s from a results record ---------------------------------------------------------------------------
@@ -774,18 +796,15 @@ def _run_tflops(fn, case):
     expected = flops / (case["ms"] * 1e-3) / 1e12
     calls = _Calls(fn, "tflops")
     got = calls(("record", record))
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        raise _Mismatch([f"your function returned {type(got).__name__} {got!r}; expected a number (TFLOP/s)"],
-                        expected, got) from None
+    value = _as_float(got, "a number (TFLOP/s)", expected)
     if not math.isclose(value, expected, rel_tol=1e-9):
         raise _Mismatch([f"expected {_fmt(expected)} TFLOP/s ({flops:.6g} model FLOPs in {record['ms']} ms), "
                          f"got {_fmt(value)} (ratio got / expected = {value / expected:.4g})"], expected, got)
 
 
 def _solution_tflops(record):
-    # FA2 §4.1: forward 4·N²·d FLOPs per (batch, head); halved with a causal mask; backward 2.5×, both 3.5×.
+    # FA2 §4.1: forward 4·N²·d FLOPs per (batch, head); halved with a causal mask;
+    # backward 2.5×, both 3.5×.
     flops = 4 * record["N"] ** 2 * record["d"] * record["heads"] * record["batch"]
     if record["causal"]:
         flops /= 2
@@ -829,7 +848,7 @@ def _solution_attention_backward(Q, K, V, dO, causal=False):
     dP = dO @ V.T                                # line 2
     dS = P * (dP - (dO * O).sum(axis=1, keepdims=True))   # line 4
     dQ = tau * dS @ K                            # line 5
-    dK = tau * dS.T @ Q                          # line 5: dSᵀ Q (FA2 §2.2 prints Q dSᵀ, erratum 1)
+    dK = tau * dS.T @ Q                          # line 5: dSᵀ Q (§2.2 prints Q dSᵀ, erratum 1)
     return dQ, dK, dV
 
 
@@ -842,8 +861,11 @@ def _run_sdpa_mask(fn, case):
     got = calls(("N_q", N_q), ("N_k", N_k))
     try:
         mask = np.asarray(got)
-    except Exception as error:  # noqa: BLE001
-        raise _Mismatch([f"what came back ({type(got).__name__}) is not an array: {error}"], expected, got) from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001
+        raise _Mismatch(_raised(error, f"what came back ({type(got).__name__}) is not an array: converting it "
+                                       "raised"), expected, got, kind="type") from None
     if mask.dtype != np.bool_:
         raise _Mismatch([f"expected a boolean mask (True where query i may attend to key j); got dtype "
                          f"{mask.dtype}"], expected, got)
@@ -865,7 +887,7 @@ def _solution_sdpa_mask(N_q, N_k):
     return j <= i + (N_k - N_q)                  # bottom-right: the last query sees every key
 
 
-# -- 13.4 merging two partial attentions (O, L) ------------------------------------------------------------------
+# -- 13.2 merging two partial attentions (O, L) ------------------------------------------------------------------
 
 def _partial(S: np.ndarray, V: np.ndarray, cols: slice):
     """The oracle's (O, L) over the keys ``cols`` alone; O = 0, L = +inf where no key is visible (or none at all)."""
@@ -889,16 +911,27 @@ def _run_merge_states(fn, case):
         _expect_close("L", L, L_ref, rtol=1e-12)
         _expect_close("O", O, O_ref, rtol=1e-10)
     except _Mismatch as mismatch:
+        # The sides of the first wrong row: whether each saw a key is part of how the merge fails, so shrinking
+        # keeps it (an overflow on two full sides is not shrunk into a case with an empty side), and the note says it.
+        row = mismatch.index[0] if mismatch.index else None
+        if row is not None and row < N_q:
+            seen = tuple(not np.isposinf(L_side[row]) for L_side in (L_a, L_b))
+            mismatch.kind = (_failure_kind(mismatch), seen)
+            sides = [f"side {side} " + (f"saw keys (L_{side} = {_fmt(L_side[row])})" if saw else
+                                         f"saw no key (O_{side} = 0, L_{side} = +inf)")
+                     for side, L_side, saw in (("a", L_a, seen[0]), ("b", L_b, seen[1]))]
+            mismatch.lines.append(f"row {row}, the first wrong one: {sides[0]}; {sides[1]}")
         for side, L_side in (("a", L_a), ("b", L_b)):
             empty = np.flatnonzero(np.isposinf(L_side))
-            if empty.size:
-                mismatch.lines.append(f"rows where side {side} saw no key (O = 0, L = +inf): {empty.tolist()}")
+            if empty.size and (row is None or empty.tolist() != [row]):
+                mismatch.lines.append(f"rows where side {side} saw no key: {empty.tolist()}")
         raise
 
 
 def _solution_merge_states(O_a, L_a, O_b, L_b):
-    # An empty side (L = +inf) has softmax statistics (m, ℓ) = (−inf, 0); a non-empty one (L, 1).
-    m_a, m_b = np.where(np.isposinf(L_a), -np.inf, L_a), np.where(np.isposinf(L_b), -np.inf, L_b)
+    # An empty side (L = +inf) has softmax statistics (m, ℓ) = (−inf, 0); another one (L, 1).
+    m_a = np.where(np.isposinf(L_a), -np.inf, L_a)
+    m_b = np.where(np.isposinf(L_b), -np.inf, L_b)
     m = np.maximum(m_a, m_b)
     m_safe = np.where(np.isneginf(m), 0.0, m)           # both sides empty: every weight is 0
     w_a, w_b = np.exp(m_a - m_safe), np.exp(m_b - m_safe)   # arguments <= 0: no overflow
@@ -909,7 +942,7 @@ def _solution_merge_states(O_a, L_a, O_b, L_b):
         return O, np.where(l == 0.0, np.inf, m + np.log(l_safe))
 
 
-# -- 14.2 accumulator fragments to operand fragments ---------------------------------------------------------------
+# -- 14.1-14.3: the fragment layouts of mma.sync.m16n8k16, which the kernel exercises check against ------------
 # The mma.sync.m16n8k16 layouts of the PTX ISA, written out here on their own (kernels_gpu.tensorcore.fragments has
 # them too; tests check the two agree): lane l has g = l // 4, t = l % 4.
 
@@ -926,40 +959,18 @@ def _c_fragments(C: np.ndarray) -> np.ndarray:
     return np.stack([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]], axis=1)
 
 
-def _run_c_to_a(fn, case):
-    rng = np.random.default_rng(case["seed"])
-    if case["values"] == "distinct":
-        S = np.arange(256, dtype=np.float64).reshape(16, 16)   # S[r, c] = 16 r + c: a value names its place
-    else:
-        S = rng.standard_normal((16, 16))
-    expected = _a_fragments(S)
-    calls = _Calls(fn, "my_c_to_a")
-    got = calls(("c_left", _c_fragments(S[:, :8])), ("c_right", _c_fragments(S[:, 8:])))
-    try:
-        g = np.asarray(got, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise _Mismatch([f"what came back ({type(got).__name__}) is not an array of numbers: {error}"],
-                        expected, got) from None
-    if g.shape != expected.shape:
-        raise _Mismatch([f"wrong shape {g.shape}; expected (32, 8): 32 lanes, a0…a3 with two halves each"],
-                        expected, g)
-    wrong = g != expected
-    if wrong.any():
-        lane, e = (int(v) for v in np.argwhere(wrong)[0])
-
-        def place(value):
-            """Where a value of S sits (every value of S is distinct)."""
-            where = np.argwhere(S == value)
-            return f"S[{where[0][0]}, {where[0][1]}]" if len(where) else _fmt(value)
-
-        raise _Mismatch([f"lane {lane} (g = {lane // 4}, t = {lane % 4}), register a{e // 2}, "
-                         f"{'low' if e % 2 == 0 else 'high'} half: expected {place(expected[lane, e])}, got "
-                         f"{place(g[lane, e])}; {int(wrong.sum())} of 256 entries differ"], expected, g)
+def _b_fragments(B: np.ndarray) -> np.ndarray:
+    """B (16, 8) → (32, 4): b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g] (element (k, n), consecutive k packed)."""
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    return np.stack([B[2 * t, g], B[2 * t + 1, g], B[2 * t + 8, g], B[2 * t + 9, g]], axis=1)
 
 
-def _solution_c_to_a(c_left, c_right):
-    # a0 = (c0, c1) and a1 = (c2, c3) of the left tile (columns 0-7); a2, a3 the same of the right tile.
-    return np.concatenate([c_left, c_right], axis=1)
+def _fragment_layout(operand: str) -> np.ndarray:
+    """(32, n, 2): [lane, e] = (row, col) of element e of the lane's ``operand`` fragment ("A", "B" or "C")."""
+    shape = (16, 16) if operand == "A" else (16, 8)
+    where = np.arange(shape[0] * shape[1]).reshape(shape)
+    flat = {"A": _a_fragments, "B": _b_fragments, "C": _c_fragments}[operand](where)
+    return np.stack(np.divmod(flat, shape[1]), axis=-1)
 
 
 # -- 15.1 the work of one ring step ----------------------------------------------------------------------------------
@@ -981,12 +992,7 @@ def _run_step_pairs(fn, case):
             expected = int(visible.sum())
             got = calls(("N", N), ("W", W), ("layout", layout), ("rank", rank), ("source", source),
                         where=f"rank {rank}, holding the K/V block of rank {source}")
-            try:
-                ok = float(got) == expected
-            except (TypeError, ValueError):
-                raise _Mismatch([f"your function returned {type(got).__name__} {got!r}; expected a number of "
-                                 "pairs"], expected, got) from None
-            if not ok:
+            if _as_float(got, "a number of pairs", expected) != expected:
                 raise _Mismatch([f"rank {rank} with the block of rank {source}: expected {expected} visible "
                                  f"pairs, got {_fmt(got)}",
                                  f"the rank's queries sit at positions {queries.tolist()}, the block's keys at "
@@ -1172,16 +1178,17 @@ _EXERCISES = [
                     {"N_q": 5, "N_k": 7, "B_r": 8, "B_c": 8}, {"N_q": 9, "N_k": 13, "B_r": 2, "B_c": 5}),
         n_random=40, run=_run_block_kind, solution=_solution_block_kind),
     Exercise(
-        id="9.4",
+        id="9.2",
         title="a numba.cuda kernel: one thread per row computes the row's (m, ℓ) in one pass",
         signature="@cuda.jit row_stats(S, m, l); S (rows, cols) float32, m and l (rows,); launched as "
                   "row_stats[ceil(rows / threads), threads](S, m, l)",
         hint="Thread i = cuda.grid(1) owns row i; the grid has more threads than rows, so the extra ones must "
              "return before touching S. Keep m_i and l_i in local variables (registers), update them entry by "
              "entry as online softmax does (chapter 2), and write them once. A −inf entry contributes nothing; "
-             "a row of −inf ends with m = −inf, ℓ = 0.",
+             "a row of −inf ends with m = −inf, ℓ = 0. Read each S[i, j] once: that is the budget.",
         covers="grids with idle threads (rows not a multiple of the block), one-thread blocks, masked entries, "
-               "fully masked rows, rising maxima, logits ×10⁴, in float32 in numba's CUDA simulator",
+               "fully masked rows, rising maxima, logits ×10⁴, in float32 in numba's CUDA simulator, with the "
+               "kernel's global-memory reads and writes counted",
         params={"rows": Size(1, 9), "cols": Size(1, 10), "threads": Size(1, 4),
                 "masked": Kind(("none", "entries", "rows")), "logits": _ALL_LOGITS},
         base={"rows": 1, "cols": 1, "threads": 1, "masked": "none", "logits": "normal"},
@@ -1189,8 +1196,55 @@ _EXERCISES = [
                     {"rows": 3, "cols": 4, "threads": 2, "masked": "rows"},
                     {"rows": 4, "cols": 5, "threads": 3, "masked": "entries"},
                     {"rows": 3, "cols": 4, "threads": 4, "logits": "large"}),
-        n_random=7, run=_run_row_stats_kernel, solution=_solution_row_stats, shrink_budget=40,
-        solution_is_factory=True),
+        n_random=7, run=_kernel_run("row_stats"), solution=_kernel_solution("row_stats"), shrink_budget=40,
+        solution_is_factory=True, kernel=True,
+        budget="the budget reads each S[i, j] once and writes each m[i] and l[i] once"),
+    Exercise(
+        id="9.3",
+        title="a device function: one row's online-softmax update over one block of keys (FA2 Alg. 1 lines 8-10)",
+        signature="@cuda.jit(device=True) online_update(S, V, i, j0, j1, s, o, ml); updates row i's registers o "
+                  "(Õ, d_v entries) and ml = (m, ℓ) with the keys j0 … j1 − 1; S (N_q, N_k), V (N_k, d_v) in "
+                  "global memory; s: registers for at least j1 − j0 scores",
+        hint="Read S[i, j0:j1] once into s, and find the block's maximum as you go: m_new = max(m, that). Then "
+             "α = e^(m − m_new) rescales both ℓ and every o[c] (FA2's Õ, never divided here), and each key adds "
+             "p = e^(s − m_new) to ℓ and p · V[j, c] to o[c]. A row whose keys so far are all −inf keeps "
+             "m = −inf: return before computing −inf − (−inf).",
+        covers="key blocks that do not divide N_k, a block wider than N_k, rows whose maximum keeps rising, causal "
+               "masks with N_q > N_k and N_q < N_k (bottom-right), fully masked rows and blocks, logits ×10⁴; "
+               "(m, ℓ, Õ) checked after every block, the reads of S and V counted",
+        params={"N_q": Size(1, 6), "N_k": Size(1, 10), "d_v": Size(1, 3), "B_c": Size(1, 6), "mask": _MASKS,
+                "logits": _ALL_LOGITS},
+        base={"N_q": 1, "N_k": 1, "d_v": 1, "B_c": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_q": 3, "N_k": 7, "d_v": 2, "B_c": 3, "logits": "rising"}, {"N_q": 2, "N_k": 4, "B_c": 6},
+                    {"N_q": 6, "N_k": 4, "d_v": 2, "B_c": 3, "mask": "causal"},
+                    {"N_q": 3, "N_k": 8, "d_v": 2, "B_c": 3, "mask": "causal"},
+                    {"N_q": 5, "N_k": 9, "d_v": 2, "B_c": 4, "mask": "random"},
+                    {"N_q": 3, "N_k": 7, "d_v": 2, "B_c": 3, "logits": "large"}),
+        n_random=8, run=_kernel_run("online_update"), solution=_kernel_solution("online_update"), shrink_budget=60,
+        solution_is_factory=True, kernel=True,
+        budget="the budget reads each S[i, j] once and each V[j, c] once per row, and writes nothing (o and ml "
+               "are registers)"),
+    Exercise(
+        id="9.4",
+        title="a device function: the causal tile test, skip / mask / plain from a tile's corners",
+        signature="@cuda.jit(device=True) tile_kind(row0, row1, col0, col1, N_q, N_k) -> SKIP, MASK or PLAIN "
+                  "(exercises.SKIP, MASK, PLAIN = 0, 1, 2) for query rows row0 … row1 − 1 and keys col0 … "
+                  "col1 − 1, bottom-right causal",
+        hint="Query i sees key j iff j ≤ i + N_k − N_q. The tile's most visible entry is its bottom-left corner "
+             "(row row1 − 1, key col0): if even that one is masked, SKIP. Its least visible entry is the top-right "
+             "corner (row row0, key col1 − 1): if even that one is visible, PLAIN. Otherwise MASK.",
+        covers="every tile of each grid: N_q = N_k, N_q < N_k, N_q > N_k (rows that see nothing), tiles that do "
+               "not divide N, B_r ≠ B_c, against the float64 oracle with the causal mask; the reads counted, "
+               "so a tile that should be skipped and is not costs its S and V",
+        params={"N_q": Size(1, 9), "N_k": Size(1, 9), "B_r": Size(1, 4), "B_c": Size(1, 4)},
+        base={"N_q": 1, "N_k": 1, "B_r": 1, "B_c": 1},
+        edge_cases=({}, {"N_q": 4, "N_k": 4, "B_r": 2, "B_c": 2}, {"N_q": 6, "N_k": 6, "B_r": 3, "B_c": 2},
+                    {"N_q": 4, "N_k": 7, "B_r": 2, "B_c": 3}, {"N_q": 7, "N_k": 4, "B_r": 3, "B_c": 2},
+                    {"N_q": 3, "N_k": 5, "B_r": 4, "B_c": 4}),
+        n_random=6, run=_kernel_run("tile_kind"), solution=_kernel_solution("tile_kind"), shrink_budget=60,
+        solution_is_factory=True, kernel=True,
+        budget="the budget reads S and V of the tiles that are not skipped, each S[i, j] once and each V[j, c] "
+               "once per row of its tile"),
     Exercise(
         id="10.1",
         title="TFLOP/s from a results-file record, by FA2 §4.1's FLOP model",
@@ -1241,7 +1295,7 @@ _EXERCISES = [
         edge_cases=({}, {"N_q": 3, "N_k": 3}, {"N_q": 2, "N_k": 5}, {"N_q": 5, "N_k": 2}, {"N_q": 1, "N_k": 9}),
         n_random=20, run=_run_sdpa_mask, solution=_solution_sdpa_mask),
     Exercise(
-        id="13.4",
+        id="13.2",
         title="merge two partial attentions (O, L) over disjoint keys, with empty sides",
         signature="merge_states(O_a, L_a, O_b, L_b) -> (O, L); O (N, d_v) normalised, L (N,) log-sum-exp, "
                   "O = 0 and L = +inf on a row where a side saw no key",
@@ -1261,19 +1315,86 @@ _EXERCISES = [
         n_random=25, run=_run_merge_states, solution=_solution_merge_states,
         valid=lambda case: case["split"] <= case["N_k"]),
     Exercise(
-        id="14.2",
-        title="tensor cores: two 16 × 8 tiles' C fragments as their 16 × 16 block's A fragments",
-        signature="my_c_to_a(c_left, c_right) -> (32, 8); c_left, c_right (32, 4): lane l's c0…c3 of columns "
-                  "0-7 and 8-15",
-        hint="Put the C table and the A table side by side for one lane: c0, c1 are row g, columns 2t, 2t + 1 of "
-             "their tile; a0 holds row g, columns 2t, 2t + 1 of the block. Which tile holds the block's columns "
-             "2t + 8, 2t + 9? No lane may read another lane's registers.",
-        covers="S with distinct entries (a wrong place is named) and random S, against the A and C fragment "
-               "layouts of mma.sync.m16n8k16 (PTX ISA)",
+        id="13.3",
+        title="a device function: the split-KV merge of a decode kernel's partials (O, L), in one pass",
+        signature="@cuda.jit(device=True) merge_splits(O_part, L_part, r, acc, O, L); O_part (rows, S, d_v) and "
+                  "L_part (rows, S) in global memory, L = +inf for a split that saw no key; writes O[r] (d_v) "
+                  "and L[r]; acc: d_v registers",
+        hint="Chapter 2's merge, split by split: a split with log-sum-exp L_s is a row whose statistics are "
+             "(m, ℓ) = (L_s, 1). Keep a running maximum m and sum ℓ = Σ e^(L_s − m); when m grows, rescale ℓ and "
+             "acc. An empty split (L_s = +inf) adds nothing: skip it. Every split empty: O = 0, L = +inf. Read "
+             "each partial once, write O and L once.",
+        covers="one to five splits, splits that saw no key (a decode kernel's trailing splits, random masks), rows "
+               "with no key at all, logits ×20 and ×10⁴, against the float64 oracle over all the keys; the reads "
+               "and writes counted",
+        params={"rows": Size(1, 4), "n": Size(1, 10), "splits": Size(1, 5), "d_v": Size(1, 3),
+                "mask": Kind(("none", "random")), "logits": Kind(("normal", "spread", "large"))},
+        base={"rows": 1, "n": 1, "splits": 1, "d_v": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"rows": 2, "n": 7, "splits": 3, "d_v": 2}, {"rows": 2, "n": 3, "splits": 5},
+                    {"rows": 4, "n": 9, "splits": 4, "d_v": 2, "mask": "random"},
+                    {"rows": 3, "n": 8, "splits": 3, "d_v": 2, "logits": "large"},
+                    {"rows": 2, "n": 6, "splits": 2, "logits": "spread", "mask": "random"}),
+        n_random=8, run=_kernel_run("merge_splits"), solution=_kernel_solution("merge_splits"), shrink_budget=60,
+        solution_is_factory=True, kernel=True,
+        budget="the budget reads each partial O and L once and writes each O[r, c] and L[r] once"),
+    Exercise(
+        id="14.1",
+        title="a device function: which (row, col) each lane's registers hold in mma.sync.m16n8k16",
+        signature="@cuda.jit(device=True) fragment_coords(operand, lane, e) -> (row, col): operand 0 = A (16 × 16, "
+                  "e = 0 … 7: register a_(e // 2), half e % 2), 1 = B (16 × 8, (k, n), e = 0 … 3), 2 = C and D "
+                  "(16 × 8, e = 0 … 3)",
+        hint="Lane l has g = l // 4 and t = l % 4. In A and C a lane holds rows g and g + 8, columns 2t and "
+             "2t + 1 (A: and the same 8 columns on); in B it holds column n = g and rows k = 2t, 2t + 1 (and 8 "
+             "on). The order of the registers is in kernels_gpu/tensorcore/fragments.py's tables: a1 is the "
+             "lower rows, a2 the right columns.",
+        covers="every register of every lane of A, B and C, loaded by your map, multiplied by the tensor core's "
+               "own layout and stored back by your map, against A·B + C; each element read and written once",
         params={"values": Kind(("distinct", "normal"))},
         base={"values": "distinct"},
         edge_cases=({}, {"values": "normal"}),
-        n_random=8, run=_run_c_to_a, solution=_solution_c_to_a),
+        n_random=8, run=_kernel_run("fragment_coords"), solution=_kernel_solution("fragment_coords"),
+        shrink_budget=4, solution_is_factory=True, kernel=True,
+        budget="the budget reads each element of A, B and C once and writes each element of D once"),
+    Exercise(
+        id="14.2",
+        title="a device function: the row address each lane gives ldmatrix.x4",
+        signature="@cuda.jit(device=True) ldmatrix_row(operand, lane, row0, col0, stride) -> the element index of "
+                  "the 8 elements (16 bytes) lane gives ldmatrix.x4 for the 16 × 16 tile at (row0, col0) of a "
+                  "row-major buffer of stride elements per row; operand 0: A from Q, 1: B from K",
+        hint="Lanes 8i … 8i + 7 give the eight rows of 8 × 8 matrix i, in order, and register r_i of every lane "
+             "is filled from matrix i. So list which quarter of the tile each r_i must be: for A, a0 … a3 are "
+             "rows 0-7 / 8-15 (a1, a3 lower) × columns 0-7 / 8-15 (a2, a3 right). For K, B = K_jᵀ: b0, b1 of "
+             "two n-tiles are keys 0-7 with d 0-7, then d 8-15, then keys 8-15. A row of the buffer is stride "
+             "elements long, not 16.",
+        covers="A and K tiles, tiles at an offset in the buffer, padded rows (stride ≠ 16), each lane's 8 "
+               "elements checked against the fragment layouts of mma.sync.m16n8k16 (PTX ISA)",
+        params={"operand": Kind(("A", "K")), "row0": Size(0, 5), "col0": Kind((0, 8, 16)),
+                "stride": Kind((16, 24, 40, 72))},
+        base={"operand": "A", "row0": 0, "col0": 0, "stride": 16},
+        edge_cases=({}, {"operand": "K"}, {"row0": 3, "stride": 24}, {"operand": "K", "row0": 2, "stride": 40},
+                    {"row0": 1, "col0": 8, "stride": 40}, {"operand": "K", "col0": 16, "stride": 72}),
+        n_random=6, run=_kernel_run("ldmatrix_row"), solution=_kernel_solution("ldmatrix_row"), shrink_budget=40,
+        solution_is_factory=True, kernel=True, valid=lambda case: case["col0"] + 16 <= case["stride"],
+        budget="ldmatrix reads each element of the tile once (shared memory on a GPU), 256 per launch"),
+    Exercise(
+        id="14.3",
+        title="a device function: the final rescale of O from a lane's fragments (FA2 Alg. 1 lines 12-15)",
+        signature="@cuda.jit(device=True) finish_rows(o, m, l, lane, O, L); lane's registers: o[4n + 2h + e] = "
+                  "Õ[g + 8h, 8n + 2t + e], m[h], l[h] of rows g + 8h (h = 0, 1); writes O (N_q, d_v) and L (N_q,)",
+        hint="For each of the lane's two rows g and g + 8 (g = lane // 4): skip a row ≥ N_q (the warp's last "
+             "rows can be padding), divide the lane's entries of Õ by ℓ and store them at columns 8n + 2t + e, "
+             "and let one lane of the four that share the row (t = 0) write L = m + log ℓ. A row that saw no key "
+             "has ℓ = 0: O = 0, L = +inf.",
+        covers="N_q from 1 to 16 (padding rows that must not be stored), d_v = 8 and 16, causal and random masks "
+               "with rows that saw no key, logits ×10⁴; every element of O and L written once",
+        params={"N_q": Size(1, 16), "N_k": Size(1, 8), "tiles": Size(1, 2), "mask": _MASKS,
+                "logits": Kind(("normal", "large"))},
+        base={"N_q": 1, "N_k": 1, "tiles": 1, "mask": "none", "logits": "normal"},
+        edge_cases=({}, {"N_q": 16, "N_k": 5, "tiles": 2}, {"N_q": 11, "N_k": 4, "mask": "causal"},
+                    {"N_q": 6, "N_k": 8, "tiles": 2, "mask": "random"}, {"N_q": 9, "N_k": 3, "logits": "large"}),
+        n_random=5, run=_kernel_run("finish_rows"), solution=_kernel_solution("finish_rows"), shrink_budget=40,
+        solution_is_factory=True, kernel=True,
+        budget="the budget writes each O[row, col] and L[row] once and reads neither"),
     Exercise(
         id="15.1",
         title="the causal work of one ring step: visible (query, key) pairs, contiguous or zigzag",
@@ -1345,6 +1466,25 @@ def solution(exercise_id) -> Callable:
     return exercise.solution() if exercise.solution_is_factory else exercise.solution
 
 
+def show_solution(exercise_id) -> None:
+    """Print the worked solution's code, to read: the function (or numba.cuda kernel, or device function) that
+    passes the checker, under the name the exercise asks for. The chapters fold the same solution away."""
+    exercise = _exercise(exercise_id)
+    print(_solution_source(exercise))
+
+
+def _solution_source(exercise: Exercise) -> str:
+    function = solution(exercise.id)
+    function = getattr(function, "py_func", function)          # a numba.cuda kernel or device function
+    source = textwrap.dedent(inspect.getsource(function)).rstrip()
+    # The name the exercise asks for: "@cuda.jit(device=True) tile_kind(row0, …) -> …" gives tile_kind.
+    name = re.search(r"(?:^|\s)([A-Za-z_]\w*)\(", exercise.signature).group(1)
+    source = re.sub(rf"^def {re.escape(function.__name__)}\(", f"def {name}(", source, count=1, flags=re.M)
+    title = textwrap.wrap(f"Exercise {exercise.id}: {exercise.title}", 94, initial_indent="# ",
+                          subsequent_indent="#   ")
+    return "\n".join([*title, source])
+
+
 def _cases(exercise: Exercise) -> list[dict]:
     """The exercise's cases: its edge cases, then ``n_random`` drawn with a seed fixed by its id."""
     cases = []
@@ -1362,18 +1502,42 @@ def _cases(exercise: Exercise) -> list[dict]:
     return cases
 
 
-def _attempt(exercise: Exercise, fn, case: dict) -> _Mismatch | None:
-    """None if ``fn`` is right on ``case``; else the mismatch, with the arguments of the failing call attached."""
+def _attempt(exercise: Exercise, fn, case: dict, traffic: list | None = None) -> _Mismatch | None:
+    """None if ``fn`` is right on ``case``; else the mismatch, with the arguments of the failing call attached.
+
+    A kernel exercise's ``run`` returns the global-memory traffic of its launch (:class:`Traffic`): it is appended to
+    ``traffic`` when given. Whatever else goes wrong while judging what came back (an exception from the reader's
+    object, ``sys.exit`` in its ``__array__``) is a failure of this case too; only ``KeyboardInterrupt`` stops."""
     _Calls.last = None
     try:
-        exercise.run(fn, case)
-    except _Mismatch as mismatch:
+        io = exercise.run(fn, case)
+    except _NotAttempted:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001  (_Mismatch, or anything the reader's objects raised)
+        mismatch = error if isinstance(error, _Mismatch) else _Mismatch(
+            _raised(error, "checking what your function returned raised"), kind=("raised", type(error).__name__))
         if _Calls.last is not None:
             last = _Calls.last
             mismatch.inputs = dict(last.inputs)
             mismatch.call = last.name + (f" ({last.where})" if last.where else "")
         return mismatch
+    if traffic is not None and io is not None:
+        traffic.append(io)
     return None
+
+
+def _failure_kind(mismatch: _Mismatch):
+    """How a case fails, for shrinking: a smaller case is kept only if it fails the same way (the same exception,
+    NaN, a wrong infinity, a wrong value, over the memory budget …), so that the case reported still shows the
+    reader's mistake and not another one the shrinking stumbled on. A runner may set a finer kind itself (13.2 adds
+    which sides of the wrong row saw keys)."""
+    if mismatch.kind is not None:
+        return mismatch.kind
+    first = mismatch.lines[0] if mismatch.lines else ""
+    raised = re.search(r"raised (\w+)", first)
+    return ("raised", raised.group(1)) if raised else "value"
 
 
 def _smaller_cases(exercise: Exercise, case: dict):
@@ -1385,9 +1549,11 @@ def _smaller_cases(exercise: Exercise, case: dict):
 
 
 def _shrink(exercise: Exercise, fn, case: dict, mismatch: _Mismatch):
-    """Greedy shrinking: take any smaller case that still fails, until none does (or the budget is spent)."""
+    """Greedy shrinking: take any smaller case that still fails the same way (:func:`_failure_kind`), until none does
+    (or the budget is spent)."""
     steps = tried = 0
     improved = True
+    kind = _failure_kind(mismatch)
     while improved and tried < exercise.shrink_budget:
         improved = False
         for candidate in _smaller_cases(exercise, case):
@@ -1396,7 +1562,7 @@ def _shrink(exercise: Exercise, fn, case: dict, mismatch: _Mismatch):
                 found = _attempt(exercise, fn, candidate)
             except _NotAttempted:
                 found = None
-            if found is not None:
+            if found is not None and _failure_kind(found) == kind:
                 case, mismatch, improved = candidate, found, True
                 steps += 1
                 break
@@ -1434,12 +1600,16 @@ def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
     if not (callable(fn) or hasattr(fn, "__getitem__")):
         raise TypeError(f"fn must be your function for exercise {exercise.id} ({exercise.signature}); "
                         f"got {type(fn).__name__}")
+    if exercise.kernel:
+        from fa2edu import exercise_kernels
+        exercise_kernels.require_cuda(exercise.id)
     cases = _cases(exercise)
     header = "\n".join(_wrap(f"Exercise {exercise.id}: {exercise.title}"))
     failure = None
+    traffic: list = []
     try:
         for number, case in enumerate(cases, start=1):
-            mismatch = _attempt(exercise, fn, case)
+            mismatch = _attempt(exercise, fn, case, traffic)
             if mismatch is None:
                 continue
             small, mismatch, steps = _shrink(exercise, fn, case, mismatch)
@@ -1454,10 +1624,24 @@ def check(exercise_id, fn, *, verbose: bool = True) -> CheckResult:
         return _finish(CheckResult(exercise.id, False, False, 0, None, report), verbose)
     if failure is None:
         report = "\n".join([header, *_wrap(f"✓ Passed all {len(cases)} cases: {_coverage(exercise, cases)}."),
-                            *_wrap(f"They include {exercise.covers}.", indent="  ", hang="")])
+                            *_wrap(f"They include {exercise.covers}.", indent="  ", hang=""),
+                            *_traffic_lines(exercise, traffic, len(cases))])
         return _finish(CheckResult(exercise.id, True, True, len(cases), None, report), verbose)
     report = header + "\n" + "\n".join(failure.lines)
     return _finish(CheckResult(exercise.id, False, True, failure.case_number, failure, report), verbose)
+
+
+def _traffic_lines(exercise: Exercise, traffic: list, cases: int) -> list[str]:
+    """A kernel exercise's pass report ends with the global memory its launches moved, beside the budget."""
+    if not exercise.kernel:
+        return []
+    if len(traffic) < cases:
+        return _wrap("Global memory is counted in numba's CUDA simulator only; these launches ran on a GPU.",
+                     indent="  ", hang="")
+    reads, writes = sum(t.reads for t in traffic), sum(t.writes for t in traffic)
+    budget_reads, budget_writes = sum(t.budget_reads for t in traffic), sum(t.budget_writes for t in traffic)
+    return _wrap(f"Global memory, all {cases} launches: your code read {reads:,} elements (budget {budget_reads:,}) "
+                 f"and wrote {writes:,} (budget {budget_writes:,}); {exercise.budget}.", indent="  ", hang="")
 
 
 def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, total: int) -> list[str]:
@@ -1470,6 +1654,8 @@ def _failure_lines(exercise: Exercise, failure: Failure, mismatch: _Mismatch, to
         lines += [f"    {_show(name, value)}" for name, value in mismatch.inputs.items()]
     lines.append("  What came back:")
     lines += ["    " + part for line in mismatch.lines for part in line.split("\n")]
+    if getattr(mismatch, "traffic", None) is not None:
+        lines.append(f"  Global memory on this case: {mismatch.traffic}")
     lines.append("  (result.failure holds the inputs, the expected values and what came back.)")
     # Long lines wrap, keeping their indentation; the drawn masks are short and stay as they are.
     return [part for line in lines
