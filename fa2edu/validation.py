@@ -30,8 +30,12 @@ from numbers import Real
 
 import numpy as np
 
+from fa2edu.blocks import _check_block_sizes
+from fa2edu.blocks import check_M as _check_M
+
 __all__ = ["AttentionProblem", "AttentionOverflowError", "prepare", "check_like", "check_scale", "check_score_range",
-           "cast_output", "guard_overflow", "compute_dtype", "FLOAT_DTYPES"]
+           "score_range_error", "largest_abs_dot", "check_block_sizes", "check_M", "cast_output", "guard_overflow",
+           "compute_dtype", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -130,7 +134,36 @@ def _largest_abs_dot(A: np.ndarray, B: np.ndarray) -> float:
         return math.inf
 
 
-def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, float64_helps: bool = True) -> None:
+def largest_abs_dot(A: np.ndarray, B: np.ndarray) -> float:
+    """``max_ij Σ_l |A_il|·|B_jl|`` over the pairs that meet, as a float64 that cannot overflow (inf when it is
+    beyond float64 itself): the exact quantity :func:`check_score_range` bounds. Shapes as there."""
+    return _largest_abs_dot(A, B)
+
+
+def score_range_error(reach: float, scale: float, dtype, *, names=("Q", "K"), context: str = "",
+                      float64_helps: bool = True) -> AttentionOverflowError:
+    """The error :func:`check_score_range` raises, for scores that reach ``reach`` (``max(1, τ)·max Σ_l |q_l k_l|``)
+    in ``dtype``; ``names`` are the caller's names for the two operands and ``context`` is appended to them
+    (``" (sequence 3)"``). Returned, not raised, so that callers that compute ``reach`` their own way (across the
+    ranks of a ring, say) report it in the same words."""
+    dtype = np.dtype(dtype)
+    limit = float(np.finfo(dtype).max) / 2
+    first, second = names
+    remedies = [f"rescale {first} or {second}"]
+    if float64_helps and dtype != np.float64 and reach <= float(np.finfo(np.float64).max) / 2:
+        remedies.append("pass float64 inputs")
+    if abs(float(scale)) > 1.0:
+        remedies.append("pass a smaller scale=")
+    shown = f"{reach:.3g}" if math.isfinite(reach) else f"more than {float(np.finfo(np.float64).max):.3g}"
+    return AttentionOverflowError(
+        f"{first} and {second}{context} are too large for {dtype.name}: their scores reach {shown} (the largest "
+        f"max(1, τ)·Σ_l |{first}_il·{second}_jl| over query/key pairs, τ = {float(scale):g}), beyond "
+        f"{limit:.3g}, half the largest {dtype.name}, which S and S − max S need to stay finite. Softmax of such "
+        f"scores is one-hot at any precision: {', or '.join(remedies)}")
+
+
+def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, float64_helps: bool = True,
+                      names=("Q", "K"), context: str = "") -> None:
     """Refuse finite Q, K whose scores S = τ·QKᵀ would overflow ``dtype``: an :class:`AttentionOverflowError`
     naming Q and K, instead of inf and then NaN (inf − inf) in the softmax.
 
@@ -142,11 +175,11 @@ def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, floa
 
     Shapes: Q (…, N_q, d) and K (…, N_k, d), leading axes broadcasting; a pair is checked when they meet.
     ``float64_helps=False`` when the arithmetic stays in ``dtype`` whatever the inputs' dtype (the float32 GPU
-    kernels): the error then does not suggest float64 inputs.
+    kernels): the error then does not suggest float64 inputs. ``names`` are the caller's names for Q and K (the
+    decoding functions pass ``("q", "k_cache")``) and ``context`` follows them in the message.
     """
     dtype = np.dtype(dtype)
-    largest_value = float(np.finfo(dtype).max)
-    limit = largest_value / 2
+    limit = float(np.finfo(dtype).max) / 2
     grow = max(1.0, abs(float(scale)))                  # the products are formed before τ (τ < 1) and after (τ > 1)
     d = Q.shape[-1]
     if d * float(np.max(np.abs(Q))) * float(np.max(np.abs(K))) * grow <= limit:
@@ -154,17 +187,20 @@ def check_score_range(Q: np.ndarray, K: np.ndarray, scale: float, dtype, *, floa
     reach = grow * _largest_abs_dot(Q, K)
     if reach <= limit:
         return
-    remedies = ["rescale Q or K"]
-    if float64_helps and dtype != np.float64 and reach <= float(np.finfo(np.float64).max) / 2:
-        remedies.append("pass float64 inputs")
-    if abs(float(scale)) > 1.0:
-        remedies.append("pass a smaller scale=")
-    shown = f"{reach:.3g}" if math.isfinite(reach) else f"more than {float(np.finfo(np.float64).max):.3g}"
-    raise AttentionOverflowError(
-        f"Q and K are too large for {dtype.name}: their scores reach {shown} (the largest "
-        f"max(1, τ)·Σ_l |Q_il·K_jl| over query/key pairs, τ = {float(scale):g}), beyond {limit:.3g}, half the "
-        f"largest {dtype.name}, which S and S − max S need to stay finite. Softmax of such scores is one-hot at "
-        f"any precision: {', or '.join(remedies)}")
+    raise score_range_error(reach, scale, dtype, names=names, context=context, float64_helps=float64_helps)
+
+
+def check_block_sizes(block_sizes) -> tuple[int, int]:
+    """``block_sizes`` as the pair ``(B_r, B_c)`` of ints ≥ 1 that every tiled algorithm takes (the rule of
+    :func:`fa2edu.blocks.resolve_block_sizes`): a TypeError naming ``block_sizes`` for anything that is not a
+    pair of integers (floats such as 2.5 and bools are refused, never truncated), a ValueError for sizes < 1."""
+    return _check_block_sizes(block_sizes)
+
+
+def check_M(M, d: int) -> int:
+    """M, the SRAM size in elements, as every tiled algorithm checks it (:func:`fa2edu.blocks.check_M`): an int
+    with ``M ≥ 4d``."""
+    return _check_M(M, d)
 
 
 def cast_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
