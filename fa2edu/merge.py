@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from fa2edu.softmax import Stats, logsumexp_from_stats, merge_stats
-from fa2edu.validation import FLOAT_DTYPES, compute_dtype
+from fa2edu.validation import FLOAT_DTYPES, AttentionOverflowError, cast_output, compute_dtype
 
 __all__ = ["merge_attention_states", "stats_from_lse"]
 
@@ -89,7 +89,10 @@ def merge_attention_states(O_a, L_a, O_b, L_b) -> tuple[np.ndarray, np.ndarray]:
     TypeError
         A non-array or non-float input.
     ValueError
-        Mismatched shapes, a non-finite O, or an L holding NaN or −inf.
+        Mismatched shapes, a non-finite O, or an L holding NaN or −inf (each names O_a, L_a, O_b or L_b).
+    AttentionOverflowError
+        Finite outputs too close to the largest value of the dtype for their weighted sum to stay finite (a
+        ValueError and an OverflowError, as everywhere in fa2edu), never an inf.
 
     Notes
     -----
@@ -104,15 +107,26 @@ def merge_attention_states(O_a, L_a, O_b, L_b) -> tuple[np.ndarray, np.ndarray]:
     out_dtype = np.result_type(O_a, O_b)
     a = stats_from_lse(L_a.astype(work, copy=False))
     b = stats_from_lse(L_b.astype(work, copy=False))
-    # FA1 Alg. 1 line 11: m = max(m_a, m_b), ℓ = e^{m_a − m} ℓ_a + e^{m_b − m} ℓ_b (every exponent ≤ 0).
-    merged = merge_stats(a, b)
-    # Guard m = −inf (both sides empty) before exp(m_a − m), and ℓ = 0 before dividing: both weights become 0.
-    m_safe = np.where(np.isneginf(merged.m), 0.0, merged.m)
-    l_safe = np.where(merged.l == 0.0, 1.0, merged.l)
-    w_a = np.exp(a.m - m_safe) * a.l / l_safe          # e^{L_a − L}: 1 exactly when b is empty
-    w_b = np.exp(b.m - m_safe) * b.l / l_safe          # e^{L_b − L}: 0 exactly when b is empty
-    # FA1 Alg. 1 line 12 on whole partials: the outputs, reweighted to the union's normaliser.
-    O = w_a[..., None] * O_a.astype(work, copy=False) + w_b[..., None] * O_b.astype(work, copy=False)
+    # (m_a − m can pass −max for L's of opposite signs near the dtype's limits: −inf there, and e^{−inf} = 0, the
+    # right weight; only O itself is checked for overflow below.)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # FA1 Alg. 1 line 11: m = max(m_a, m_b), ℓ = e^{m_a − m} ℓ_a + e^{m_b − m} ℓ_b (every exponent ≤ 0).
+        merged = merge_stats(a, b)
+        # Guard m = −inf (both sides empty) before exp(m_a − m), and ℓ = 0 before dividing: both weights become 0.
+        m_safe = np.where(np.isneginf(merged.m), 0.0, merged.m)
+        l_safe = np.where(merged.l == 0.0, 1.0, merged.l)
+        w_a = np.exp(a.m - m_safe) * a.l / l_safe          # e^{L_a − L}: 1 exactly when b is empty
+        w_b = np.exp(b.m - m_safe) * b.l / l_safe          # e^{L_b − L}: 0 exactly when b is empty
+        # FA1 Alg. 1 line 12 on whole partials: the outputs, reweighted to the union's normaliser.
+        O = w_a[..., None] * O_a.astype(work, copy=False) + w_b[..., None] * O_b.astype(work, copy=False)
+    if not np.isfinite(O).all():
+        # The weights sum to 1 up to rounding, so only outputs within a rounding of the dtype's largest value
+        # can get here: an error naming them, as fa2edu reports every overflow, rather than an inf.
+        raise AttentionOverflowError(
+            f"O_a and O_b are too large for {work.name}: their weighted sum overflows (max |O_a| = "
+            f"{float(np.max(np.abs(O_a))):.3g}, max |O_b| = {float(np.max(np.abs(O_b))):.3g}, the largest "
+            f"{work.name} is {float(np.finfo(work).max):.3g}); rescale the values"
+            + ("" if work == np.float64 else ", or pass float64 partials"))
     # FA2 Alg. 1 line 13: L = m + log ℓ, +inf where both sides are empty.
     L = logsumexp_from_stats(merged)
-    return O.astype(out_dtype, copy=False), L
+    return cast_output(O, out_dtype, "the merged O"), L
