@@ -38,12 +38,19 @@ from fa2edu.memory import HBM, SRAM, FlopCounter
 from fa2edu.merge import merge_attention_states
 from fa2edu.partition import sm_utilisation
 from fa2edu.softmax import exp_minus
-from fa2edu.validation import FLOAT_DTYPES, check_scale, compute_dtype
+from fa2edu.validation import (
+    FLOAT_DTYPES,
+    AttentionOverflowError,
+    cast_output,
+    check_scale,
+    check_score_range,
+    compute_dtype,
+)
 
 __all__ = [
     "DecodeResult", "DecodeProblem", "IndexDtypeError", "PaddedIO", "DECODE_SMS", "decode_attention",
-    "check_decode_inputs", "decode_block_size", "default_num_splits", "split_ranges", "varlen_attention",
-    "check_cu_seqlens", "padded_batch_io",
+    "check_decode_inputs", "check_decode_values", "decode_block_size", "default_num_splits", "split_ranges",
+    "varlen_attention", "check_cu_seqlens", "check_varlen_values", "padded_batch_io",
 ]
 
 #: SMs the default split rule fills: an H100 SXM's 132 (:data:`fa2edu.hardware.DEVICES`).
@@ -296,6 +303,96 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table=None, ca
     return problem
 
 
+def _used_cache(k_cache, v_cache, block_table, b: int, n: int):
+    """The keys and values sequence b reads, (H_kv, n, d) and (H_kv, n, d_v) (views of a contiguous cache, a
+    copy of the pages of a paged one), and a function naming the cache entry of (head h, key j)."""
+    if block_table is None:
+        return k_cache[b, :, :n], v_cache[b, :, :n], lambda name, h, j: f"{name}[{b}, {h}, {j}]"
+    page = k_cache.shape[2]
+    pages = np.asarray(block_table[b, :-(-n // page)], dtype=np.int64)
+
+    def gather(cache):
+        used = cache[pages]                                           # (T, H_kv, page, ·)
+        return np.swapaxes(used, 0, 1).reshape(used.shape[1], -1, used.shape[-1])[:, :n]
+
+    def where(name, h, j):
+        return f"{name}[{pages[j // page]}, {h}, {j % page}] (page block_table[{b}, {j // page}])"
+    return gather(k_cache), gather(v_cache), where
+
+
+def check_decode_values(q, k_cache, v_cache, cache_seqlens, block_table, scale, score_dtype, *,
+                        float64_helps: bool = True, storage=None) -> None:
+    """The values of :func:`decode_attention`'s inputs: finite q, finite keys and values **where the sequences
+    read them**, and scores τ·q·k within ``score_dtype`` — the contract of ``flash2_forward``
+    (:func:`fa2edu.validation.check_score_range`), with errors that name q, k_cache and v_cache.
+
+    Only the used entries are checked: rows 0 … cache_seqlens[b] − 1 of sequence b (through ``block_table`` for a
+    paged cache). Entries past a length, and pages no sequence reads, are never read and may hold anything (NaN
+    included). The overflow check is cheap first (d·max|q|·max|k|, over every sequence), exact per sequence only
+    where that bound fails. ``storage``, when given, is the dtype the values will be stored in (float32 for the
+    GPU kernels' NumPy float64 inputs): values beyond its range are refused too. Shapes and indices must already
+    have passed :func:`check_decode_inputs`. Cost: one read of the used cache (the NumPy algorithm reads it anyway;
+    ``kernels_gpu.decode_attention`` calls this on host data only, before copying it to the device).
+    """
+    B, H_q, N_new, d = q.shape
+    H_kv = k_cache.shape[1]
+    G = H_q // H_kv
+    seqlens = np.asarray(cache_seqlens, dtype=np.int64)
+    limit_storage = None if storage is None else float(np.finfo(storage).max)
+    if not np.isfinite(q).all():
+        raise ValueError("q contains NaN or infinite values; attention inputs must be finite")
+    q_max = float(np.max(np.abs(q)))
+    if limit_storage is not None and q_max > limit_storage:
+        raise ValueError(f"q has values beyond the range of {np.dtype(storage).name}: it cannot be stored as "
+                         f"{np.dtype(storage).name}")
+    k_max = 0.0
+    for b in range(B):
+        n = int(seqlens[b])
+        if n == 0:
+            continue
+        keys, values, where = _used_cache(k_cache, v_cache, block_table, b, n)
+        for name, x in (("k_cache", keys), ("v_cache", values)):
+            bad = ~np.isfinite(x)
+            if bad.any():
+                h, j = (int(i) for i in np.argwhere(bad)[0][:2])
+                raise ValueError(f"{name} contains NaN or infinite values among the keys sequence {b} reads "
+                                 f"(cache_seqlens[{b}] = {n}), first at {where(name, h, j)}; attention inputs "
+                                 f"must be finite (entries past a sequence's length are never read and may hold "
+                                 f"anything)")
+            top = float(np.max(np.abs(x)))
+            if limit_storage is not None and top > limit_storage:
+                raise ValueError(f"{name} has values beyond the range of {np.dtype(storage).name} among the keys "
+                                 f"sequence {b} reads: it cannot be stored as {np.dtype(storage).name}")
+            if name == "k_cache":
+                k_max = max(k_max, top)
+    score_dtype = np.dtype(score_dtype)
+    if d * q_max * k_max * max(1.0, abs(float(scale))) <= float(np.finfo(score_dtype).max) / 2:
+        return                                                     # the cheap bound: no score can overflow
+    for b in range(B):
+        n = int(seqlens[b])
+        if n:
+            keys = _used_cache(k_cache, v_cache, block_table, b, n)[0]
+            # GQA: query head h·G + g reads KV head h; its G·N_new rows meet KV head h's keys only.
+            check_score_range(q[b].reshape(H_kv, G * N_new, d), keys, scale, score_dtype, names=("q", "k_cache"),
+                              context=f" (sequence {b})", float64_helps=float64_helps)
+
+
+def _decode_overflow(error, problem: DecodeProblem, work: np.dtype) -> AttentionOverflowError:
+    """An overflow inside decode_attention's arithmetic (a huge v_cache), reported with the user's names."""
+    k_max = v_max = 0.0
+    for b in range(problem.B):
+        n = int(problem.cache_seqlens[b])
+        if n:
+            keys, values, _ = _used_cache(problem.k_cache, problem.v_cache, problem.block_table, b, n)
+            k_max, v_max = max(k_max, float(np.max(np.abs(keys)))), max(v_max, float(np.max(np.abs(values))))
+    remedy = "rescale them" if work == np.float64 else "rescale them, or pass float64 inputs"
+    return AttentionOverflowError(
+        f"decode_attention: an intermediate result left the range of {work.name} ({error}); the inputs are too "
+        f"large in magnitude for {work.name} arithmetic (max |q| = {float(np.max(np.abs(problem.q))):.3g}, and "
+        f"over the entries the sequences read, max |k_cache| = {k_max:.3g}, max |v_cache| = {v_max:.3g}): "
+        f"{remedy}")
+
+
 # -- decoding ----------------------------------------------------------------------------------------------------------
 
 def _split_program(problem: DecodeProblem, b: int, blocks: range, mem: HBM, sram: SRAM, count: FlopCounter,
@@ -366,107 +463,13 @@ def _split_program(problem: DecodeProblem, b: int, blocks: range, mem: HBM, sram
     return O_s, L_s
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
-                     num_splits=None, hbm=None, *, block_size=None, flops=None) -> DecodeResult:
-    """Attention of N_new new tokens per sequence to a KV cache: split-KV (Flash-Decoding) over a contiguous or
-    paged (PagedAttention) cache, with GQA, on fa2edu's counted memory.
-
-    For each sequence b and KV head, the G = H_q / H_kv query heads of the group and the N_new new tokens form
-    one query tile of G·N_new rows. The sequence's keys 0 … cache_seqlens[b] − 1 are cut into blocks (the pages
-    of a paged cache, ``block_size`` keys of a contiguous one) and the blocks into ``num_splits`` ranges
-    (:func:`split_ranges`). Each (sequence, KV head, split) program runs FA2 Alg. 1 over its range and, when
-    there is more than one split, writes a partial (O_s, L_s) to HBM; a second step reads the partials back and
-    merges them with :func:`fa2edu.merge.merge_attention_states` (Flash-Decoding's reduction). Every cached key
-    and value is read once per KV head, whatever G and the split count.
-
-    Parameters
-    ----------
-    q : numpy.ndarray, shape (B, H_q, N_new, d)
-        Queries of the N_new ≥ 1 new tokens of each sequence. Their keys and values are already in the cache, as
-        its last N_new entries. float16, float32 or float64, finite.
-    k_cache : numpy.ndarray, shape (B, H_kv, N_max, d) or (num_pages, H_kv, page_size, d)
-        Cached keys: contiguous (sequence b's keys are rows 0 … cache_seqlens[b] − 1 of ``k_cache[b]``), or paged
-        when ``block_table`` is given. q's dtype. Entries past a sequence's length are never read.
-    v_cache : numpy.ndarray, shape (B, H_kv, N_max, d_v) or (num_pages, H_kv, page_size, d_v)
-        Cached values, laid out as ``k_cache``.
-    cache_seqlens : array of int, shape (B,)
-        Keys in the cache per sequence, new tokens included: 0 ≤ cache_seqlens[b] ≤ N_max (contiguous) or
-        ≤ max_pages · page_size (paged). A sequence of length 0 (an idle slot) gives O = 0, L = +inf.
-    block_table : array of int, shape (B, max_pages), optional
-        Paged cache (PagedAttention): sequence b's logical page p (keys p·page_size … (p + 1)·page_size − 1) is
-        physical page ``block_table[b, p]`` of the cache. Only the first ceil(cache_seqlens[b] / page_size)
-        entries of a row are read (they must lie in [0, num_pages)); the rest may hold anything. Pages may be
-        shared between sequences (a common prefix). None (default): a contiguous cache.
-    causal : bool, default True
-        Bottom-right causal within each sequence: new token t sees keys j ≤ cache_seqlens[b] − N_new + t. With
-        N_new = 1 every key is visible either way. A token that sees no key gets O = 0, L = +inf.
-    scale : float, optional
-        The softmax scale τ; default 1/√d.
-    num_splits : int, optional
-        Flash-Decoding's split count S ≥ 1 per sequence. S = 1: one program per (sequence, KV head), no partials.
-        S larger than a sequence's key blocks leaves splits empty; each writes the merge's identity (O = 0,
-        L = +inf). Default None: :func:`default_num_splits`, the fewest splits whose SM utilisation on the
-        H100's 132 SMs is within 90 % of the best any split count reaches (1 when B · H_kv ≥ 132), at most the
-        longest sequence's number of key blocks.
-    hbm : fa2edu.memory.HBM, optional
-        Memory that records the traffic (per KV head, summed over sequences and splits; see Notes). Default
-        None: a fresh, unreturned one.
-    block_size : int, optional
-        Keys per block of a contiguous cache; default :func:`decode_block_size` = ceil(M / 4d) at fa2edu's
-        default M. Not allowed with a paged cache, whose block is its page.
-    flops : fa2edu.memory.FlopCounter, optional
-        Counter that records the FLOPs (per KV head, as the ledger). Default None: a fresh, unreturned one.
-
-    Returns
-    -------
-    DecodeResult
-        ``(O, L)``: O (B, H_q, N_new, d_v) in q's dtype, L (B, H_q, N_new) in the compute dtype (float64 for
-        float64 inputs, else float32); +inf on tokens that see no key.
-
-    Raises
-    ------
-    ValueError
-        Bad shapes, H_q not a multiple of H_kv, cache_seqlens out of range, a block table too short for a length
-        or naming a page the cache does not have, num_splits or block_size < 1. Index arrays that do not hold
-        integers raise :class:`IndexDtypeError` (both a ValueError and a TypeError).
-    TypeError
-        Non-array or non-float inputs, mixed dtypes, a non-bool ``causal``, a non-int ``num_splits``.
-
-    Notes
-    -----
-    Cost per (sequence b with n_b keys, KV head), T_b = ceil(n_b / block) blocks, S splits, R = G·N_new rows:
-
-    * FLOPs: 2·R·n_b·(d + d_v) for the two matmuls; non-matmul O(R·n_b).
-    * HBM reads: n_b·(d + d_v) of cache, min(S, T_b)·R·d of queries, and with S > 1 the partials, S·R·(d_v + 1).
-    * HBM writes: R·(d_v + 1) of output, and with S > 1 the partials, S·R·(d_v + 1).
-
-    The cache term dominates: about 2·R FLOPs per element moved, R = G·N_new (a few), against the hundreds per
-    element at which a GPU's arithmetic, not its memory, becomes the limit (chapter 13).
-
-    References
-    ----------
-    T. Dao, D. Haziza, F. Massa, G. Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023.
-    W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
-    SOSP 2023. T. Dao, "FlashAttention-2", 2023, Algorithm 1 (each split's loop).
-    """
-    problem = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits,
-                                  block_size)
-    mem = HBM() if hbm is None else hbm
-    if not isinstance(mem, HBM):
-        raise TypeError(f"hbm must be a fa2edu.memory.HBM, got {type(mem).__name__}")
-    count = FlopCounter() if flops is None else flops
-    if not isinstance(count, FlopCounter):
-        raise TypeError(f"flops must be a fa2edu.memory.FlopCounter, got {type(count).__name__}")
+def _decode_sequences(problem: DecodeProblem, q_tiles: np.ndarray, O: np.ndarray, L: np.ndarray, mem: HBM,
+                      sram: SRAM, count: FlopCounter, work: np.dtype) -> None:
+    """decode_attention's grid, sequence by sequence: the split programs, then (S > 1) the merge of the partials
+    (Flash-Decoding's reduction), writing O and L (B, H_kv, G·N_new, ·) in place."""
     B, H_kv, G, N_new, d_v, S = (problem.B, problem.H_kv, problem.G, problem.N_new, problem.d_v,
                                  problem.num_splits)
     rows = G * N_new
-    work = compute_dtype(problem.q.dtype)
-    sram = SRAM(None)
-    mem.sram, mem.flops, mem.block_sizes, mem.algorithm = sram, count, (rows, problem.block_size), "decode_attention"
-    # GQA: query head h = k·G + g reads KV head k = h // G; its N_new tokens are rows g·N_new … of KV head k's tile.
-    q_tiles = problem.q.astype(work, copy=False).reshape(B, H_kv, rows, problem.d)
-    O = np.zeros((B, H_kv, rows, d_v), dtype=work)
-    L = np.zeros((B, H_kv, rows), dtype=work)
     for b in range(B):
         mem.put("q", q_tiles[b])                                            # (H_kv, G·N_new, d)
         mem.put("O", O[b])                                                  # written in place
@@ -507,7 +510,126 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
                 count.add_nonmatmul(rows * (3 * d_v + 8), line="combine: merge")
             mem.write("O", slice(0, rows), O_acc, line="combine: write O, L")
             mem.write("L", slice(0, rows), L_acc, line="combine: write O, L")
-    O = O.reshape(B, problem.H_q, N_new, d_v).astype(problem.q.dtype, copy=False)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
+                     num_splits=None, hbm=None, *, block_size=None, flops=None) -> DecodeResult:
+    """Attention of N_new new tokens per sequence to a KV cache: split-KV (Flash-Decoding) over a contiguous or
+    paged (PagedAttention) cache, with GQA, on fa2edu's counted memory.
+
+    For each sequence b and KV head, the G = H_q / H_kv query heads of the group and the N_new new tokens form
+    one query tile of G·N_new rows. The sequence's keys 0 … cache_seqlens[b] − 1 are cut into blocks (the pages
+    of a paged cache, ``block_size`` keys of a contiguous one) and the blocks into ``num_splits`` ranges
+    (:func:`split_ranges`). Each (sequence, KV head, split) program runs FA2 Alg. 1 over its range and, when
+    there is more than one split, writes a partial (O_s, L_s) to HBM; a second step reads the partials back and
+    merges them with :func:`fa2edu.merge.merge_attention_states` (Flash-Decoding's reduction). Every cached key
+    and value is read once per KV head, whatever G and the split count.
+
+    Parameters
+    ----------
+    q : numpy.ndarray, shape (B, H_q, N_new, d)
+        Queries of the N_new ≥ 1 new tokens of each sequence. Their keys and values are already in the cache, as
+        its last N_new entries. float16, float32 or float64, finite.
+    k_cache : numpy.ndarray, shape (B, H_kv, N_max, d) or (num_pages, H_kv, page_size, d)
+        Cached keys: contiguous (sequence b's keys are rows 0 … cache_seqlens[b] − 1 of ``k_cache[b]``), or paged
+        when ``block_table`` is given. q's dtype. The entries the sequences read must be finite; entries past a
+        sequence's length (and pages no sequence reads) are never read nor checked, and may hold anything.
+    v_cache : numpy.ndarray, shape (B, H_kv, N_max, d_v) or (num_pages, H_kv, page_size, d_v)
+        Cached values, laid out as ``k_cache``.
+    cache_seqlens : array of int, shape (B,)
+        Keys in the cache per sequence, new tokens included: 0 ≤ cache_seqlens[b] ≤ N_max (contiguous) or
+        ≤ max_pages · page_size (paged). A sequence of length 0 (an idle slot) gives O = 0, L = +inf.
+    block_table : array of int, shape (B, max_pages), optional
+        Paged cache (PagedAttention): sequence b's logical page p (keys p·page_size … (p + 1)·page_size − 1) is
+        physical page ``block_table[b, p]`` of the cache. Only the first ceil(cache_seqlens[b] / page_size)
+        entries of a row are read (they must lie in [0, num_pages)); the rest may hold anything. Pages may be
+        shared between sequences (a common prefix). None (default): a contiguous cache.
+    causal : bool, default True
+        Bottom-right causal within each sequence: new token t sees keys j ≤ cache_seqlens[b] − N_new + t. With
+        N_new = 1 every key is visible either way. A token that sees no key gets O = 0, L = +inf.
+    scale : float, optional
+        The softmax scale τ; default 1/√d.
+    num_splits : int, optional
+        Flash-Decoding's split count S ≥ 1 per sequence. S = 1: one program per (sequence, KV head), no partials.
+        S larger than a sequence's key blocks leaves splits empty; each writes the merge's identity (O = 0,
+        L = +inf). Default None: :func:`default_num_splits`, the fewest splits whose SM utilisation on the
+        H100's 132 SMs is within 90 % of the best any split count reaches (1 when B · H_kv ≥ 132), at most the
+        longest sequence's number of key blocks.
+    hbm : fa2edu.memory.HBM, optional
+        Memory that records the traffic (per KV head, summed over sequences and splits; see Notes). Default
+        None: a fresh, unreturned one.
+    block_size : int, optional
+        Keys per block of a contiguous cache; default :func:`decode_block_size` = ceil(M / 4d) at fa2edu's
+        default M. Not allowed with a paged cache, whose block is its page.
+    flops : fa2edu.memory.FlopCounter, optional
+        Counter that records the FLOPs (per KV head, as the ledger). Default None: a fresh, unreturned one.
+
+    Returns
+    -------
+    DecodeResult
+        ``(O, L)``: O (B, H_q, N_new, d_v) in q's dtype, L (B, H_q, N_new) in the compute dtype (float64 for
+        float64 inputs, else float32); +inf on tokens that see no key.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, H_q not a multiple of H_kv, cache_seqlens out of range, a block table too short for a length
+        or naming a page the cache does not have, num_splits or block_size < 1; NaN or inf in q or in the
+        entries of k_cache, v_cache that the sequences read (the error names the entry:
+        :func:`check_decode_values`). Index arrays that do not hold integers raise :class:`IndexDtypeError`
+        (both a ValueError and a TypeError).
+    fa2edu.validation.AttentionOverflowError
+        Finite q and k_cache whose scores τ·q·k would overflow the compute dtype (named q and k_cache, with the
+        sequence), or a v_cache so large that the output's accumulator overflows — as ``flash2_forward``
+        raises (a ValueError and an OverflowError), whatever the split count; never inf or NaN in O, L.
+    TypeError
+        Non-array or non-float inputs, mixed dtypes, a non-bool ``causal``, a non-int ``num_splits``.
+
+    Notes
+    -----
+    Cost per (sequence b with n_b keys, KV head), T_b = ceil(n_b / block) blocks, S splits, R = G·N_new rows:
+
+    * FLOPs: 2·R·n_b·(d + d_v) for the two matmuls; non-matmul O(R·n_b).
+    * HBM reads: n_b·(d + d_v) of cache, min(S, T_b)·R·d of queries, and with S > 1 the partials, S·R·(d_v + 1).
+    * HBM writes: R·(d_v + 1) of output, and with S > 1 the partials, S·R·(d_v + 1).
+
+    The cache term dominates: about 2·R FLOPs per element moved, R = G·N_new (a few), against the hundreds per
+    element at which a GPU's arithmetic, not its memory, becomes the limit (chapter 13).
+
+    References
+    ----------
+    T. Dao, D. Haziza, F. Massa, G. Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023.
+    W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+    SOSP 2023. T. Dao, "FlashAttention-2", 2023, Algorithm 1 (each split's loop).
+    """
+    problem = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits,
+                                  block_size)
+    work = compute_dtype(problem.q.dtype)
+    # The values where they are read: finite, and scores within the compute dtype (as flash2_forward checks).
+    check_decode_values(problem.q, problem.k_cache, problem.v_cache, problem.cache_seqlens, problem.block_table,
+                        problem.scale, work)
+    mem = HBM() if hbm is None else hbm
+    if not isinstance(mem, HBM):
+        raise TypeError(f"hbm must be a fa2edu.memory.HBM, got {type(mem).__name__}")
+    count = FlopCounter() if flops is None else flops
+    if not isinstance(count, FlopCounter):
+        raise TypeError(f"flops must be a fa2edu.memory.FlopCounter, got {type(count).__name__}")
+    B, H_kv, N_new, d_v = problem.B, problem.H_kv, problem.N_new, problem.d_v
+    rows = problem.G * N_new
+    sram = SRAM(None)
+    mem.sram, mem.flops, mem.block_sizes, mem.algorithm = sram, count, (rows, problem.block_size), "decode_attention"
+    # GQA: query head h = k·G + g reads KV head k = h // G; its N_new tokens are rows g·N_new … of KV head k's tile.
+    q_tiles = problem.q.astype(work, copy=False).reshape(B, H_kv, rows, problem.d)
+    O = np.zeros((B, H_kv, rows, d_v), dtype=work)
+    L = np.zeros((B, H_kv, rows), dtype=work)
+    try:
+        # Overflow or an invalid operation inside (a v_cache too large for the accumulator Õ, say) is an error
+        # naming the inputs, never an inf or NaN in O, L (nor an error naming the merge's internal partials).
+        with np.errstate(over="raise", invalid="raise", under="ignore"):
+            _decode_sequences(problem, q_tiles, O, L, mem, sram, count, work)
+    except (FloatingPointError, AttentionOverflowError) as error:
+        raise _decode_overflow(error, problem, work) from error
+    O = cast_output(O.reshape(B, problem.H_q, N_new, d_v), problem.q.dtype, "O")
     return DecodeResult(O, L.reshape(B, problem.H_q, N_new))
 
 
@@ -531,6 +653,37 @@ def check_cu_seqlens(cu_seqlens, name: str, total: int) -> np.ndarray:
     if cu[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {name}[-1] = {cu[-1]}")
     return cu
+
+
+def check_varlen_values(q, k, v, cu_q: np.ndarray, cu_k: np.ndarray, scale: float, score_dtype, *,
+                        float64_helps: bool = True) -> None:
+    """The values of :func:`varlen_attention`'s inputs: q, k, v finite (all of them: the offsets cover every packed
+    position), and each sequence's scores τ·q·k within ``score_dtype`` — ``flash2_forward``'s contract
+    (:func:`fa2edu.validation.check_score_range`) with errors naming q, k, v and the sequence.
+
+    Only pairs that meet are checked: sequence b's queries against sequence b's keys. Cheap first (d·max|q|·max|k|
+    over the whole batch), exact per sequence only where that bound fails. Shapes (H_q, total_q, d),
+    (H_kv, total_k, d), (H_kv, total_k, d_v); offsets already checked by :func:`check_cu_seqlens`. Cost: one read
+    of q, k, v.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name} contains NaN or infinite values; attention inputs must be finite")
+    if 0 in q.shape or 0 in k.shape:
+        return
+    score_dtype = np.dtype(score_dtype)
+    d = q.shape[-1]
+    bound = d * float(np.max(np.abs(q))) * float(np.max(np.abs(k))) * max(1.0, abs(float(scale)))
+    if bound <= float(np.finfo(score_dtype).max) / 2:
+        return
+    H_q, H_kv = q.shape[0], k.shape[0]
+    for b in range(cu_q.size - 1):
+        (a, e), (c, f) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
+        if e > a and f > c:
+            # GQA: query head h·G + g reads key head h.
+            check_score_range(q[:, a:e].reshape(H_kv, H_q // H_kv, e - a, d), k[:, None, c:f], scale, score_dtype,
+                              names=("q", "k"), context=f" (sequence {b}: q[:, {a}:{e}] and k[:, {c}:{f}])",
+                              float64_helps=float64_helps)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, M=None, block_sizes=None,
@@ -580,7 +733,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
     ------
     ValueError
         Bad shapes, H_q not a multiple of H_kv, offsets that do not start at 0, decrease, or do not end at the
-        packed lengths, different sequence counts, M < 4d, block sizes < 1.
+        packed lengths, different sequence counts, M < 4d, block sizes < 1; NaN or inf in q, k or v.
+    fa2edu.validation.AttentionOverflowError
+        Finite q and k whose scores τ·q·k within a sequence would overflow the compute dtype (named q and k, with
+        the sequence), or any other overflow inside (a huge v), as ``flash2_forward`` raises.
     TypeError
         Non-array or non-float inputs, mixed dtypes; offsets that are not integers raise
         :class:`IndexDtypeError` (both a ValueError and a TypeError).
@@ -614,15 +770,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
                          f"and {cu_k.size - 1}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_scale(scale, d)
+    tau = check_scale(scale, d)
     resolve_block_sizes(M, block_sizes, d, block_sizes_q_outer)       # checked even if every sequence is empty
+    work = compute_dtype(q.dtype)
+    # The values: finite, and every sequence's scores within the compute dtype, named as the caller names them
+    # (flash2_forward below would check each sequence too, but naming its own Q, K).
+    check_varlen_values(q, k, v, cu_q, cu_k, tau, work)
     mem = HBM() if hbm is None else hbm
     if not isinstance(mem, HBM):
         raise TypeError(f"hbm must be a fa2edu.memory.HBM, got {type(mem).__name__}")
     count = FlopCounter() if flops is None else flops
     if not isinstance(count, FlopCounter):
         raise TypeError(f"flops must be a fa2edu.memory.FlopCounter, got {type(count).__name__}")
-    work = compute_dtype(q.dtype)
     O = np.zeros((H_q, total_q, d_v), dtype=q.dtype)
     L = np.full((H_q, total_q), np.inf, dtype=work)
     sram = None
@@ -639,8 +798,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
             mem.write("L", slice(0, n_q), np.inf, line="Alg 1 line 15")
             continue
         # FA2 Alg. 1 on sequence b alone: its row blocks and K/V blocks start at its own offsets.
-        fwd = flash2_forward(q[:, rows], k[:, keys], v[:, keys], M=M, block_sizes=block_sizes, causal=causal,
-                             scale=scale, hbm=mem, flops=count)
+        try:
+            fwd = flash2_forward(q[:, rows], k[:, keys], v[:, keys], M=M, block_sizes=block_sizes, causal=causal,
+                                 scale=scale, hbm=mem, flops=count)
+        except AttentionOverflowError as error:
+            # An overflow inside FA2 (a v too large for the accumulator Õ): name the sequence and its slices.
+            raise AttentionOverflowError(
+                f"varlen_attention, sequence {b} (Q, K, V below are q[:, {rows.start}:{rows.stop}], "
+                f"k and v[:, {keys.start}:{keys.stop}]): {error}") from error
         O[:, rows], L[:, rows] = fwd.O, fwd.L
         if sram is None or mem.sram.peak > sram.peak:
             sram = mem.sram

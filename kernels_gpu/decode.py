@@ -97,7 +97,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, decode_block_size
+from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, check_decode_values, decode_block_size
 from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
 from kernels_gpu import decode_tc, driver_launch
@@ -877,6 +877,25 @@ def _host_words(x: np.ndarray, storage: str, pad_to: int) -> tuple[io.Flat, tupl
     return flat, strides
 
 
+def _check_host_values(tq: io.Tensor, tk: io.Tensor, tv: io.Tensor, seq: io.Index, table, seq_vals, table_vals,
+                       tau: float, capacity: int, num_pages: int) -> None:
+    """Host (NumPy or CPU tensor) q and caches, before they are copied to the device: the checks of
+    :func:`fa2edu.inference.check_decode_values` — q and the cache entries the sequences read finite, scores within
+    float32 (the kernels' arithmetic), NumPy float64 values within float32 (their storage) — with the same errors
+    as ``fa2edu.decode_attention``. The entries checked are those the kernel reads: lengths clamped to the cache
+    and page ids to [0, num_pages), as the kernel clamps unchecked device index data (checked data is unchanged by
+    the clamp; device index data is copied back for this, which costs nothing beside the caches' own copy)."""
+    seq_h = seq_vals if seq_vals is not None else _host_index_values(seq, True)
+    seq_h = np.clip(np.asarray(seq_h, dtype=np.int64), 0, capacity)
+    table_h = None
+    if table is not None:
+        table_h = table_vals if table_vals is not None else _host_index_values(table, True)
+        table_h = np.clip(np.asarray(table_h, dtype=np.int64), 0, num_pages - 1)
+    stored_as = np.float32 if tq.storage == "float32" and tq.host.dtype == np.float64 else None
+    check_decode_values(_host_values(tq), _host_values(tk), _host_values(tv), seq_h, table_h, tau, np.float32,
+                        float64_helps=False, storage=stored_as)
+
+
 def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, block_size, validate,
              kernel=None):
     rt.require_device()
@@ -943,13 +962,10 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num
         d_pad, dv_pad = d, d_v
         tc_vec = min(vec, vec_q)                    # (the tensor-core program copies q's rows 16 bytes at a time)
     else:
-        if not np.isfinite(_host_values(tq)).all():
-            raise ValueError("q contains NaN or infinite values; attention inputs must be finite")
+        _check_host_values(tq, tk, tv, seq, table, seq_vals, table_vals, tau, capacity, num_pages)
         epw = 1 if storage == "float32" else 2
         d_pad, dv_pad = -(-d // epw) * epw, -(-d_v // epw) * epw     # 16-bit: even head sizes (zero columns)
         hq = io.host_bits(tq.host, storage)
-        if storage == "float32" and tq.host.dtype == np.float64 and np.any(np.isfinite(tq.host) & ~np.isfinite(hq)):
-            raise ValueError("q has values beyond the range of float32: it cannot be stored as float32")
         Qw, _ = _host_words(hq, storage, d_pad)
         Kw, k_strides = _host_words(io.host_bits(tk.host, storage), storage, d_pad)
         Vw, v_strides = _host_words(io.host_bits(tv.host, storage), storage, dv_pad)
@@ -1354,12 +1370,29 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
     ------
     ValueError
         Bad shapes, H_q not a multiple of H_kv, lengths out of range, a block table naming a page the cache does
-        not have or too short for a length, num_splits or block_size < 1, non-finite q (host data).
+        not have or too short for a length, num_splits or block_size < 1; on host data, NaN or inf in q or in the
+        cache entries the sequences read, and NumPy float64 values beyond float32 (their storage).
+    fa2edu.validation.AttentionOverflowError
+        On host data: finite q and k_cache whose scores τ·q·k would overflow float32, the kernels' arithmetic
+        (named q and k_cache, with the sequence) — as ``fa2edu.decode_attention`` raises.
     TypeError
         Unsupported array kinds or dtypes, mixed kinds or dtypes, a non-bool ``causal``.
 
     Notes
     -----
+    **What is checked where.** Host data (NumPy arrays, CPU tensors) is copied to the device by this call, so its
+    values are checked first, exactly as ``fa2edu.decode_attention`` checks them
+    (:func:`fa2edu.inference.check_decode_values`: q and the entries the sequences read finite, scores within
+    float32), at the cost of one host pass beside the copy. Device data (CUDA tensors, numba device arrays) is
+    read in place and its **values are not checked**: q, k_cache and v_cache may hold NaN, inf or scores beyond
+    float32, and the kernels then return what the arithmetic gives — a NaN key can be dropped by the running
+    maximum or turn O into NaN, and scores that overflow float32 can come back as O = 0, L = +inf, as if no key
+    were seen. Checking would mean one more pass over the cache in HBM (the step's whole cost is reading the
+    cache once: a second read would double it) and a host synchronisation to bring the verdict back, on every
+    call. Device index data (``cache_seqlens``, ``block_table``) is checked only with ``validate=True``; unchecked,
+    the kernels clamp it (above). Check device inputs yourself where they may be bad, e.g. with
+    ``torch.isfinite(k_cache[...]).all()`` on the used entries, or call ``fa2edu.decode_attention`` on copies.
+
     Cost per (sequence, KV head): reads n_b·(d + d_v) cache elements once, whatever G and the split count;
     2·G·N_new·n_b·(d + d_v) FLOPs; with S > 1 splits, S·G·N_new·(d_v + 1) partial floats written and read back.
 

@@ -38,7 +38,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint16, uint32, uint64
 
 from fa2edu.flash2 import Flash2Forward
-from fa2edu.inference import check_cu_seqlens
+from fa2edu.inference import check_cu_seqlens, check_varlen_values
 from fa2edu.validation import check_scale
 from kernels_gpu import decode_io as io
 from kernels_gpu import runtime as rt
@@ -493,7 +493,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
     ------
     ValueError
         Bad shapes, H_q not a multiple of H_kv, offsets that do not start at 0, decrease or miss the packed
-        lengths, different sequence counts, non-finite q (host data).
+        lengths, different sequence counts; on host data, NaN or inf in q, k or v, or NumPy float64 values beyond
+        float32 (their storage).
+    fa2edu.validation.AttentionOverflowError
+        On host data: finite q and k whose scores within a sequence would overflow float32 (named q and k, with
+        the sequence), as ``fa2edu.varlen_attention`` raises. Device data is read in place and its values are not
+        checked (a second pass over q, k, v in HBM and a host synchronisation on every call): NaN, inf or
+        overflowing scores there give what the arithmetic gives.
     TypeError
         Unsupported kinds or dtypes, mixed kinds or dtypes, a non-bool ``causal``.
 
@@ -529,9 +535,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     tau = check_scale(scale, d)
     if not tq.on_device:
-        values = (tq.host.astype(np.uint32) << 16).view(np.float32) if tq.storage == "bfloat16" else tq.host
-        if not np.isfinite(values).all():
-            raise ValueError("q contains NaN or infinite values; attention inputs must be finite")
+        # Host data is copied to the device here: its values are checked first, as fa2edu.varlen_attention checks
+        # them (finite q, k, v; each sequence's scores within float32, the kernel's arithmetic). Device data is read
+        # in place and not checked (a second pass over it in HBM, and a host synchronisation, on every call).
+        def values(t):
+            return (t.host.astype(np.uint32) << 16).view(np.float32) if t.storage == "bfloat16" else t.host
+        check_varlen_values(values(tq), values(tk), values(tv), cu_q, cu_k, tau, np.float32, float64_helps=False)
+        for t in (tq, tk, tv):
+            if t.host.dtype == np.float64 and t.host.size and float(np.max(np.abs(t.host))) > np.finfo(np.float32).max:
+                raise ValueError(f"{t.name} has values beyond the range of float32: it cannot be stored as float32")
     tiling = default_varlen_tiling(max(d, d_v)) if tiling is None else VarlenTiling(*tiling)
     if (tiling.NX not in (1, 2, 4, 8, 16, 32) or min(tiling) < 1 or tiling.threads > rt.MAX_THREADS
             or tiling.B_c % 4):
