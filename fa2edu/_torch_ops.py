@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import fa2edu
+from fa2edu.validation import check_score_range
 
 __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
@@ -520,6 +521,27 @@ def _check_finite(*named) -> None:
             raise ValueError(f"{name} contains NaN or infinite values; attention inputs must be finite")
 
 
+def _check_inputs(q, k, v, scale: float) -> None:
+    """The forward operators' value checks, as fa2edu's NumPy API makes them: q, k, v finite, and scores τ·q·k
+    within the compute dtype (float32, float64 for float64), else an ``AttentionOverflowError`` naming q and k
+    (:func:`fa2edu.validation.check_score_range`: cheap first, exact only where the cheap bound fails). CPU tensors
+    only, for the reason :func:`_check_finite` gives; on a GPU the kernels return what their arithmetic gives."""
+    _check_finite(("q", q), ("k", k), ("v", v))
+    if q.is_cuda or not q.numel() or not k.numel():
+        return
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    limit = float(torch.finfo(work).max) / 2
+    grow = max(1.0, abs(scale))
+    if q.shape[-1] * float(q.detach().abs().max()) * float(k.detach().abs().max()) * grow <= limit:
+        return                                                     # the cheap bound: nothing can overflow
+    Q, K = (x.detach().double().numpy() for x in (q, k))          # (bfloat16 has no NumPy dtype)
+    if q.dim() >= 3:                                               # GQA: query head h·G + g meets key head h only
+        H_q, H_kv = q.shape[-3], k.shape[-3]
+        Q = Q.reshape(Q.shape[:-3] + (H_kv, H_q // H_kv) + Q.shape[-2:])
+        K = K[..., None, :, :]
+    check_score_range(Q, K, scale, np.float64 if work == torch.float64 else np.float32, names=("q", "k"))
+
+
 def _new(x: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     """An empty contiguous tensor on ``x``'s device (the fakes' outputs)."""
     return x.new_empty(tuple(shape), dtype=x.dtype if dtype is None else dtype)
@@ -547,7 +569,7 @@ def _results(backend: str, *xs):
 
 def flash_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
     """FA2 Alg. 1: (O, L) of q (…, H_q, N_q, d), k (…, H_kv, N_k, d), v (…, H_kv, N_k, d_v)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
+    _check_inputs(q, k, v, scale)
     sizes = None if block_sizes is None else tuple(block_sizes)
     return _results(backend, *flash2_forward(backend, q, k, v, causal, scale, sizes, M))
 
@@ -593,7 +615,7 @@ def _(dO, q, k, v, O, L, causal, scale, backend, block_sizes, M):
 
 def flash1_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
     """FA1 Alg. 2: (O, ℓ, m)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
+    _check_inputs(q, k, v, scale)
     sizes = None if block_sizes is None else tuple(block_sizes)
     return _contiguous(*flash1_forward(backend, q, k, v, causal, scale, sizes, M))
 
@@ -634,7 +656,7 @@ def _(dO, q, k, v, O, l, m, causal, scale, backend, block_sizes, M):  # noqa: E7
 
 def standard_attention_fwd_impl(q, k, v, causal, scale, backend, block_sizes, M):
     """FA1 Alg. 0: (O, P), P of shape (…, H_q, N_q, N_k)."""
-    _check_finite(("q", q), ("k", k), ("v", v))
+    _check_inputs(q, k, v, scale)
     return _contiguous(*standard_forward(backend, q, k, v, causal, scale, None, None))
 
 

@@ -47,9 +47,11 @@ Non-contiguous inputs (a ``transpose(1, 2)`` of a (B, N, H, d) projection, say) 
 tensor-core kernels (float16, bfloat16 on CUDA), which lay O and the gradients out like the inputs — O of such a
 view is (B, N, H, d) in memory, as SDPA's flash and cuDNN kernels make it, so ``O.transpose(1, 2).reshape(B, N,
 H·d)`` copies nothing; the other paths copy them to a contiguous layout first (``Tensor.contiguous()``) and return
-contiguous results. The gradients come back with the inputs' shapes. The backward operators have no autograd
-formula of their own, so the op is differentiable once: a double backward (``create_graph=True``) raises instead of
-returning wrong zeros. L (``return_lse=True``) is not differentiable.
+contiguous results. The gradients come back with the inputs' shapes. The op is differentiable **once**: its backward
+runs the paper's backward algorithm, which has no derivative of its own here, so a double backward — a gradient
+penalty, ``torch.autograd.grad(out, q, create_graph=True)`` then a backward through that gradient — raises a
+``RuntimeError`` saying so (:data:`DOUBLE_BACKWARD_ERROR`) when it reaches the op, on both roads below, rather
+than silently dropping the second-order term. L (``return_lse=True``) is not differentiable.
 
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
@@ -70,9 +72,10 @@ import math
 
 from fa2edu import _torch_ops as ops
 from fa2edu._torch_ops import ALGORITHMS, BACKENDS, DISPATCH, MAX_HEAD_DIM, choose_backend
+from fa2edu.validation import check_block_sizes, check_M, check_scale
 
 __all__ = ["flash_attention", "ALGORITHMS", "BACKENDS", "DISPATCH", "MAX_HEAD_DIM", "choose_backend",
-           "Flash2Attention", "Flash1Attention", "StandardAttention"]
+           "Flash2Attention", "Flash1Attention", "StandardAttention", "DOUBLE_BACKWARD_ERROR"]
 
 
 # -- checking and resolving the arguments ----------------------------------------------------------------------------
@@ -133,12 +136,10 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
     q, k, v = _check_tensors(q, k, v, algorithm)
     backend = choose_backend(q.device.type, q.dtype, algorithm, backend)
     _check_shapes(q, k, v)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])          # τ = 1/√d of the caller's d (FA2 footnote 2: erratum 7)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    # The keywords as the NumPy API checks them (fa2edu.validation): τ = 1/√d of the caller's d by default (FA2
+    # footnote 2: erratum 7), any finite real (np.float32 included); block sizes a pair of ints ≥ 1 (2.5 and True
+    # refused, never truncated); M an int ≥ 4d.
+    scale = check_scale(scale, q.shape[-1])
     if M is not None and backend != "numpy":
         raise ValueError(f"M (the simulated SRAM size) applies to the NumPy backend; backend {backend!r} runs on a "
                          "GPU (the teaching kernels take block_sizes=(B_r, B_c))")
@@ -148,9 +149,11 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
         if backend not in ("numpy", "teaching"):
             raise ValueError(f"block_sizes apply to the 'numpy' and 'teaching' backends; backend {backend!r} "
                              "chooses its own tiles")
-        block_sizes = [int(b) for b in block_sizes]
+        block_sizes = list(check_block_sizes(block_sizes))
     if algorithm == "standard" and M is not None:
         raise ValueError("algorithm='standard' is not tiled: block_sizes and M must be None")
+    if M is not None:
+        M = check_M(M, q.shape[-1])
     if not ops.reads_strided(backend):       # the tensor cores read strided q, k, v where they lie
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return (q, k, v), (causal, float(scale), backend, block_sizes, M)
@@ -174,6 +177,53 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
 # are the op in torch.autograd.Function form, usable on their own: Flash2Attention.apply(q, k, v, causal, scale,
 # block_sizes, M) checks its arguments and returns O; the eager road's Functions are their subclasses that take
 # the arguments flash_attention has already checked and return all the operator's outputs.
+
+#: what a double backward through the op raises (a RuntimeError, as PyTorch's own once-differentiable ops do)
+DOUBLE_BACKWARD_ERROR = (
+    "fa2edu.torch.flash_attention does not support double backward: its backward pass runs the paper's backward "
+    "algorithm, which has no derivative of its own, so the gradient it returns cannot be differentiated again (a "
+    "gradient penalty: create_graph=True, then a backward through the gradient). Compute such a loss with an "
+    "attention that is twice differentiable, e.g. torch.nn.functional.scaled_dot_product_attention on the CPU "
+    "(its math backend) or softmax(q kᵀ·scale) v written out")
+
+
+class _DoubleBackwardRefused(torch.autograd.Function):
+    """The op's gradients as they are, with a backward of their own that raises :data:`DOUBLE_BACKWARD_ERROR`.
+
+    The backward algorithms run outside autograd (NumPy, numba kernels), so under ``create_graph=True`` their
+    gradients would come back with no history at all and a backward through them would silently miss the op's
+    second-order term. Passing them through this Function gives them one, whose only job is to refuse.
+    """
+
+    @staticmethod
+    def forward(ctx, needs_grad, *grads):
+        # ``needs_grad``: a tensor the backward read that requires gradients (the gradients themselves do not: they
+        # were computed outside autograd), so that the outputs get this Function as their grad_fn.
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def _differentiable_once(ctx, dO, grads):
+    """The backward's ``grads``; when the backward itself is being recorded (``create_graph=True``, so grad mode
+    is on inside it) and something it read needs gradients, wrapped so that differentiating them raises."""
+    if torch.is_grad_enabled():
+        needs_grad = [t for t in (dO, *ctx.saved_tensors) if t.requires_grad]
+        if needs_grad:
+            return _DoubleBackwardRefused.apply(needs_grad[0], *grads)
+    return grads
+
+
+def _refuse_double_backward(ctx, *_):
+    """The traced road's autograd formula of the backward operators: a double backward is refused."""
+    raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def _nothing_to_save(ctx, inputs, output):
+    """The backward operators' setup_context: their formula only raises, so it needs nothing."""
+
 
 def _options(args) -> dict:
     return dict(zip(("causal", "scale", "backend", "block_sizes", "M"), args))
@@ -205,7 +255,8 @@ class Flash2Attention(torch.autograd.Function):
     def backward(ctx, dO, *_):
         q, k, v, O, L = ctx.saved_tensors
         # FA2 Alg. 2 from Q, K, V, O, L and dO (D = rowsum(dO ∘ O) is recomputed, line 4).
-        dQ, dK, dV = ops.flash_attention_bwd_impl(dO, q, k, v, O, L, *ctx.options.values())
+        dQ, dK, dV = _differentiable_once(ctx, dO, ops.flash_attention_bwd_impl(dO, q, k, v, O, L,
+                                                                                 *ctx.options.values()))
         return dQ, dK, dV, None, None, None, None, None
 
 
@@ -254,7 +305,8 @@ class Flash1Attention(torch.autograd.Function):
     def backward(ctx, dO, *_):
         q, k, v, O, l, m = ctx.saved_tensors
         # FA1 Alg. 4: P rebuilt block by block from ℓ and m.
-        dQ, dK, dV = ops.flash1_attention_bwd_impl(dO, q, k, v, O, l, m, *ctx.options.values())
+        dQ, dK, dV = _differentiable_once(ctx, dO, ops.flash1_attention_bwd_impl(dO, q, k, v, O, l, m,
+                                                                                  *ctx.options.values()))
         return dQ, dK, dV, None, None, None, None, None
 
 
@@ -303,7 +355,8 @@ class StandardAttention(torch.autograd.Function):
     def backward(ctx, dO, *_):
         q, k, v, P = ctx.saved_tensors
         # FA1 Alg. 3: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = τ dS K, dK = τ dSᵀ Q.
-        dQ, dK, dV = ops.standard_attention_bwd_impl(dO, q, k, v, P, *ctx.options.values())
+        dQ, dK, dV = _differentiable_once(ctx, dO, ops.standard_attention_bwd_impl(dO, q, k, v, P,
+                                                                                    *ctx.options.values()))
         return dQ, dK, dV, None, None, None, None, None
 
 
@@ -338,6 +391,9 @@ torch.library.register_autograd("fa2edu::flash1_attention_fwd", _flash1_formula,
                                 setup_context=_flash1_setup_context)
 torch.library.register_autograd("fa2edu::standard_attention_fwd", _standard_formula,
                                 setup_context=_standard_setup_context)
+# The backward operators are differentiable only to say that they are not (a double backward on the traced road).
+for _name in ("flash_attention_bwd", "flash1_attention_bwd", "standard_attention_bwd"):
+    torch.library.register_autograd(f"fa2edu::{_name}", _refuse_double_backward, setup_context=_nothing_to_save)
 
 #: per algorithm: the eager road's Function and the traced road's forward operator, which return the same outputs
 _EAGER = {"flash2": _Flash2, "flash1": _Flash1, "standard": _Standard}
@@ -400,6 +456,18 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
         backward algorithm on the saved tensors listed in the module docstring; ``(O, L)`` with ``return_lse``, L
         of shape (…, H_q, N_q).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes, a non-bool ``causal``, a ``scale`` that is not a real
+            number, ``block_sizes`` that are not a pair of ints (2.5 and True are refused, not truncated), a
+            non-int ``M`` — the keywords are checked by ``fa2edu.validation``, as the NumPy API checks them.
+        ValueError: bad shapes, devices, algorithm or backend; a non-finite scale, block sizes < 1, M < 4d; on the
+            CPU, NaN or inf in q, k or v.
+        fa2edu.validation.AttentionOverflowError: on the CPU, finite q and k whose scores τ·q·k would overflow the
+            compute dtype (naming q and k), as the NumPy API raises. CUDA tensors' values are not checked (that
+            would read them once more and synchronise with the GPU on every call): like SDPA, the kernels return
+            what their arithmetic gives.
+        RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
     """
     (q, k, v), args = _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M)
     # the eager road (the Function, no dispatcher) or the traced one (the registered operator): the same outputs

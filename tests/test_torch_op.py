@@ -196,12 +196,26 @@ def test_flash2_saves_linear_memory():
         assert saved_elements("standard", 2 * N) - 2 * saved_elements("standard", N) == 2 * 2 * N * N
 
 
-def test_double_backward_is_refused():
-    q, k, v = make_inputs((1, 1, 4, 2), (1, 1, 4, 2), 2)
-    O = flash_attention(q, k, v)
-    (dq,) = torch.autograd.grad(O.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        dq.sum().backward()
+@pytest.mark.parametrize("road", ["eager", "traced"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_double_backward_is_refused(monkeypatch, algorithm, road):
+    """A gradient penalty: the gradient taken with ``create_graph=True``, then a backward through a loss built from
+    it. The op's backward runs outside autograd, so its gradient used to come back with no history: the penalty's
+    backward then ran without error and silently dropped the op's second-order term (q.grad held only the other
+    term's 2q). Now the gradient carries a history whose backward raises, on both roads (the autograd Function
+    of eager mode, and the registered operators that torch.compile traces)."""
+    if road == "traced":
+        monkeypatch.setattr(op, "_eager", lambda *tensors: False)
+    q, k, v = make_inputs((1, 2, 4, 3), (1, 1, 5, 3), 3)
+    O = flash_attention(q, k, v, causal=True, algorithm=algorithm)
+    (g,) = torch.autograd.grad(O.sum(), q, create_graph=True)
+    assert g.grad_fn is not None, "the gradient must keep a history, or the penalty's backward cannot refuse"
+    penalty = (g ** 2).sum() + (q ** 2).sum()
+    with pytest.raises(RuntimeError, match="^fa2edu.torch.flash_attention does not support double backward"):
+        penalty.backward()
+    # One backward, even one that records its graph, is unaffected: the same gradient as without create_graph.
+    (g1,) = torch.autograd.grad(flash_attention(q, k, v, causal=True, algorithm=algorithm).sum(), q)
+    assert torch.equal(g.detach(), g1)
 
 
 # -- return_lse and the autograd.Function form -----------------------------------------------------------------------
