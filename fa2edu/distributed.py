@@ -790,8 +790,8 @@ def _local_problem(q, k, v, causal, scale, layout) -> str | None:
                 f"N_local = {q.shape[-2]} and {k.shape[-2]}")
     if q.shape[-3] % k.shape[-3]:
         return f"H_q = {q.shape[-3]} query heads must be a multiple of H_kv = {k.shape[-3]} key/value heads"
-    if min(q.shape[-2], q.shape[-1], v.shape[-1]) < 1:
-        return f"empty shards: q_local {tuple(q.shape)}, v_local {tuple(v.shape)}"
+    if min(q.shape[-2], q.shape[-1], v.shape[-1]) < 1 or 0 in (q.numel(), k.numel(), v.numel()):
+        return f"empty shards: q_local {tuple(q.shape)}, k_local {tuple(k.shape)}, v_local {tuple(v.shape)}"
     if not isinstance(causal, (bool, np.bool_)):
         return f"causal must be a bool, got {type(causal).__name__}"
     if layout not in LAYOUTS:
@@ -805,6 +805,158 @@ def _local_problem(q, k, v, causal, scale, layout) -> str | None:
         if not (math.isfinite(scale) and scale > 0):
             return f"scale must be a positive finite float or None, got {scale}"
     return None
+
+
+_NAMES = ("q_local", "k_local", "v_local")
+_CHECK_TAG = 4                     # the exact score check's K blocks (tags 0-3 are the ring's own)
+_HEADER_AXES = 8                   # shape entries per tensor in the numeric header (more axes: the leading folded)
+_AGREED = ("shapes", "dtype", "device", "causal", "scale", "layout", "grad")
+
+
+def _summary(q, k, v, causal, scale, layout, problem) -> dict:
+    """What this rank tells the others before the ring starts: its arguments' metadata, which of its shards hold
+    NaN or inf, and the largest |q| and |k| (for the overflow bound). One pass over each shard (``amax`` of |x|,
+    which is NaN or inf exactly when x holds one) and, on a GPU, one synchronisation."""
+    if problem:
+        return {"problem": problem, **{key: None for key in _AGREED}, "nonfinite": (), "max_q": 0.0,
+                "max_k": 0.0}
+    tensors = (q, k, v)
+    largest = torch.stack([t.detach().abs().amax().double() for t in tensors]).tolist()
+    return {"problem": None,
+            "shapes": tuple(tuple(t.shape) for t in tensors),
+            "dtype": str(q.dtype),
+            "device": q.device.type,
+            "causal": bool(causal),
+            "scale": None if scale is None else float(scale),
+            "layout": layout,
+            "grad": bool(torch.is_grad_enabled() and any(t.requires_grad for t in tensors)),
+            "nonfinite": tuple(name for name, x in zip(_NAMES, largest) if not math.isfinite(x)),
+            "max_q": largest[0] if math.isfinite(largest[0]) else 0.0,
+            "max_k": largest[1] if math.isfinite(largest[1]) else 0.0}
+
+
+def _header_device(group) -> torch.device:
+    """Where a tensor for a collective of ``group`` must live: the CPU for gloo, this rank's GPU for NCCL."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _axes(shape: tuple) -> list[float]:
+    """A shape in the header: its rank, then _HEADER_AXES entries (leading axes folded into their product)."""
+    if len(shape) > _HEADER_AXES:
+        shape = (math.prod(shape[:len(shape) - _HEADER_AXES + 1]),) + tuple(shape[-(_HEADER_AXES - 1):])
+    return [float(len(shape))] + [float(n) for n in shape] + [-1.0] * (_HEADER_AXES - len(shape))
+
+
+def _encode(summary: dict) -> list[float]:
+    """A summary as a fixed-length row of float64 (all exact: small integers, codes, the scale, two maxima)."""
+    if summary["problem"]:
+        return [1.0] + [0.0] * (_HEADER_FIELDS - 1)
+    dtypes, layouts, devices = [str(t) for t in _DTYPES], list(LAYOUTS), ["cpu", "cuda"]
+    scale = summary["scale"]
+    row = [0.0, float(dtypes.index(summary["dtype"])),
+           float(devices.index(summary["device"])) if summary["device"] in devices else 2.0,
+           float(summary["causal"]), float(scale is not None), 0.0 if scale is None else scale,
+           float(layouts.index(summary["layout"])), float(summary["grad"]),
+           float(sum(1 << i for i, name in enumerate(_NAMES) if name in summary["nonfinite"])),
+           summary["max_q"], summary["max_k"]]
+    for shape in summary["shapes"]:
+        row += _axes(shape)
+    return row
+
+
+_HEADER_FIELDS = 11 + 3 * (1 + _HEADER_AXES)
+
+
+def _decode(row: list[float]) -> dict:
+    """The inverse of :func:`_encode` (shapes with more than _HEADER_AXES axes come back folded)."""
+    if row[0]:
+        return {"problem": "its own error names them", **{key: None for key in _AGREED},
+                "nonfinite": (), "max_q": 0.0, "max_k": 0.0}
+    shapes = []
+    for i in range(3):
+        at = 11 + i * (1 + _HEADER_AXES)
+        shapes.append(tuple(int(n) for n in row[at + 1:at + 1 + int(row[at])]))
+    return {"problem": None, "shapes": tuple(shapes), "dtype": str(_DTYPES[int(row[1])]),
+            "device": ("cpu", "cuda", "other")[int(row[2])], "causal": bool(row[3]),
+            "scale": row[5] if row[4] else None, "layout": LAYOUTS[int(row[6])], "grad": bool(row[7]),
+            "nonfinite": tuple(name for i, name in enumerate(_NAMES) if int(row[8]) >> i & 1),
+            "max_q": row[9], "max_k": row[10]}
+
+
+def _exchange_summaries(mine: dict, ring: "_Ring", group, check: bool) -> list[dict]:
+    """Every rank's summary, in group order. ``check=True``: gathered as Python objects (each rank's problem in
+    its own words); else as one fixed-size float64 header per rank (one small ``all_gather``), where another
+    rank's problem is only flagged. Either way one collective, before any point-to-point transfer, so ranks that
+    disagree raise instead of meeting mismatched buffers inside the ring (which gloo answers by aborting)."""
+    if check:
+        everyone: list = [None] * ring.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        return everyone
+    device = _header_device(group)
+    row = torch.tensor(_encode(mine), dtype=torch.float64, device=device)
+    rows = [torch.empty_like(row) for _ in range(ring.world_size)]
+    dist.all_gather(rows, row, group=group)
+    everyone = [_decode(r.tolist()) for r in rows]
+    everyone[ring.rank] = mine                       # this rank's problem in its own words
+    return everyone
+
+
+def _score_reach(q, k, ring: "_Ring", grow: float) -> float:
+    """``max(1, τ)·max Σ_l |q_l k_l|`` over this rank's queries and **every** rank's keys: the exact quantity of
+    :func:`fa2edu.validation.check_score_range`, with the K blocks passed once around the ring (float64, on the
+    host). Run only when the cheap bound fails on every rank (it is computed from all-reduced maxima)."""
+    from fa2edu.validation import largest_abs_dot
+    B, H_q, n, d = q.shape
+    H_kv = k.shape[1]
+    Q = q.detach().double().cpu().numpy().reshape(B, H_kv, H_q // H_kv, n, d)    # GQA: head h·G + g meets h
+    block, reach = k.detach().contiguous(), 0.0
+    for step in range(ring.world_size):
+        pending = ring.exchange((block,), _CHECK_TAG) if step < ring.world_size - 1 else None
+        reach = max(reach, largest_abs_dot(Q, block.double().cpu().numpy()[:, :, None]))
+        if pending is not None:
+            (block,) = pending.wait()
+    return grow * reach
+
+
+def _check_agreement(everyone: list[dict]) -> None:
+    """Raise the same ValueError on every rank (they all hold the same summaries) for bad arguments on any rank
+    and for ranks that disagree on shapes, dtype, device kind, options or whether gradients are needed."""
+    problems = [f"rank {r}: {p['problem']}" for r, p in enumerate(everyone) if p["problem"]]
+    if problems:
+        raise ValueError("ring_attention: bad arguments on " + "; ".join(problems))
+    for key in _AGREED:
+        values = [p[key] for p in everyone]
+        if any(value != values[0] for value in values):
+            listed = ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
+            raise ValueError(f"ring_attention: the ranks disagree on {key} ({listed}); every rank must pass "
+                             f"shards of one shape and dtype, with the same options")
+
+
+def _check_values(everyone: list[dict], q, k, ring: "_Ring", group) -> None:
+    """Raise the same error on every rank for NaN or inf in any rank's shards, and for scores τ·q·k (any rank's
+    queries against any rank's keys) that would overflow the compute dtype — the contract of
+    :func:`fa2edu.validation.check_score_range`, cheap bound first (from the ranks' largest |q| and |k|), exact
+    only where it fails (one more pass of K around the ring and one all_reduce, on every rank alike)."""
+    bad = [f"{' and '.join(p['nonfinite'])} on rank {r}" for r, p in enumerate(everyone) if p["nonfinite"]]
+    if bad:
+        raise ValueError(f"ring_attention: NaN or infinite values in {'; '.join(bad)}; attention inputs must be "
+                         f"finite (every rank of the ring raises this error)")
+    from fa2edu.validation import score_range_error
+    work = np.float64 if q.dtype == torch.float64 else np.float32
+    limit = float(np.finfo(work).max) / 2
+    tau = 1.0 / math.sqrt(q.shape[-1]) if everyone[0]["scale"] is None else everyone[0]["scale"]
+    grow = max(1.0, abs(tau))
+    max_q, max_k = max(p["max_q"] for p in everyone), max(p["max_k"] for p in everyone)
+    if q.shape[-1] * max_q * max_k * grow <= limit:
+        return
+    reach = torch.tensor([_score_reach(q, k, ring, grow)], dtype=torch.float64, device=_header_device(group))
+    dist.all_reduce(reach, op=dist.ReduceOp.MAX, group=group)
+    if float(reach) > limit:
+        raise score_range_error(float(reach), tau, work, names=("q_local", "k_local"),
+                                context=" (over every rank's shards)")
 
 
 def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, group=None,
@@ -834,9 +986,12 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
     layout : {"zigzag", "contiguous"}, default "zigzag"
         How the sequence was sharded (see :func:`shard`); it decides which blocks a causal step can skip.
     check : bool, default True (keyword only)
-        Gather every rank's shapes, dtype, device kind and options first (one ``all_gather_object``, under the
-        group's timeout) so that ranks that disagree all raise a ValueError instead of hanging in the ring.
-        ``False`` skips it (a benchmark's choice): disagreeing ranks then fail or time out inside the ring.
+        Before the ring, every rank always shares its shapes, dtype, device kind, options and a look at its values
+        (whether each shard is finite, its largest |q| and |k|), in one collective under the group's timeout, so
+        that every rank raises the same clear error — never a hang, never an abort on mismatched buffers. ``True``
+        gathers them as Python objects (``all_gather_object``: every rank's bad arguments in its own words);
+        ``False`` as one small float64 header per rank (``all_gather`` of a tensor, cheaper: a benchmark's
+        choice), where the ranks see only *that* another rank's arguments are bad and that rank says which.
 
     Returns
     -------
@@ -849,8 +1004,12 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
         ``torch.cuda.set_device``: the agreement check gathers Python objects through it.)
     ValueError
         On every rank: bad arguments on any rank (each rank's problem is reported), ranks that disagree on
-        shapes, dtype, device kind, causal, scale, layout or whether gradients are needed, or an odd N_local
-        under ``"zigzag"``.
+        shapes, dtype, device kind, causal, scale, layout or whether gradients are needed, an odd N_local
+        under ``"zigzag"``, NaN or inf in any rank's q_local, k_local or v_local (naming the shard and rank).
+    fa2edu.validation.AttentionOverflowError
+        On every rank: finite shards whose scores τ·q·k (any rank's queries against any rank's keys) would
+        overflow the compute dtype (float32, float64 for float64 inputs), naming q_local and k_local — as
+        ``flash2_forward`` raises. A ValueError and an OverflowError.
 
     Notes
     -----
@@ -859,37 +1018,24 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
     received while it runs (W − 1 transfers in all). The backward pass: W steps of 5 matmuls, the same K/V
     transfers, and W transfers of the dK, dV accumulators (float32, float64 for float64 inputs). Partial results
     merge in float32 (float64 for float64 inputs). Memory per rank: two K/V blocks (the one computed on and the
-    one arriving), and on CPU one N_local × N_local score tile per (batch, head) of a step.
+    one arriving), and on CPU one N_local × N_local score tile per (batch, head) of a step. Before the ring, the
+    checks read each shard once (``amax`` of its magnitudes: NaN or inf shows there, and the largest |q|, |k| give
+    the overflow bound; on a GPU, one synchronisation) and make one collective; only when the cheap bound
+    d·max|q|·max|k| fails does K go once more around the ring for the exact check (float64, on the host).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention runs on a torch.distributed process group: call "
                            "torch.distributed.init_process_group(...) on every rank first")
     ring = _Ring(group)
     problem = _local_problem(q_local, k_local, v_local, causal, scale, layout)
-    if check:
-        tensors = (q_local, k_local, v_local)
-        mine = {"problem": problem,
-                "shapes": None if problem else tuple(tuple(t.shape) for t in tensors),
-                "dtype": None if problem else str(q_local.dtype),
-                "device": None if problem else q_local.device.type,
-                "causal": bool(causal) if isinstance(causal, (bool, np.bool_)) else causal,
-                "scale": scale, "layout": layout,
-                "grad": bool(torch.is_grad_enabled() and not problem and any(t.requires_grad for t in tensors))}
-        everyone: list = [None] * ring.world_size
-        dist.all_gather_object(everyone, mine, group=group)
-        problems = [f"rank {r}: {p['problem']}" for r, p in enumerate(everyone) if p["problem"]]
-        if problems:
-            raise ValueError("ring_attention: bad arguments on " + "; ".join(problems))
-        for key in ("shapes", "dtype", "device", "causal", "scale", "layout", "grad"):
-            values = [p[key] for p in everyone]
-            if any(value != values[0] for value in values):
-                listed = ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
-                raise ValueError(f"ring_attention: the ranks disagree on {key} ({listed}); every rank must pass "
-                                 f"shards of one shape and dtype, with the same options")
-    elif problem:
-        raise ValueError(problem)
+    # One collective before any transfer, always: every rank's shapes, dtype and options, and a look at its values,
+    # so that every rank raises the same clear error (never a hang, never gloo's abort on mismatched buffers).
+    everyone = _exchange_summaries(_summary(q_local, k_local, v_local, causal, scale, layout, problem), ring,
+                                   group, check)
+    _check_agreement(everyone)
     # (..., H, N_local, d) → (B, H, N_local, d): the ring works on one flat batch axis.
     batch_shape = q_local.shape[:-3]
     q, k, v = (t.reshape((-1,) + tuple(t.shape[-3:])) for t in (q_local, k_local, v_local))
+    _check_values(everyone, q, k, ring, group)
     O = _RingAttention.apply(q, k, v, bool(causal), None if scale is None else float(scale), ring, layout)
     return O.reshape(tuple(batch_shape) + tuple(O.shape[-3:]))

@@ -61,9 +61,15 @@ def _cases(W: int) -> list[dict]:
     # Extreme logits (scores up to ~±400 in the merge) and an explicit scale.
     cases.append(dict(cases[0], name="zigzag-causal-extreme", layout="zigzag", causal=True, logit_gain=12.0,
                       scale=0.9, seed=100))
-    # Errors: each raises a ValueError on every rank, and the group goes on working afterwards.
-    for error in ("odd_zigzag", "shape_mismatch", "dtype_mismatch", "bad_heads_on_one_rank", "grad_mismatch"):
+    # Errors: each raises a ValueError on every rank, and the group goes on working afterwards. With check=False
+    # the ranks still exchange a small header first: a mismatch raises there instead of aborting the process in
+    # gloo (EnforceNotMet, SIGABRT) when mismatched buffers meet in the ring.
+    for error in ("odd_zigzag", "shape_mismatch", "dtype_mismatch", "bad_heads_on_one_rank", "grad_mismatch",
+                  "nan_on_one_rank", "scores_overflow", "exact_check_passes"):
         cases.append(dict(cases[0], name=f"error-{error}", kind="error", layout="zigzag", error=error))
+    for error in ("shape_mismatch", "dtype_mismatch", "bad_heads_on_one_rank", "nan_on_one_rank"):
+        cases.append(dict(cases[0], name=f"error-{error}-unchecked", kind="error", layout="zigzag", error=error,
+                          check=False))
     cases.append(dict(cases[3], name="after-errors", seed=200, check=False))
     # The W = 1 ring: every rank alone in a group of its own.
     cases.append(dict(cases[3], name="alone", group="self", W=1, N=2 * 4, seed=300))
@@ -122,11 +128,20 @@ def _run_error(case: dict, group, rank: int) -> dict:
     q, k, v = (torch.zeros(B, H, n, d, dtype=dtype) for H in (H_q, H_kv, H_kv))
     if error == "grad_mismatch" and rank == 0:
         q.requires_grad_()
+    elif error == "nan_on_one_rank" and rank == W - 1:
+        k[0, 0, 1, 0] = math.nan                      # one NaN key on the last rank only
+    elif error == "scores_overflow":
+        q, k = q + 1e160, k + 1e160                   # τ·q·k ≈ 2.8e320: beyond float64 on every pair
+    elif error == "exact_check_passes":
+        # d·max|q|·max|k| = 8e400 fails the cheap bound, but no product q_l·k_l is huge: the exact check, which
+        # sends K once more around the ring, must let it through (scores ~1e200, softmax one-hot, O finite).
+        q, k = q + 1, k + 1
+        q[..., 0], k[..., 1] = 1e200, 1e200
     try:
-        cp.ring_attention(q, k, v, causal=True, group=group, layout=layout)
+        o = cp.ring_attention(q, k, v, causal=True, group=group, layout=layout, check=case.get("check", True))
     except ValueError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+        return {"error": str(exc), "type": type(exc).__name__}
+    return {"error": None, "finite": bool(torch.isfinite(o).all())}
 
 
 def _worker(rank: int, world_size: int, init_method: str, cases: list, results) -> None:
@@ -335,6 +350,39 @@ def test_bad_arguments_raise_on_every_rank(group_run):
         messages = [results[name][r]["error"] for r in range(W)]
         assert all(m is not None and phrase in m for m in messages), (name, messages)
     assert sorted(results["after-errors"]) == list(range(W))
+
+
+def test_bad_values_raise_on_every_rank(group_run):
+    """A NaN key on one rank only: every rank raises a ValueError naming k_local and that rank (the others would
+    otherwise wait in the ring, or return NaN). Scores beyond float64: every rank raises AttentionOverflowError
+    naming q_local and k_local. Inputs that fail only the cheap bound pass the exact check (K sent once more
+    around the ring) and compute a finite result."""
+    W, cases, results = group_run
+    messages = [results["error-nan_on_one_rank"][r]["error"] for r in range(W)]
+    assert all(m is not None and f"NaN or infinite values in k_local on rank {W - 1}" in m for m in messages), \
+        messages
+    overflow = [results["error-scores_overflow"][r] for r in range(W)]
+    assert all(o["type"] == "AttentionOverflowError" and o["error"].startswith(
+        "q_local and k_local (over every rank's shards) are too large for float64") for o in overflow), overflow
+    passes = [results["error-exact_check_passes"][r] for r in range(W)]
+    assert all(p["error"] is None and p["finite"] for p in passes), passes
+
+
+def test_check_false_still_raises_on_every_rank(group_run):
+    """check=False skips the gathering of Python objects, not the agreement: a small numeric header is always
+    exchanged first, so shapes or dtypes that differ between ranks raise a ValueError on every rank (the old
+    code let gloo abort the process), a rank's bad arguments raise on every rank (that rank in its own words,
+    the others pointing to it), and a NaN on one rank raises on every rank."""
+    W, cases, results = group_run
+    expect = {"error-shape_mismatch-unchecked": "disagree on shapes",
+              "error-dtype_mismatch-unchecked": "disagree on dtype",
+              "error-nan_on_one_rank-unchecked": f"NaN or infinite values in k_local on rank {W - 1}"}
+    for name, phrase in expect.items():
+        messages = [results[name][r]["error"] for r in range(W)]
+        assert all(m is not None and phrase in m for m in messages), (name, messages)
+    heads = [results["error-bad_heads_on_one_rank-unchecked"][r]["error"] for r in range(W)]
+    assert "bad arguments on rank 1: H_q = " in heads[1], heads
+    assert all(m is not None and "bad arguments on rank 1" in m for m in heads), heads
 
 
 # ----------------------------------------------------------------------------------------------------------------
