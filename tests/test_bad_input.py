@@ -317,3 +317,240 @@ def test_kernels_gpu_share_the_checks():
         kernels_gpu.flash2_forward(np.matrix(Q), K, V)
     with pytest.raises(AttentionOverflowError, match=r"^Q and K are too large for float32"):
         kernels_gpu.flash2_forward(Q * np.float32(1e37), K * np.float32(10), V)
+
+
+# -- the newer paths hold the same contract: decode, varlen, merge, the PyTorch op, kernels_gpu on host data ------
+#
+# Each case below returned NaN, inf, a silently wrong answer or an error naming an internal variable before
+# (issue 35); each test also runs a control that must compute, so that no test passes by refusing everything.
+
+def decode_case(paged: bool, dtype=np.float32, seed=3):
+    """q and a KV cache for decode_attention: 2 sequences of 11 and 6 keys, GQA 2, and NaN in every entry that
+    no sequence reads (past a length, and pages no sequence owns): a check of the used part only must pass them."""
+    rng = np.random.default_rng(seed)
+    B, H_kv, G, N_new, d, page = 2, 2, 2, 1, 4, 4
+    lengths = np.array([11, 6])
+    q = rng.standard_normal((B, H_kv * G, N_new, d)).astype(dtype)
+    keys = [rng.standard_normal((H_kv, n, d)).astype(dtype) for n in lengths]
+    values = [rng.standard_normal((H_kv, n, d)).astype(dtype) for n in lengths]
+    if not paged:
+        k_cache = np.full((B, H_kv, 16, d), np.nan, dtype)
+        v_cache = np.full((B, H_kv, 16, d), np.nan, dtype)
+        for b, n in enumerate(lengths):
+            k_cache[b, :, :n], v_cache[b, :, :n] = keys[b], values[b]
+        return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, block_table=None)
+    table = np.array([[5, 0, 3, -1], [2, 6, -1, -1]])                 # shuffled pages, -1 where unused
+    k_cache = np.full((8, H_kv, page, d), np.nan, dtype)
+    v_cache = np.full((8, H_kv, page, d), np.nan, dtype)
+    for b, n in enumerate(lengths):
+        for p in range(-(-n // page)):
+            rows = slice(p * page, min((p + 1) * page, n))
+            k_cache[table[b, p], :, :rows.stop - rows.start] = keys[b][:, rows]
+            v_cache[table[b, p], :, :rows.stop - rows.start] = values[b][:, rows]
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, block_table=table)
+
+
+def used_entry(case, name, b, j, h=1):
+    """(index into case[name]) of key j of sequence b, head h: through the block table when paged."""
+    if case["block_table"] is None:
+        return (b, h, j)
+    return (case["block_table"][b, j // 4], h, j % 4)
+
+
+def decode(case, **kw):
+    return fa2edu.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                   case["block_table"], **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("name", ["k_cache", "v_cache"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_refuses_nan_or_inf_where_the_cache_is_read(paged, name, value, num_splits):
+    """A NaN or inf among the keys or values a sequence reads gave NaN/inf O and L (and with 2+ splits the error
+    "O_b contains NaN", a name from inside the merge): now a ValueError naming the cache and the entry."""
+    case = decode_case(paged)
+    control = decode(case, num_splits=num_splits)                     # NaN past the lengths: never read
+    assert np.isfinite(control.O).all() and np.isfinite(control.L).all()
+    case[name][used_entry(case, name, 0, 9)] = value                  # key 9 of sequence 0 (11 keys)
+    with pytest.raises(ValueError, match=rf"^{name} contains NaN or infinite values among the keys sequence 0 "
+                                         rf"reads") as excinfo:
+        decode(case, num_splits=num_splits)
+    assert "O_a" not in str(excinfo.value) and "O_b" not in str(excinfo.value)
+    where = used_entry(case, name, 0, 9)
+    assert f"{name}[{where[0]}, {where[1]}, {where[2]}]" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_scores_beyond_float32_raise_attention_overflow_error(paged, num_splits):
+    """q, k × 1e20 in float32: scores ~1e40 returned NaN; now AttentionOverflowError naming q and k_cache (and the
+    sequence), as flash2_forward raises. float64 has room for them (control), and so do scores of 1e3."""
+    case = decode_case(paged)
+    big = dict(case, q=case["q"] * np.float32(1e20), k_cache=case["k_cache"] * np.float32(1e20))
+    with pytest.raises(AttentionOverflowError, match=r"^q and k_cache \(sequence 0\) are too large for float32")\
+            as excinfo:
+        decode(big, num_splits=num_splits)
+    assert_overflow_error(excinfo, "rescale q or k_cache", "pass float64 inputs")
+    wide = {key: (x.astype(np.float64) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x)
+            for key, x in big.items()}
+    assert_finite(decode(wide, num_splits=num_splits))
+    assert_finite(decode(dict(case, q=case["q"] * 30, k_cache=case["k_cache"] * 30), num_splits=num_splits))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_a_huge_v_cache_is_named_not_the_merge_partials(num_splits):
+    """v_cache ≈ 3e38 in float32 with equal scores: the accumulator Õ (a sum of 11 such rows) overflows. The error
+    names decode_attention and v_cache, never the merge's O_a/O_b; a v_cache 10⁴ times smaller computes."""
+    case = decode_case(paged=True)
+    huge = dict(case, q=case["q"] * 0, v_cache=(1 + case["v_cache"] / 100) * np.float32(3e38))
+    with pytest.raises(AttentionOverflowError, match=r"^decode_attention: an intermediate result left the range "
+                                                     r"of float32") as excinfo:
+        decode(huge, num_splits=num_splits)
+    assert "max |v_cache| = 3" in str(excinfo.value) and "O_b" not in str(excinfo.value)
+    assert_finite(decode(dict(huge, v_cache=huge["v_cache"] / np.float32(1e4)), num_splits=num_splits))
+
+
+def varlen_case(dtype=np.float32, seed=4):
+    """Three packed sequences (5, 0 and 15 queries; 10, 2 and 13 keys), GQA 2."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((4, 20, 8)).astype(dtype)
+    k = rng.standard_normal((2, 25, 8)).astype(dtype)
+    v = rng.standard_normal((2, 25, 8)).astype(dtype)
+    return q, k, v, np.array([0, 5, 5, 20]), np.array([0, 10, 12, 25])
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_varlen_refuses_nan_naming_the_packed_argument(name):
+    """A NaN anywhere in q, k or v (here in sequence 1, which has no query, so FA2 never ran on it and nothing was
+    checked) is a ValueError naming the caller's argument, not FA2's internal Q, K, V."""
+    q, k, v, cu_q, cu_k = varlen_case()
+    args = {"q": q, "k": k, "v": v}
+    assert_finite(fa2edu.varlen_attention(q, k, v, cu_q, cu_k))
+    args[name][0, 3 if name == "q" else 11, 0] = np.nan
+    with pytest.raises(ValueError, match=rf"^{name} contains NaN or infinite values"):
+        fa2edu.varlen_attention(args["q"], args["k"], args["v"], cu_q, cu_k)
+
+
+def test_varlen_scores_beyond_float32_name_q_k_and_the_sequence():
+    q, k, v, cu_q, cu_k = varlen_case()
+    with pytest.raises(AttentionOverflowError, match=r"^q and k \(sequence 0: q\[:, 0:5\] and k\[:, 0:10\]\) "
+                                                     r"are too large for float32") as excinfo:
+        fa2edu.varlen_attention(q * np.float32(1e20), k * np.float32(1e20), v, cu_q, cu_k)
+    assert_overflow_error(excinfo, "rescale q or k")
+    # Huge queries in sequence 0 and huge keys in sequence 2 never meet: the exact check lets them through.
+    q2, k2 = q.astype(np.float64), k.astype(np.float64)
+    q2[:, :5] *= 1e200
+    k2[:, 12:] *= 1e200
+    assert_finite(fa2edu.varlen_attention(q2, k2, v.astype(np.float64), cu_q, cu_k))
+
+
+def test_varlen_a_huge_v_names_the_sequence_and_its_slices():
+    q, k, v, cu_q, cu_k = varlen_case()
+    huge = (1 + v / 100) * np.float32(3e38)
+    with pytest.raises(AttentionOverflowError, match=r"^varlen_attention, sequence 0 \(Q, K, V below are "
+                                                     r"q\[:, 0:5\], k and v\[:, 0:10\]\)") as excinfo:
+        fa2edu.varlen_attention(q * 0, k, huge, cu_q, cu_k)
+    assert "max |V| = 3" in str(excinfo.value)
+    assert_finite(fa2edu.varlen_attention(q * 0, k, huge / np.float32(1e4), cu_q, cu_k))
+
+
+def test_merge_an_overflowing_weighted_sum_is_an_error_naming_its_arguments():
+    """O_a = O_b = the largest float32 with different L's: the weights sum to 1 only up to rounding, and about a
+    sixth of the rows came back inf. Now an AttentionOverflowError naming O_a and O_b; a quarter of it merges."""
+    rng = np.random.default_rng(0)
+    L_a, L_b = (rng.uniform(-3, 3, 1000).astype(np.float32) for _ in range(2))
+    O = np.full((1000, 1), np.finfo(np.float32).max, np.float32)
+    with pytest.raises(AttentionOverflowError, match=r"^O_a and O_b are too large for float32") as excinfo:
+        fa2edu.merge_attention_states(O, L_a, O, L_b)
+    assert_overflow_error(excinfo, "max |O_a| = 3.4e+38", "pass float64 partials")
+    merged, _ = fa2edu.merge_attention_states(O / 4, L_a, O / 4, L_b)
+    assert np.isfinite(merged).all()
+    with pytest.raises(ValueError, match="^O_b contains NaN"):
+        fa2edu.merge_attention_states(O / 4, L_a, np.full_like(O, np.nan), L_b)
+
+
+# -- the PyTorch op ---------------------------------------------------------------------------------------------------
+
+def torch_inputs(dtype_name="float32"):
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(5)
+    dtype = getattr(torch, dtype_name)
+    q = torch.randn(1, 4, 5, 8, generator=generator, dtype=dtype)
+    k = torch.randn(1, 2, 7, 8, generator=generator, dtype=dtype)
+    v = torch.randn(1, 2, 7, 8, generator=generator, dtype=dtype)
+    return torch, q, k, v
+
+
+@pytest.mark.parametrize("algorithm", ["flash2", "flash1", "standard"])
+def test_torch_op_scores_beyond_float32_name_q_and_k(algorithm):
+    torch, q, k, v = torch_inputs()
+    from fa2edu.torch import flash_attention
+    with pytest.raises(AttentionOverflowError, match=r"^q and k are too large for float32") as excinfo:
+        flash_attention(q * 1e20, k * 1e20, v, algorithm=algorithm)
+    assert_overflow_error(excinfo, "rescale q or k", "pass float64 inputs")
+    assert torch.isfinite(flash_attention(q * 30, k * 30, v, algorithm=algorithm)).all()
+    # q's huge column meets only k's small one (GQA included): the exact check computes it, finite
+    q2, k2 = q.double().clone(), k.double().clone()
+    q2[..., 0] *= 1e200
+    k2[..., 1] *= 1e200
+    assert torch.isfinite(flash_attention(q2, k2, v.double(), algorithm=algorithm)).all()
+
+
+def test_torch_op_keywords_are_validated_as_the_numpy_api_validates_them():
+    """scale=np.float32(0.5) was refused (the NumPy API takes it); block_sizes=(2.5, 4) was truncated to (2, 4) and
+    (True, 4) read as (1, 4) where the NumPy API raises; ('a', 'b') failed with "invalid literal for int()"."""
+    torch, q, k, v = torch_inputs("float64")
+    from fa2edu.torch import flash_attention
+    assert torch.equal(flash_attention(q, k, v, scale=np.float32(0.5)), flash_attention(q, k, v, scale=0.5))
+    assert torch.equal(flash_attention(q, k, v, block_sizes=(np.int64(2), 3)), flash_attention(q, k, v,
+                                                                                                block_sizes=(2, 3)))
+    Q, K, V = (x.numpy() for x in (q, k, v))
+    for sizes, got in (((2.5, 4), "float"), ((True, 4), "bool"), (("a", "b"), "str")):
+        with pytest.raises(TypeError, match=rf"^block_sizes B_r must be an int, got {got}"):
+            fa2edu.flash2_forward(Q, K, V, block_sizes=sizes)                  # the NumPy API's answer ...
+        with pytest.raises(TypeError, match=rf"^block_sizes B_r must be an int, got {got}"):
+            flash_attention(q, k, v, block_sizes=sizes)                         # ... is the op's
+    with pytest.raises(TypeError, match=r"^block_sizes must be a pair"):
+        flash_attention(q, k, v, block_sizes=4)
+    with pytest.raises(TypeError, match=r"^M \(SRAM size in elements\) must be an int"):
+        flash_attention(q, k, v, M=1000.5)
+    with pytest.raises(TypeError, match=r"^scale must be a real number or None, got str"):
+        flash_attention(q, k, v, scale="0.5")
+
+
+# -- kernels_gpu on host (NumPy) data: checked before the copy, as fa2edu checks ------------------------------------
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kernels_gpu_decode_checks_host_caches_before_the_copy(paged):
+    """A NaN key in host data was silently dropped and overflowing scores came back O = 0, L = +inf: now the errors
+    of fa2edu.decode_attention. (Device data is documented as unchecked: a pass over the cache in HBM.)"""
+    kernels_gpu = pytest.importorskip("kernels_gpu")
+    case = decode_case(paged)
+    args = lambda c: (c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["block_table"])  # noqa: E731
+    control = kernels_gpu.decode_attention(*args(case), num_splits=2)      # NaN past the lengths: never read
+    assert np.isfinite(control.O).all() and np.isfinite(control.L).all()
+    bad = dict(case, k_cache=case["k_cache"].copy())
+    bad["k_cache"][used_entry(case, "k_cache", 1, 4)] = np.nan
+    with pytest.raises(ValueError, match=r"^k_cache contains NaN or infinite values among the keys sequence 1"):
+        kernels_gpu.decode_attention(*args(bad), num_splits=2)
+    big = dict(case, q=case["q"] * np.float32(1e20), k_cache=case["k_cache"] * np.float32(1e20))
+    with pytest.raises(AttentionOverflowError, match=r"^q and k_cache \(sequence 0\) are too large for float32"):
+        kernels_gpu.decode_attention(*args(big), num_splits=2)
+    wide = dict(case, k_cache=case["k_cache"].astype(np.float64), v_cache=case["v_cache"].astype(np.float64),
+                q=case["q"].astype(np.float64))
+    wide["v_cache"][used_entry(case, "v_cache", 0, 2)] = 1e39                # float64, stored as float32: inf
+    with pytest.raises(ValueError, match=r"^v_cache has values beyond the range of float32"):
+        kernels_gpu.decode_attention(*args(wide))
+
+
+def test_kernels_gpu_varlen_checks_host_k_and_v_before_the_copy():
+    kernels_gpu = pytest.importorskip("kernels_gpu")
+    q, k, v, cu_q, cu_k = varlen_case()
+    bad = k.copy()
+    bad[1, 20, 3] = np.inf
+    with pytest.raises(ValueError, match=r"^k contains NaN or infinite values"):
+        kernels_gpu.varlen_attention(q, bad, v, cu_q, cu_k)
+    with pytest.raises(AttentionOverflowError, match=r"^q and k \(sequence 0: q\[:, 0:5\] and k\[:, 0:10\]\) "
+                                                     r"are too large for float32"):
+        kernels_gpu.varlen_attention(q * np.float32(1e20), k * np.float32(1e20), v, cu_q, cu_k)
