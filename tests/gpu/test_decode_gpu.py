@@ -508,8 +508,14 @@ def test_q_not_16_byte_aligned_runs_the_cuda_core_program():
 
 
 def test_device_index_arrays_validate_or_clamp():
+    """Device index data is checked with validate=True; unchecked, the kernel clamps it — page ids to
+    [0, num_pages), lengths to the capacity — so a bad value gives a wrong answer for its own sequence, never a
+    fault and never a change to the other sequences: the result is, bit for bit, the result of the clamped
+    arguments, and the sequence whose arguments are good is right."""
     case = make_cache(8, B=2, H_kv=2, G=2, N_new=1, d=64, page=16, max_pages=4, lengths=[40, 20],
                       dtype="float32")
+    num_pages, max_pages = case["k_cache"].shape[0], case["block_table"].shape[1]
+    capacity = case["k_cache"].shape[2] * max_pages
     bad = case["block_table"].clone()
     bad[0, 1] = 10**6
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], bad)
@@ -519,7 +525,22 @@ def test_device_index_arrays_validate_or_clamp():
     too_long = torch.tensor([10**6, 5], dtype=torch.int32, device="cuda")
     O2, L2 = kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"], too_long,
                                           case["block_table"])
-    torch.cuda.synchronize()
+    # the same calls with the arguments clamped as the kernel clamps them (page 10**6 → the last page, length
+    # 10**6 → the capacity; the table's -1 entries past sequence 0's pages → page 0); still device data, unchecked
+    O_c, L_c = kernels_gpu.decode_attention(*args[:4], bad.clamp(0, num_pages - 1))
+    O2_c, L2_c = kernels_gpu.decode_attention(case["q"], case["k_cache"], case["v_cache"],
+                                              too_long.clamp(0, capacity), case["block_table"].clamp(0, num_pages - 1))
+    torch.cuda.synchronize()                                   # no fault (an illegal address would raise here)
+    for got, want, what in ((O, O_c, "O"), (L, L_c, "L"), (O2, O2_c, "O2"), (L2, L2_c, "L2")):
+        assert got.shape == want.shape, what
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{what}: not the clamped answer")
+    # Sequence 1's arguments are good in the first call (its whole cache) and in the second (its first 5 keys).
+    sequence_1 = dict(case, q=case["q"][1:], cache_seqlens=case["cache_seqlens"][1:], keys=case["keys"][1:],
+                      values=case["values"][1:])
+    check_decode(sequence_1, O[1:], L[1:], "float32")
+    first_5 = dict(sequence_1, cache_seqlens=too_long[1:], keys=[case["keys"][1][:, :5]],
+                   values=[case["values"][1][:, :5]])
+    check_decode(first_5, O2[1:], L2[1:], "float32")
 
 
 # -- varlen --------------------------------------------------------------------------------------------------------
