@@ -941,12 +941,14 @@ def finish_rows(o, m, l, lane, O, L):
 
 @functools.lru_cache(maxsize=64)
 def _finish_harness(step, TILES: int):
+    O_REGS = 4 * TILES                            # a compile-time constant: the lane's registers of Õ
+
     @cuda.jit
     def finish_rows_harness(o_state, m_state, l_state, O, L):
         lane = cuda.threadIdx.x
         g = lane // 4
         t = lane % 4
-        o = cuda.local.array(4 * TILES, float32)  # the lane's registers after the last key block
+        o = cuda.local.array(O_REGS, float32)     # the lane's registers after the last key block
         m = cuda.local.array(2, float32)
         l = cuda.local.array(2, float32)
         for h in range(2):

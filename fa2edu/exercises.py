@@ -7,6 +7,7 @@ Where an exercise asks for code, this module checks the reader's function::
     exercises.list_exercises()                    # the exercises with a checker, one line each
     exercises.hint("6.2")                         # a nudge, not the answer
     result = exercises.check("6.2", fa2_update)   # runs the hidden cases, prints a report; truthy on a pass
+    exercises.show_solution("6.2")                # prints the worked solution's code, to read
 
 **How a check works.** Each exercise owns a fixed, deterministic list of cases: hand-picked edge cases first
 (sizes of 1, sizes that are not powers of two, a block larger than N, N_q ≠ N_k with the causal mask aligned
@@ -17,17 +18,24 @@ truth computed by fa2edu itself — the float64 oracle :func:`fa2edu.attention_r
 the element-wise causal mask, the FLOP model — never with the worked solution.
 
 **What a failure report holds.** On the first failing case the checker *shrinks* it: it lowers each size (to its
-minimum, to half, by one) and simplifies each kind, keeping every change under which the function still fails.
+minimum, to half, by one) and simplifies each kind, keeping every change under which the function still fails *the
+same way* (the same exception, NaN, wrong infinity, wrong value, or memory over the budget), so that the case shown
+is the reader's mistake and not another one met on the way.
 The report then shows the smallest failing case found, the call's arguments (their values when they are small),
 what was expected and what came back: the largest error and where, the positions of NaNs, a wrong shape, a wrong
 infinity, or the exception raised and the line of the reader's code that raised it. ``result.failure`` keeps the
 inputs, the expected values and what came back, to debug with.
 
-A stub that raises ``NotImplementedError`` is reported as "not attempted yet" and nothing is raised, so a chapter
-with its try cells still empty runs top to bottom.
+Any exception the reader's code raises — in the function, or while its result is read (an ``__array__`` that
+divides by zero) — is a failure of that case, named with the line that raised it; so is ``sys.exit``. Only
+``KeyboardInterrupt`` stops a check. A stub that raises ``NotImplementedError`` is reported as "not attempted yet" and
+nothing is raised, so a chapter with its try cells still empty runs top to bottom.
 
-Only NumPy and fa2edu are needed; exercise 9.4 also needs numba (its CUDA simulator runs it without a GPU:
-``NUMBA_ENABLE_CUDASIM=1`` before numba is imported).
+**Kernel exercises** (9.2-9.4, 13.3, 14.1-14.3) ask for a numba.cuda kernel or device function: the checker runs it
+inside a harness kernel in numba's CUDA simulator and also counts the elements it reads and writes in global memory,
+against a budget (:mod:`fa2edu.exercise_kernels`). They need numba, imported only when one of them is checked; where
+there is no CUDA driver the simulator is chosen by itself (:func:`fa2edu.simulator.choose`). Every other exercise needs
+only NumPy and fa2edu.
 """
 
 from __future__ import annotations
