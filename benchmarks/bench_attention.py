@@ -24,9 +24,9 @@ import sys
 import time
 from typing import NamedTuple
 
-from benchmarks import timing
-from benchmarks.flop_model import PASSES, model_flops
-from benchmarks.results_io import default_results_path, make_record, utc_now, write_results
+from benchmarks.harness import timing
+from benchmarks.harness.flop_model import PASSES, model_flops
+from benchmarks.harness.results_io import default_results_path, make_record, utc_now, write_results
 
 PAPER_N = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_N = (512, 1024)
@@ -71,7 +71,7 @@ def _passes(text):
 
 
 def _impl_names(text):
-    from benchmarks.impls import IMPLS
+    from benchmarks.harness.impls import IMPLS
     values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
     unknown = [v for v in values if v not in IMPLS]
     if unknown or not values:
@@ -87,7 +87,7 @@ def _block_sizes(text):
 
 
 def build_parser():
-    from benchmarks.impls import DEFAULT_IMPLS, IMPLS
+    from benchmarks.harness.impls import DEFAULT_IMPLS, IMPLS
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_attention",
         description="Time attention implementations on a CUDA GPU on the FA2 paper's grid; write JSON results.",
@@ -141,7 +141,7 @@ def parse_args(argv=None):
     """Parse the command line and fill the mode-dependent defaults (quick / long / full sweep)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from benchmarks.impls import DEFAULT_IMPLS, IMPLS
+    from benchmarks.harness.impls import DEFAULT_IMPLS, IMPLS
     if args.long:
         defaults = dict(impls=LONG_IMPLS, N=LONG_N, d=(64,), causal=(False,), passes=("forward",), name="long",
                         budget_s=None, max_call_ms=120_000.0, target_ms=2000.0, min_repeats=1, max_repeats=3, warmup=0)
@@ -209,7 +209,7 @@ class Config(NamedTuple):
 def plan(args):
     """The configurations in run order: per (d, causal, N) every pass and implementation, N ascending, so each
     problem's reference is computed once and a series can be cut short once it is too slow or out of memory."""
-    from benchmarks.impls import IMPLS
+    from benchmarks.harness.impls import IMPLS
     configs = []
     for d in args.d:
         for causal in args.causal:
@@ -309,7 +309,7 @@ def measure_ceilings(device, repeats=10):
     and the fp32 matrix product rate with TF32 off (8192³)."""
     import torch
 
-    from benchmarks.timing import summarize_ms, time_calls
+    from benchmarks.harness.timing import summarize_ms, time_calls
     src = torch.randn(2**28, device="cuda")  # 1 GiB of float32
     dst = torch.empty_like(src)
     copy_bytes = 2 * src.numel() * src.element_size()  # each byte read once and written once
@@ -329,8 +329,8 @@ def run(args, configs, device, header, out_path, progress=True):
     """Measure every configuration in order; write the results file after each. Returns the records."""
     from tqdm import tqdm
 
-    from benchmarks import impls
-    from benchmarks.timing import Protocol
+    from benchmarks.harness import impls
+    from benchmarks.harness.timing import Protocol
 
     l2 = header.get("device_properties", {}).get("l2_cache_bytes") or 60 * 2**20
     protocol = Protocol(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
@@ -375,8 +375,8 @@ def run(args, configs, device, header, out_path, progress=True):
 
 def _measure_one(config, spec, args, device, protocol, options, reference, count_memory):
     """``timing.measure`` for one configuration, its reference computed (or reused) first."""
-    from benchmarks import impls
-    from benchmarks.timing import Outcome, measure
+    from benchmarks.harness import impls
+    from benchmarks.harness.timing import Outcome, measure
     try:
         ref = _reference_for(reference, config, args.seed, device)
     except Exception as exc:  # the float64 reference itself did not fit: nothing to check against
@@ -399,7 +399,7 @@ def _measure_one(config, spec, args, device, protocol, options, reference, count
 def _reference_for(cache, config, seed, device):
     """The float64 reference of ``config``'s problem for input set 0, computed once per problem (the previous
     problem's is dropped first, to keep GPU memory free)."""
-    from benchmarks import impls
+    from benchmarks.harness import impls
     if cache.get("problem") == config.problem and config.pass_ in cache:
         return cache
     if cache.get("problem") != config.problem:
@@ -487,7 +487,7 @@ def format_table(records):
 
 def show(paths):
     """Print the table and summary of results files, and the path each belongs at in the repository."""
-    from benchmarks.results_io import load_results
+    from benchmarks.harness.results_io import load_results
     for path in paths:
         header, records, summary = load_results(path)
         name = os.path.splitext(os.path.basename(path))[0]

@@ -1,7 +1,7 @@
 """Ring attention on several GPUs: strong and weak scaling over NCCL, beside one-GPU attention and the simulator.
 
 ``fa2edu.distributed.ring_attention`` runs on a ring of W ranks, one GPU each. This script measures it and writes
-a results file (JSON, ``benchmarks.results_io``'s schema) with the device, the versions and the date:
+a results file (JSON, ``benchmarks.harness.results_io``'s schema) with the device, the versions and the date:
 
 1. **check first**: for every ring size W, layout and dtype, the ring's output on a small sequence, unsharded,
    against float64 attention on one GPU, with the error of one-GPU attention in the same dtype (PyTorch SDPA) as
@@ -44,7 +44,7 @@ import tempfile
 import time
 import traceback
 
-from benchmarks import results_io
+from benchmarks.harness import results_io
 
 EXAMPLES = """examples:
   torchrun --nproc_per_node=8 -m benchmarks.context_parallel --out cp.json
@@ -348,7 +348,7 @@ def _attention_float64(q, k, v, causal: bool):
 # -- the run ------------------------------------------------------------------------------------------------------
 
 def _header(me: Rank, args, world: int) -> dict:
-    from benchmarks.timing import package_versions
+    from benchmarks.harness.timing import package_versions
     torch = me.torch
     versions = package_versions()
     versions.update(python=sys.version.split()[0], torch_cuda=torch.version.cuda,

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 from fa2edu import simulate_context_parallel
 
 

@@ -73,7 +73,7 @@ clusters (batch 8: clusters of 2), else by the merge launch, launched early (bat
   0.959-1.008×, as fast or faster at 6 and 5 shapes; batch 8 gained 1-4 % (``decode_cluster_ab.json``);
 * call times (a Python call between two events, host time included): 0.59-1.05× SDPA's best call (PyTorch's
   default dispatch at most shapes: 19-147 µs of host time a call in C++, where this program's plan spends 32-107
-  µs in Python; ``benchmarks.decode_host`` takes a call apart) — behind most at batch 1 with short contexts, where
+  µs in Python; ``benchmarks.profilers.decode_host`` takes a call apart) — behind most at batch 1 with short contexts, where
   the host time is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` faster at 10 of 18;
 * varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.2× faster than padded, same
   output (target: met).
@@ -89,7 +89,7 @@ program runs at 0.74× a copy of its own bytes and cuDNN at 0.77×; from batch 8
 outruns the same-bytes copy (1.01-1.08×). (The copy's graph time is a memcpy node, which ran at 0.61-0.64 of the
 2 GiB rate from 0.5 GB up — presumably on a copy engine rather than the copy kernel a stream's copy runs; not
 profiled —, so the record takes the faster of its graph and stream timings.)
-The knobs of :mod:`benchmarks.decode_variants` on the H200 (``decode_h200_knobs.json``: three or four stages,
+The knobs of :mod:`benchmarks.profilers.decode_variants` on the H200 (``decode_h200_knobs.json``: three or four stages,
 eight warps, 32 splits; at batch 1 with 16k and 32k keys, batch 8 and 32 at 16k) were all slower than the defaults,
 by 0.4-8 %: the H100's choices hold on the H200. The H100 grid again with the same-bytes copy (same day,
 ``benchmarks/results/nvidia-h100/decode_same_bytes.json``, copy rate 3004 GB/s): batch 1 at 16k 0.72 of the copy
@@ -103,7 +103,7 @@ and 32 at every context) and timed each implementation once, the first of a shap
 SDPA math backend: their batch-1 32k figure (0.75-0.78) carried the graph's launch latency, and their batch-32 4k
 figure (0.79) a slow timing after that backend. The
 harness now captures at least :data:`GRAPH_CALLS` calls per graph and times in rounds, SDPA's math backend last
-(``decode_sets_{1,2,4}.json`` from :mod:`benchmarks.decode_variants`; the comments at the constants).
+(``decode_sets_{1,2,4}.json`` from :mod:`benchmarks.profilers.decode_variants`; the comments at the constants).
 
 The JSON holds the device, versions, date, settings, the copy rates, every record, per-configuration summaries and
 the decoding targets with the measured numbers. ``--quick`` runs contexts 4k, 16k, 64k at batch 1 and
@@ -372,7 +372,7 @@ def decode_impls(torch, page: int) -> dict:
     for backend in SDPA_BACKENDS:
         impls[f"sdpa_{backend}"] = _sdpa(torch, backend)
     # SDPA as most code calls it, PyTorch choosing the backend: the same kernels as one of the above, without the
-    # host time of entering and leaving sdpa_kernel (benchmarks.decode_host measures it)
+    # host time of entering and leaving sdpa_kernel (benchmarks.profilers.decode_host measures it)
     impls["sdpa_default"] = lambda s: torch.nn.functional.scaled_dot_product_attention(s["q"], s["k"], s["v"],
                                                                                        enable_gqa=True)
     return impls
@@ -629,8 +629,8 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from benchmarks.results_io import default_results_path, utc_now
-    from benchmarks.timing import cuda_setup, package_versions
+    from benchmarks.harness.results_io import default_results_path, utc_now
+    from benchmarks.harness.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
 

@@ -67,7 +67,7 @@ def _tf32_builder(warps=None, B_r=None):
 
 
 def _parse_impl(name):
-    from benchmarks import impls
+    from benchmarks.harness import impls
     from kernels_gpu.fast import BACKWARD_VERSIONS
     version, _, tiling = name.partition("@")
     if version == "3xtf32":                       # 3xtf32 or 3xtf32@WxB_r: W warps of 16 keys, B_r queries per step
@@ -111,7 +111,7 @@ def check_shapes(chosen, seed=0):
     variant whose tiling does not take a shape's head size skips that shape)."""
     import torch
 
-    from benchmarks import impls
+    from benchmarks.harness import impls
     from kernels_gpu import runtime as rt
     from kernels_gpu.fast import VERSIONS
     rt.poison_outputs = True
@@ -186,10 +186,10 @@ def sanitize(versions=None):
 
 
 def main(argv=None):
-    from benchmarks import impls
+    from benchmarks.harness import impls
     from benchmarks.fast_kernels import _table, add_run_arguments, measure_and_record, start_run
-    from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import write_results
+    from benchmarks.harness.flop_model import model_flops
+    from benchmarks.harness.results_io import write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,4096,8192,16384")

@@ -9,7 +9,7 @@ the GPU, CUDA events, inputs rotated past the L2 cache, TF32 off): fp32, forward
 heads × d = ``--hidden`` (2048). Each fast kernel's resource report (registers, local memory = spills, shared
 memory) is printed and stored. Results: ``benchmarks/results/<device>/fast_<name>.json``; a table at the end.
 
-``register()`` (``impls.register_fast_versions``) adds the fast versions to ``benchmarks.impls.IMPLS`` as
+``register()`` (``impls.register_fast_versions``) adds the fast versions to ``benchmarks.harness.impls.IMPLS`` as
 ``fast_v1``, ``fast_v2``, … (forward only), so ``bench_attention --impls fast_v2`` can time them once it has run.
 
 A driver: it imports ``impls`` (what is timed) and ``timing`` (how), never the other way round.
@@ -17,7 +17,7 @@ A driver: it imports ``impls`` (what is timed) and ``timing`` (how), never the o
 
 import argparse
 
-from benchmarks import impls, timing
+from benchmarks.harness import impls, timing
 
 # The builder lives with the other implementations (``impls``), the run record with the protocol (``timing``);
 # the names below are kept for the drivers that import them from here (fast_backward, fp16_check).
@@ -63,8 +63,8 @@ def _resources(fast, d):
 
 
 def main(argv=None):
-    from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import write_results
+    from benchmarks.harness.flop_model import model_flops
+    from benchmarks.harness.results_io import write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", default="1024,2048,4096,8192,16384")

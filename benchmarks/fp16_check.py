@@ -120,7 +120,7 @@ def _forward_module():
     """The module of the forward version timed with fp16 storage (``impls.FP16_FORWARD``)."""
     import importlib
 
-    from benchmarks import impls
+    from benchmarks.harness import impls
     return importlib.import_module(f"kernels_gpu.fast.flash2_forward_{impls.FP16_FORWARD}")
 
 
@@ -128,7 +128,7 @@ def specs(passes):
     """(label, ImplSpec, fast) per (pass, storage): the harness's fast builder with v5 / v1 and that storage."""
     import functools
 
-    from benchmarks import impls
+    from benchmarks.harness import impls
     out = []
     for pass_ in passes:
         version = impls.FP16_FORWARD if pass_ == "forward" else impls.FP16_BACKWARD
@@ -212,7 +212,7 @@ def check_shapes(seed=0, tolerance=4e-3, shapes=None):
     from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS
 
     rng = np.random.default_rng(seed)
-    from benchmarks import impls
+    from benchmarks.harness import impls
     forward, backward = VERSIONS[impls.FP16_FORWARD], BACKWARD_VERSIONS[impls.FP16_BACKWARD]
     out = []
     for Z, H_q, H_kv, N_q, N_k, d, causal in (SHAPES if shapes is None else shapes):
@@ -246,10 +246,10 @@ def check_shapes(seed=0, tolerance=4e-3, shapes=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from benchmarks import impls
+    from benchmarks.harness import impls
     from benchmarks.fast_kernels import measure_and_record, start_run
-    from benchmarks.flop_model import model_flops
-    from benchmarks.results_io import make_record, write_results
+    from benchmarks.harness.flop_model import model_flops
+    from benchmarks.harness.results_io import make_record, write_results
 
     run, out_path = start_run(args, versions={"forward": impls.FP16_FORWARD, "backward": impls.FP16_BACKWARD},
                               tolerance={f"{k[0]}/{k[1]}": v for k, v in impls.TOLERANCE.items()})

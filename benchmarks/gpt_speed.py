@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # examples/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import timing  # noqa: E402
-from benchmarks.flop_model import model_flops  # noqa: E402
-from benchmarks.results_io import default_results_path, utc_now  # noqa: E402
+from benchmarks.harness import timing  # noqa: E402
+from benchmarks.harness.flop_model import model_flops  # noqa: E402
+from benchmarks.harness.results_io import default_results_path, utc_now  # noqa: E402
 
 #: model sizes: 8 heads of d = 64 or 128 (d_model = heads · d), 4 layers. Large enough that the GPU's work in a
 #: step outlasts the host's (numba prepares every kernel launch in Python, a fraction of a millisecond each).

@@ -669,7 +669,7 @@ def write_json(path: str, header: dict, records: list[dict]) -> str:
 def drive(args) -> int:
     from datetime import datetime, timezone
 
-    from benchmarks.results_io import device_slug
+    from benchmarks.harness.results_io import device_slug
 
     started = time.perf_counter()
     ncu = find_ncu(args.ncu)

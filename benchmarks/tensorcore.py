@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 
 GRID_N = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384

@@ -292,7 +292,7 @@ def tensorcore_width(d: int, d_v: int) -> int:
 
 
 #: kernels_gpu.fast's forward version per padded width: v6 up to 64, v8 (stream-K over the last wave) above
-#: (the measured choice, ``benchmarks.impls.FAST_FORWARD``), and the backward version.
+#: (the measured choice, ``benchmarks.harness.impls.FAST_FORWARD``), and the backward version.
 FAST_FORWARD = {64: "v6", 256: "v8"}
 FAST_BACKWARD = "v4"
 
@@ -511,7 +511,7 @@ def standard_backward(backend: str, q, k, v, P, dO, causal: bool, scale: float, 
 #
 # Each operator's body is a plain function of its own (``*_impl``), which the operator calls. fa2edu.torch's
 # autograd Functions call the same functions directly: in eager mode PyTorch's dispatcher has nothing to add, and
-# going through it costs host time on every call (`benchmarks/op_host_time.py`).
+# going through it costs host time on every call (`benchmarks/profilers/op_host_time.py`).
 
 def _check_finite(*named) -> None:
     """Inputs must be finite. Checked on the CPU only: on a GPU the check would read the tensors once more and

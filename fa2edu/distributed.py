@@ -556,7 +556,7 @@ def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
     """kernels_gpu's functions for one step on CUDA tensors, fastest first (empty: use the PyTorch step).
 
     Forward: float16/bfloat16 → ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores); float32 →
-    ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.impls``), then the teaching
+    ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.harness.impls``), then the teaching
     ``kernels_gpu.flash2_forward`` for head sizes the fast kernels do not take. Backward (float32 only; other
     dtypes run :func:`block_attention_backward` in float32): ``kernels_gpu.fast`` backward v4, then
     ``kernels_gpu.flash2_backward``. Every one of them follows :func:`block_attention`'s contract: ``(O, L)`` with

@@ -167,7 +167,7 @@ def _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M):
 #   _Standard), whose forward and backward call the operators' bodies (fa2edu._torch_ops.*_impl) directly.
 #   PyTorch's dispatcher has nothing to add here and costs host time on every call: on an H100 host, 1.1 ms per
 #   forward + backward through the registered operators against 0.75 ms through the Function (bfloat16, d = 64,
-#   benchmarks/op_host_time.py), which a small model's training step pays once per layer;
+#   benchmarks/profilers/op_host_time.py), which a small model's training step pays once per layer;
 # * **traced** (torch.compile, torch.export, torch.jit.trace, FakeTensors and other tensor subclasses): the operators
 #   torch.ops.fa2edu.*_fwd, whose autograd formula (_flash2_formula, ...) calls torch.ops.fa2edu.*_bwd, so that a
 #   compiled graph holds two opaque operators with fake implementations.

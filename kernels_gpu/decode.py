@@ -14,7 +14,7 @@ strides, dtypes and options: the next such call skips the checks, the typing and
 partials, launches the split programs, then allocates O and L and launches the merge (or, where the splits merge
 inside their thread-block cluster, allocates O and L and makes the one launch) — each launch one
 ``cuLaunchKernelEx`` of parameters packed once (:class:`kernels_gpu.driver_launch.Prepared`), the tensor maps found
-by the caches' addresses. Where its host time goes (``python -m benchmarks.decode_host``, H100, batch 1 with 16k
+by the caches' addresses. Where its host time goes (``python -m benchmarks.profilers.decode_host``, H100, batch 1 with 16k
 keys, ``decode_host_breakdown.json``): 65 µs a call — the plan's key 9, allocations 18, the maps 4, the two
 launches 10 and 8 —, against 75 µs for SDPA's cuDNN backend under ``sdpa_kernel`` and 31 µs for SDPA's default
 call, whose dispatch is C++ (host times move with the machine: the same measurement on another H100 host gave 38,
@@ -1246,7 +1246,7 @@ class DecodePlan:
     launches the split programs, allocates O and L (poisoned when asked) and launches the merge — or, with one
     split or the splits merged inside their cluster, allocates O and L and makes the one launch —, on PyTorch's
     current stream with the new addresses: no checks, no typing, no split rule (host time: the module's header,
-    ``benchmarks.decode_host``)."""
+    ``benchmarks.profilers.decode_host``)."""
 
     def __init__(self, c: _Call, S: int, launches: list):
         import torch

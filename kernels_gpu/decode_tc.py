@@ -136,7 +136,7 @@ padded shared-memory rows rule out one copy per tile), completing on an mbarrier
 the tile's 8 KB (``ptx.bulk_copy``, ``mbar_*``; the split's partial last tile and the query rows keep
 ``cp.async``, which fills zeros). Prediction: one request per row instead of 16 lane-sized ones brings the DRAM
 rate toward cuDNN's — batch 32, 16k keys 1-6 % faster — and batch 1 within ±3 %. Measured
-(``python -m benchmarks.decode_variants``, graph replay, median of 5 rounds in turn with cuDNN:
+(``python -m benchmarks.profilers.decode_variants``, graph replay, median of 5 rounds in turn with cuDNN:
 ``decode_tc_bulk_ab.json``), bulk against ``cp.async``: batch 1, 16k 39.5 against 33.1 µs, 64k 124.2 against
 100.0; batch 8, 32k 474.3 against 371.4; batch 32, 4k 194.0 against 190.8, 16k 753.2 against 734.0 — slower at
 every shape (prediction failed). Why, from the machine code and Nsight Compute (``decode_tc_ncu_sections_b32_16k
@@ -164,7 +164,7 @@ with 40 bytes of spill (the ``cp.async`` program: 8), 64.1 KB of shared memory (
 GPU run): the DRAM sees whole boxes, as from cuDNN's kernel: batch 32 from 16k keys 1-4 % faster (0.97-1.00 of the
 copy rate → 1.00-1.03), batch 1 at 16k keys 2-8 % faster (fewer instructions per tile on the critical path).
 
-**Measured** (H100 80GB HBM3, ``python -m benchmarks.decode_variants``, graph replay, median of 3 rounds with
+**Measured** (H100 80GB HBM3, ``python -m benchmarks.profilers.decode_variants``, graph replay, median of 3 rounds with
 cuDNN in turn; ``decode_tc_tensor_ab.json``): against ``cp.async``, batch 32 at 4k / 16k keys 180.7 / 700.3 µs
 against 191.1 / 723.7 (5.5 % and 3.3 % faster; 0.99 and 1.02 of the copy rate), batch 8 at 32k 357.0 against
 372.1 (4 %), batch 1 at 64k 96.4 against 99.6 (3 %) — the batch-32 prediction met, 1-2 points above it —, but
@@ -186,7 +186,7 @@ warps (4k to 16k keys: within 0.5 % or up to 6 % slower than the rule's 2 splits
 ``decode_tc_tensor_b8_splits.json``), letting the merge launch be scheduled at
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
 64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
-``benchmarks.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
+``benchmarks.profilers.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
 copies (the two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32, and — below — no register cap) was
 (the run of 19:16; ``benchmarks.decode``'s header has the latest): batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy
 rate, batch 8 and 32 from 16k 0.98-1.05; against cuDNN 1.002-1.008× at batch 32 from 16k keys and batch 8 from 64k,
@@ -230,7 +230,7 @@ tiles.
 **Two accumulator chains for S** (:data:`CHAINS` = 2, 2026-11-26). S's odd k-steps go into a second set of eight
 accumulators, added to the first after the last k-step: four chains of four MMAs per tile instead of two of eight.
 ptxas: the same 206 registers, no spill, 32 MMAs. Prediction: the fixed-latency share of the stalls halved, the
-split programs at batch 1, 16k keys 29.8 → 29.0-29.3 µs (2-3 %). Measured (``python -m benchmarks.decode_variants
+split programs at batch 1, 16k keys 29.8 → 29.0-29.3 µs (2-3 %). Measured (``python -m benchmarks.profilers.decode_variants
 --variants chains=1 chains=2 --rounds 5``, seven shapes, cuDNN in every round; ``decode_tc_chains_ab.json``):
 graph time 31.3 → 31.1 µs at batch 1, 16k keys, 95.2 → 94.9 at 64k, 52.8 → 52.5 at batch 8, 4k, 353.2 → 352.8 at
 batch 8, 32k, 698.1 → 697.3 at batch 32, 16k, unchanged at batch 1, 4k and batch 32, 4k: faster at five shapes of
@@ -242,7 +242,7 @@ seven, by 0.1-0.7 %, a third of the prediction. Kept (the default). cuDNN in the
 V's maps at the program's start, before the query rows' copy, so that the first tensor copy would not wait for
 the map's 128 bytes (the maps live in global memory, not in the launch's parameters). Prediction: batch 1 at 4k
 keys 14.1 → 13.8 µs, 16k 0.5-1 % faster, batch 8 and 32 unchanged. Measured (a ``prefetch`` knob of
-``benchmarks.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1 /
+``benchmarks.profilers.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1 /
 20.7 / 31.6 / 52.8 µs without, 14.1 / 20.9 / 31.4 / 52.9 with, at batch 1 with 4k / 8k / 16k / 32k keys; batch 8
 and 32 at 4k within 0.1 µs — no change: the map's fetch is not on the program's critical path. Taken out again.
 
@@ -250,7 +250,7 @@ and 32 at 4k within 0.1 µs — no change: the map's fetch is not on the program
 (boxes of 32 rows), so the waits, the copies' issue and the online softmax's rescale of Õ (64 multiplies a lane)
 come once per 32 keys, and a warp has twice the bytes on their way. Prediction (before the run): batch 8 and 32
 from 16k keys 0-2 % faster, batch 1 within ±2 % at 16k and up to 3 % slower at 4k (a warp's last tile, computed
-after it lands, is twice as long). Measured (H100, ``python -m benchmarks.decode_variants --variants tile=16
+after it lands, is twice as long). Measured (H100, ``python -m benchmarks.profilers.decode_variants --variants tile=16
 tile=32 --rounds 5``, seven shapes, cuDNN in every round; ``decode_tile_ab.json``): 32-key tiles slower at every
 shape — batch 1 at 4k / 16k / 64k keys 14.4 / 31.2 / 95.9 µs against 14.0 / 30.7 / 95.3, batch 8 at 4k and 32k
 52.9 and 355.1 against 52.6 and 354.3, batch 32 at 4k and 16k 180.3 and 698.9 against 179.1 and 691.4 (0.2-2.9 %):
@@ -259,7 +259,7 @@ batch fills the GPU (DRAM already ran at cuDNN's 92 % of its peak there); the ti
 simulator tests run 32 and 48).
 
 **The splits merged inside their cluster** (``cluster`` = S; :func:`kernels_gpu.decode._cluster_merge` decides;
-2026-11-27). What the merge launch costs a step, measured first (``python -m benchmarks.decode_merge_cost``, H100,
+2026-11-27). What the merge launch costs a step, measured first (``python -m benchmarks.profilers.decode_merge_cost``, H100,
 graph replays of the whole step against the same plan with its merge launch replaced by nothing;
 ``decode_merge_cost.json``): 2.6-3.0 µs at batch 1 with 4k / 8k / 16k / 32k keys (14.0 → 11.0, 20.0 → 17.1, 31.0 → 28.3,
 52.1 → 49.5 µs) and 2.9-3.0 µs at batch 8 — more than this program trails cuDNN by. So the S programs of a
@@ -271,12 +271,12 @@ until the reads are done. No partials in HBM, no second launch. Each program ask
 memory (:data:`kernels_gpu.decode.CLUSTER_SHARED_BYTES`), so that an SM holds one, as the split rule plans, and the
 path is taken only where ``cuOccupancyMaxActiveClusters`` says every cluster of the grid fits at once.
 Prediction: 2-2.5 µs less a step wherever it applies (two barriers and one round of reads from a neighbour's shared
-memory, ~0.5-1 µs, for the merge's 3). Measured (``python -m benchmarks.decode_variants --variants cluster=1
+memory, ~0.5-1 µs, for the merge's 3). Measured (``python -m benchmarks.profilers.decode_variants --variants cluster=1
 cluster=0 --rounds 5``, cuDNN in every round; ``decode_cluster_ab.json``): batch 8 with 4k and 16k keys (2 splits,
 clusters of 2) 50.9 and 180.8 µs against 52.9 and 183.0 with the merge launch — 2.0 and 2.2 µs, as predicted, and
 ahead of cuDNN's 52.1 and 181.3 —; batch 1 unchanged (14.0 / 30.9 / 95.0 µs at 4k / 16k / 64k): its 8 clusters of 16
 programs do not fit an H100 one program per SM (``cuOccupancyMaxActiveClusters``: 7 for clusters of 10 to 16
-programs, 15 of 8: ``decode_cluster_occupancy.log``, ``benchmarks.decode_variants --cluster-occupancy``), so the call
+programs, 15 of 8: ``decode_cluster_occupancy.log``, ``benchmarks.profilers.decode_variants --cluster-occupancy``), so the call
 keeps the merge launch. Letting two programs share an SM
 so that they fit (``cluster_shared=0``, ``decode_cluster_shared_ab.json``) made batch 1 slower — 14.8 against 14.1
 µs at 4k keys, 32.4 against 30.9 at 16k, 103.0 against 95.0 at 64k —: the cluster is placed on half as many SMs.

@@ -449,7 +449,7 @@ class Prepared:
     addresses that the driver's ``cuLaunchKernelEx`` takes (it copies the values when it queues the launch) —, the
     driver's launch configuration is made once per stream, and a call writes the addresses and hands the driver
     the array (``cuda.bindings``). Host time of one launch of the decoding split program (94 parameter words,
-    ``benchmarks.decode_host``, H100, ``decode_host_breakdown.json``): 10.1 µs, of which the driver call alone 8.3;
+    ``benchmarks.profilers.decode_host``, H100, ``decode_host_breakdown.json``): 10.1 µs, of which the driver call alone 8.3;
     ``cuda.core.launch`` with the same words handed over one by one, 12.9. Calling ``cuLaunchKernelEx`` through
     ctypes with copies of cuda.h's structs instead was no faster (6.7 µs against 5.8 for the bare bindings call and
     8.3 for ``cuda.core``, on another host: ``decode_host_breakdown_ctypes.json``). A lock keeps two threads from
@@ -479,7 +479,7 @@ class Prepared:
                 words.append(ctypes.c_bool(bool(a)))
             else:
                 words.append(_SCALAR_CTYPES[np.dtype(type(a))](a))
-        self.kernel = cufunc.kernel                     # cuda.core's Kernel (benchmarks.decode_host compares)
+        self.kernel = cufunc.kernel                     # cuda.core's Kernel (benchmarks.profilers.decode_host compares)
         self.func = cufunc.kernel.handle                # the loaded kernel, as the driver names it
         self.dims = (_dim3(grid), _dim3(block), int(shared_bytes))
         self.early = bool(early) and pdl_available()

@@ -16,8 +16,8 @@ if ROOT not in sys.path:  # benchmarks/ is a top-level package of the checkout, 
     sys.path.insert(0, ROOT)
 
 from benchmarks import bench_attention as bench  # noqa: E402
-from benchmarks import results_io, timing  # noqa: E402
-from benchmarks.flop_model import model_flops, tflops  # noqa: E402
+from benchmarks.harness import results_io, timing  # noqa: E402
+from benchmarks.harness.flop_model import model_flops, tflops  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- FLOP model
 
@@ -464,7 +464,7 @@ def test_cli_plan_and_help_need_no_gpu():
 # ---------------------------------------------------------------------------------------------- plots
 
 def test_plot_renders_png_from_a_results_file(tmp_path):
-    from benchmarks import plot
+    from benchmarks.harness import plot
     path = results_io.write_results(str(tmp_path / "r.json"), {"device": "NVIDIA H100 80GB HBM3"},
                                     _synthetic_records())
     assert plot.main([path, "--out", str(tmp_path / "fig")]) == 0
@@ -477,7 +477,7 @@ def test_plot_renders_png_from_a_results_file(tmp_path):
 
 
 def test_plot_refuses_mixed_devices(tmp_path):
-    from benchmarks import plot
+    from benchmarks.harness import plot
     a = results_io.write_results(str(tmp_path / "a.json"), {}, _synthetic_records("NVIDIA H100 80GB HBM3")[:3])
     b = results_io.write_results(str(tmp_path / "b.json"), {}, _synthetic_records("NVIDIA H200")[:3])
     with pytest.raises(ValueError, match="different devices"):
@@ -495,7 +495,7 @@ def alloc(size):
     return address
 sys.modules["torch"] = types.SimpleNamespace(
     cuda=types.SimpleNamespace(caching_allocator_alloc=alloc, caching_allocator_delete=live.pop))
-from benchmarks import torch_allocator
+from benchmarks.harness import torch_allocator
 manager = torch_allocator.TorchNumbaMemoryManager(context=None)
 assert manager.interface_version == 1
 memory = manager.memalloc(4096)
@@ -527,7 +527,7 @@ def test_torch_allocator_plugin_allocates_and_frees_through_torch():
 def test_reference_matches_the_fa2edu_oracle(causal, chunk_bytes):
     torch = pytest.importorskip("torch")
     import fa2edu
-    from benchmarks import impls
+    from benchmarks.harness import impls
     x = impls.make_inputs(2, 3, 29, 8, seed=5, device="cpu")
     scale = 1 / math.sqrt(8)
     O, L = impls.reference_forward(x["Q"], x["K"], x["V"], causal, scale, chunk_bytes=chunk_bytes)
@@ -546,7 +546,7 @@ def test_reference_matches_the_fa2edu_oracle(causal, chunk_bytes):
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_baselines_pass_the_check(impl, pass_, causal):
     pytest.importorskip("torch")
-    from benchmarks import impls
+    from benchmarks.harness import impls
     x = impls.make_inputs(2, 2, 40, 16, seed=1, device="cpu")
     scale = 0.25
     O, L = impls.reference_forward(x["Q"], x["K"], x["V"], causal, scale)
@@ -571,7 +571,7 @@ def test_torch_baselines_pass_the_check(impl, pass_, causal):
 
 def test_check_reads_fa1_statistics_as_a_log_sum_exp():
     torch = pytest.importorskip("torch")
-    from benchmarks import impls
+    from benchmarks.harness import impls
     x = impls.make_inputs(1, 2, 33, 8, seed=2, device="cpu")
     O, L = impls.reference_forward(x["Q"], x["K"], x["V"], True, 0.3)
     m = L - 0.5  # any m with ℓ = exp(L − m) describes the same row statistics
@@ -598,7 +598,7 @@ class WallClockDevice(FakeDevice):
 
 def test_the_whole_run_on_cpu_with_torch_baselines(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from benchmarks import impls
+    from benchmarks.harness import impls
     real_make_inputs = impls.make_inputs
     monkeypatch.setattr(impls, "make_inputs", lambda *a, **k: real_make_inputs(*a, device="cpu", **k))
     args = bench.parse_args(["--impls", "torch_eager,sdpa_math", "--N", "32,64", "--d", "16", "--tokens", "128",
@@ -621,7 +621,7 @@ def test_the_whole_run_on_cpu_with_torch_baselines(tmp_path, monkeypatch):
 
 
 def test_run_records_a_spent_budget_and_a_failed_reference(tmp_path, monkeypatch):
-    from benchmarks import impls
+    from benchmarks.harness import impls
     args = bench.parse_args(["--impls", "kg_flash2,torch_eager", "--N", "32,64", "--d", "16", "--tokens", "128",
                              "--hidden", "32", "--passes", "forward", "--budget-s", "0"])
     header = {"device": "CPU test", "device_properties": {}, "numba_allocator": "torch"}
@@ -662,7 +662,7 @@ def _target_records(eager_d128_tflops=30.0, drop=None):
 
 
 def test_check_targets_reports_met_and_missed(tmp_path, capsys):
-    from benchmarks import check_targets
+    from benchmarks.harness import check_targets
     assert all(t.met for t in check_targets.evaluate(_target_records()))
 
     # eager faster at d = 128, non-causal: only target 2 is missed, on exactly those rows (3 N)
@@ -685,7 +685,7 @@ def test_check_targets_reports_met_and_missed(tmp_path, capsys):
 
 
 def test_check_targets_ratios_are_wall_time():
-    from benchmarks import check_targets
+    from benchmarks.harness import check_targets
     # target 4: equal TFLOP/s causal and not means the causal pass is 2x faster (half the FLOPs)
     line = check_targets.evaluate(_target_records())[3].lines[0]
     assert "= 2.00×" in line
@@ -704,7 +704,7 @@ def test_fast_kernels_parses_a_register_cap():
 
 # ---------------------------------------------------------------------------------------------- book (chapter 10)
 #
-# benchmarks.book reads the committed results of benchmarks/results/<device>/ for chapter 10. The tests below check
+# benchmarks.harness.book reads the committed results of benchmarks/results/<device>/ for chapter 10. The tests below check
 # its arithmetic on synthetic files and its answers on the committed ones (the same files the chapter reads).
 
 def _book_file(folder, name, records, date, **header):
@@ -712,7 +712,7 @@ def _book_file(folder, name, records, date, **header):
 
 
 def test_book_finds_the_device_folder_and_its_ceilings():
-    from benchmarks import book
+    from benchmarks.harness import book
     folder = book.device_folder()
     assert folder.parent == book.RESULTS and list(folder.glob("sweep*.json"))
     dev = book.device(folder)
@@ -725,7 +725,7 @@ def test_book_finds_the_device_folder_and_its_ceilings():
 
 
 def test_book_sweep_keeps_the_newer_file_and_the_papers_grid(tmp_path):
-    from benchmarks import book
+    from benchmarks.harness import book
     settings = {"tokens": 128}
     old = [_record(batch=2, N=64, d=16, heads=2, ms=2.0, tflops=1.0),
            _record(batch=1, N=64, d=16, heads=2, ms=9.0, tflops=9.0, impl="kg_standard")]  # off the grid
@@ -741,7 +741,7 @@ def test_book_sweep_keeps_the_newer_file_and_the_papers_grid(tmp_path):
 
 
 def test_book_run_refuses_ambiguous_and_missing_files(tmp_path):
-    from benchmarks import book
+    from benchmarks.harness import book
     _book_file(tmp_path, "twice.json", [_record(), _record(ms=11.0)], "2026-01-01")
     with pytest.raises(ValueError, match="two timed records"):
         book.run("twice.json", tmp_path)
@@ -753,7 +753,7 @@ def test_book_run_refuses_ambiguous_and_missing_files(tmp_path):
 
 
 def test_book_inventory_counts_and_failed_records(tmp_path):
-    from benchmarks import book
+    from benchmarks.harness import book
     records = [_record(), _record(N=16384, status="skipped", ms=None, tflops=None, error="out of memory: 9 GiB"),
                _record(N=4096, status="wrong", ms=None, tflops=None, error="rel error 0.5 > 0.001")]
     _book_file(tmp_path, "a.json", records, "2026-01-01")
@@ -765,7 +765,7 @@ def test_book_inventory_counts_and_failed_records(tmp_path):
 
 
 def test_book_run_to_run_spread(tmp_path):
-    from benchmarks import book
+    from benchmarks.harness import book
     settings = {"tokens": 8192 * 2}
     for k, rate in enumerate((30.0, 30.3, 29.7)):
         _book_file(tmp_path, f"r{k}.json", [_record(impl="torch_eager", tflops=rate)], f"2026-01-0{k + 1}",
@@ -776,7 +776,7 @@ def test_book_run_to_run_spread(tmp_path):
 
 
 def test_book_ladder_points_at_files_that_hold_its_records():
-    from benchmarks import book
+    from benchmarks.harness import book
     names = [r.name for r in book.FORWARD_LADDER]
     assert names == ["teaching"] + [f"v{k}" for k in range(1, 9)]
     for rung in book.FORWARD_LADDER:
@@ -794,7 +794,7 @@ def test_book_ladder_points_at_files_that_hold_its_records():
 
 def test_book_tiles_are_the_kernels_defaults():
     # the tiles the results files recorded for v6 are the module's defaults today: B_r = NY·TR, B_c = NX·TC
-    from benchmarks import book
+    from benchmarks.harness import book
     from kernels_gpu.fast import flash2_forward_v6
     for d in (64, 128):
         t = flash2_forward_v6.default_tiling(d)
@@ -802,7 +802,7 @@ def test_book_tiles_are_the_kernels_defaults():
 
 
 def test_book_same_run_ratio_is_the_files_ratio():
-    from benchmarks import book
+    from benchmarks.harness import book
     ok = book.run("fast_forward.json").ok
     ratios = book.same_run_ratios("fast_forward.json", "fast_v2", "fast_v1", 128)
     assert set(ratios) == {k[4] for k in ok if k[:4] == ("fast_v1", "forward", 128, False)}
@@ -812,7 +812,7 @@ def test_book_same_run_ratio_is_the_files_ratio():
 
 
 def test_book_verdicts():
-    from benchmarks import book
+    from benchmarks.harness import book
     p = book.Prediction(1.01, 1.03, "ratio", "+2 %")
     assert book._verdict(p, [1.015, 1.02]) == "held"
     assert book._verdict(p, [1.02, 1.05]) == "beaten"
@@ -822,7 +822,7 @@ def test_book_verdicts():
 
 
 def test_book_checks_predictions_on_the_committed_runs():
-    from benchmarks import book
+    from benchmarks.harness import book
     c = book.check_prediction("v4", 64)
     assert c.prediction.unit == "TFLOP/s" and min(c.measured) >= c.prediction.N_min
     for N, value in c.measured.items():             # a TFLOP/s prediction is judged on the rate itself
@@ -842,7 +842,7 @@ def test_book_checks_predictions_on_the_committed_runs():
 def test_book_resident_blocks_match_the_occupancy_the_headers_report():
     # v8's header: the occupancy calculator gave 132 slots at d = 128 and 396 at d = 64 on 132 SMs; backward v1:
     # one block per SM uncapped at d = 64, three under its 168-register cap; v3 at d = 64: two blocks of 8 warps
-    from benchmarks import book
+    from benchmarks.harness import book
     sram = book.device().profile.sram_per_sm
     res = {d: book.run(f"fast_v8e_explore_d{d}.json").header["resources"][f"v6/d{d}"] for d in (64, 128)}
     assert book.resident_blocks(res[128], sram) == 1 and book.resident_blocks(res[64], sram) == 3
@@ -856,7 +856,7 @@ def test_book_resident_blocks_match_the_occupancy_the_headers_report():
 
 
 def test_book_wave_runs():
-    from benchmarks import book
+    from benchmarks.harness import book
     runs = book.wave_runs()
     assert [r.heads for r in runs] == sorted(r.heads for r in runs) and len(runs) == 3
     for r in runs:
@@ -866,7 +866,7 @@ def test_book_wave_runs():
 
 @pytest.mark.parametrize("items, tiles, slots", [(2048, 32, 132), (8192, 64, 396), (264, 16, 132), (7, 5, 3)])
 def test_book_busy_slots_conserve_the_work(items, tiles, slots):
-    from benchmarks import book
+    from benchmarks.harness import book
     plans = {plan: book.busy_slots(items, tiles, slots, plan) for plan in ("waves", "stream")}
     for steps in plans.values():
         assert sum((end - start) * busy for start, end, busy in steps) == pytest.approx(items * tiles)
@@ -878,7 +878,7 @@ def test_book_busy_slots_conserve_the_work(items, tiles, slots):
 
 
 def test_book_kernel_durations(tmp_path):
-    from benchmarks import book
+    from benchmarks.harness import book
     v8 = book.kernel_durations("ncu_v8b_v8_N1024.csv")
     assert set(v8) == {"zero_counter", "flash2_forward_fast", "merge_stream"}
     assert set(book.kernel_durations("ncu_v8b_v6_N1024.csv")) == {"flash2_forward_fast"}
@@ -892,7 +892,7 @@ def test_book_kernel_durations(tmp_path):
 
 
 def test_book_causal_speedups_are_wall_time_ratios():
-    from benchmarks import book
+    from benchmarks.harness import book
     ok = book.run("final.json").ok
     s = book.causal_speedups("final.json", 128, impls=["kg_flash2_fast"])["kg_flash2_fast"]
     for N, ratio in s.items():
@@ -901,7 +901,7 @@ def test_book_causal_speedups_are_wall_time_ratios():
 
 
 def test_book_roofline():
-    from benchmarks import book
+    from benchmarks.harness import book
     from fa2edu.io import closed_form
     dev = book.device()
     for d in (64, 128):
@@ -919,7 +919,7 @@ def test_book_roofline():
 
 
 def test_book_ncu_rows_and_the_long_run():
-    from benchmarks import book
+    from benchmarks.harness import book
     rows = book.ncu_rows()
     fa2 = next(r for r in rows if (r["impl"], r["pass"]) == ("kg_flash2", "forward"))
     assert book.compulsory_read_bytes(fa2) == 4 * 3 * fa2["N"] * fa2["d"] * fa2["batch"] * fa2["heads"]
@@ -932,7 +932,7 @@ def test_book_ncu_rows_and_the_long_run():
 
 
 def test_book_pytest_counts():
-    from benchmarks import book
+    from benchmarks.harness import book
     counts = book.pytest_counts("...\n==== 3 failed, 10 passed, 2 skipped, 1 error, 4 deselected in 12.5s ====\n")
     assert counts == {"failed": 3, "passed": 10, "skipped": 2, "error": 1, "deselected": 4, "seconds": 12.5}
     assert book.pytest_counts("1 passed in 0.1s\n...\n7 passed, 2 warnings in 3.0s (0:00:03)")["passed"] == 7
@@ -943,7 +943,7 @@ def test_book_pytest_counts():
 
 
 def test_book_sanitizer_logs():
-    from benchmarks import book
+    from benchmarks.harness import book
     text = "\n".join([
         "========= COMPUTE-SANITIZER", "ok: case 1", "ok: case 2", "========= ERROR SUMMARY: 2 errors",
         "compute-sanitizer memcheck exit status: 9 (0 clean, 9 errors found, 124 timed out)",
@@ -966,7 +966,7 @@ def test_book_figures_fit_the_page():
     import matplotlib.pyplot as plt
     from matplotlib.text import Text
 
-    from benchmarks import book, plot
+    from benchmarks.harness import book, plot
     dev = book.device()
     rows = book.ladder_table(N=4096)
     runs = book.wave_runs()

@@ -335,7 +335,7 @@ def test_fp16_check_summary_pairs_fp16_with_fp32():
 
 
 def test_harness_registers_the_fp16_implementation_outside_the_default_set():
-    from benchmarks import impls
+    from benchmarks.harness import impls
     spec = impls.IMPLS["kg_flash2_fast_fp16"]
     assert spec.dtype == "float16" and spec.passes == ("forward", "backward") and spec.family == "kernels_gpu"
     assert "kg_flash2_fast_fp16" not in impls.DEFAULT_IMPLS

@@ -1,4 +1,4 @@
-"""benchmarks.tensorcore_book: what chapter 14 reads from the committed tensor-core runs, checked.
+"""benchmarks.harness.tensorcore_book: what chapter 14 reads from the committed tensor-core runs, checked.
 
 Two kinds of test: properties of the committed H100 runs that the chapter relies on (every rung in the run that
 first measured it, SDPA flash in every run, TFLOP/s consistent with the times, the tables' arithmetic, the
@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from benchmarks import tensorcore_book as tcb
+from benchmarks.harness import tensorcore_book as tcb
 
 
 @pytest.fixture(scope="module")

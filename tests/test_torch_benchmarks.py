@@ -72,36 +72,3 @@ def test_gpt_speed_dry_run_writes_results_and_figure(tmp_path, capsys):
     assert gpt_speed.main(["--plot", str(tmp_path / "gpt_speed.json")]) == 0 and figure.read_bytes()[:8] == PNG
 
 
-# -- the harness's layering ------------------------------------------------------------------------------------------
-
-def benchmark_imports() -> dict[str, set[str]]:
-    """{module: the benchmarks modules it imports}, from every import statement in its source."""
-    graph = {}
-    for path in (ROOT / "benchmarks").glob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
-                found |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
-                found.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
-        graph[path.stem] = found - {path.stem}
-    return graph
-
-
-def test_the_harness_is_layered_one_way():
-    graph = benchmark_imports()
-    # implementations at the bottom: what is timed imports no other part of the harness
-    assert graph["impls"] == set()
-    # timing: the protocol, the CUDA set-up and a run's record; it uses implementations, never a driver
-    assert graph["timing"] <= {"impls", "flop_model", "results_io", "torch_allocator"}
-    # the drivers build on both, and on no other driver
-    for driver in ("bench_attention", "fast_kernels", "gpt_speed"):
-        assert "timing" in graph[driver] and not graph[driver] & {"bench_attention", "gpt_speed"}
-
-    # no cycle anywhere in the package
-    def reaches(start, target, seen=()):
-        return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in graph.get(start, ()))
-    cycles = [m for m in graph if reaches(m, m)]
-    assert not cycles, f"import cycles through {cycles}"

@@ -40,7 +40,7 @@ backward at d = 128 0.83× / 0.85× SDPA's memory-efficient kernel (non-causal /
 0.94 / 0.97 at d = 64 — the 0.9 target still missed at d = 128.
 
 **Tried after v3, not kept: the products software-pipelined.** v3's stall samples per SASS loop
-(``ncu_fast_bwd_v3_d128_stalls.txt``; ``python -m benchmarks.profile_fast --loops`` on the source page:
+(``ncu_fast_bwd_v3_d128_stalls.txt``; ``python -m benchmarks.profilers.profile_fast --loops`` on the source page:
 ``ncu_fast_bwd_v3_d128_loops.txt``): 96 % of them in the four inner loops (S, dP, the dK/dV update, dQ), each in
 proportion to its FFMAs, and in each the short scoreboard (an FFMA waiting for its ``LDS.128``) is 15-27 % of the
 loop's samples. So every loop was unrolled by two steps with the next step's operands loaded into a second set of

@@ -85,7 +85,7 @@ relative error ≤ 2.3e-6; TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384):
   (PyTorch eager in the same run 38.0 / 39.0 / 36.7 / 34.4 / 38.7); d = 64 34.4 / 34.9 / 34.8 / 35.2 / 35.2
   against v6's 34.9 / 35.1 / 35.3 / 35.4 / 35.4: **v8 does not pay at d = 64** (−0.4 … −1.4 %; the leftover wave
   is 1.5 % there, 3 blocks per SM; what costs more than it saves was not established), so the harness times v6
-  at d ≤ 64 and v8 above (``benchmarks.impls.FAST_FORWARD``);
+  at d ≤ 64 and v8 above (``benchmarks.harness.impls.FAST_FORWARD``);
 * final run (``final.json``, ``kg_flash2_fast`` = v8 at d = 128, all baselines in the same run): d = 128
   non-causal 38.8 / 39.6 / 40.0 / 40.2 / 40.3 against PyTorch eager 38.0 / 39.0 / 36.6 / 34.5 / 38.8, ahead at
   every N (by 1.9 %, 1.5 %, 9 %, 17 %, 4 %). Causal calls run v6's grid: 31.9-37.0, as before.

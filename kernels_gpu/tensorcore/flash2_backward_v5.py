@@ -14,7 +14,7 @@ gradients are bit-identical to v4's.
 **Prediction (before the first GPU run).** At d = 128 a thread of the key-block kernel makes 8 copies per row
 block (Q_i and dO_i: 32 rows × 16 chunks each over 128 threads) against about 128 MMAs per warp; the dQ kernel
 makes 8 per key tile. If issue slots bind as they did the forward v8 (+10-45 % from v9), the key-block kernel
-gains 5-15 % and the dQ kernel 5-10 % at the GPT training shape (``benchmarks.tensorcore_backward_tiles``).
+gains 5-15 % and the dQ kernel 5-10 % at the GPT training shape (``benchmarks.profilers.tensorcore_backward_tiles``).
 
 **Measured** (H100 80GB HBM3, 2026-11-26, one machine, v4 then v5: ``tensorcore_backward_tiles_v4.json`` and
 ``_v5.json``; batch 4, 8 heads, N = 4096, causal, bfloat16; each kernel's GPU time per call from PyTorch's

@@ -38,7 +38,7 @@ warp and per use is the cost to remove next (split each K/V tile once per block 
 shared memory, fed to the MMAs by ``ldmatrix``, as CUTLASS splits once per fragment). Error against float64: within
 2× of SDPA memory-efficient float32's at the same shape (flash-attn's rule), ~1e-6 at N = 2048.
 
-**What SDPA runs, measured first** (H200, 2026-11-26; ``ncu … python -m benchmarks.sdpa_fp32_pipes``,
+**What SDPA runs, measured first** (H200, 2026-11-26; ``ncu … python -m benchmarks.profilers.sdpa_fp32_pipes``,
 ``benchmarks/results/nvidia-h200/ncu_sdpa_fp32_pipes.txt``; batch 8, 16 heads, N = 2048, d = 128, PyTorch's TF32
 switch off): the float32 forward kernel ``fmha_cutlassF_f32_aligned_64x128_rf_sm80`` issues 402,653,184
 tensor-core MMAs and the backward 1,006,632,960 — exactly 3 × (the FA2 model's FLOPs) / 2048 for each: every float32
@@ -46,7 +46,7 @@ product of PyTorch's memory-efficient attention is three tf32 MMAs. The float32 
 ``fa2edu.torch.flash_attention`` (≥ 0.9× this backend) compares kernels_gpu.fast's FMA-unit kernels with a
 tensor-core kernel.
 
-**Measured** (H200, 2026-11-26, ``python -m benchmarks.tensorcore_variants --parts precision``; batch × N = 16k
+**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``; batch × N = 16k
 tokens, non-causal, TFLOP/s by the FA2 model; error: largest ``|O − O_float64|`` at N = 2048, batch 1):
 
 * **first form, one accumulator chain** (``tensorcore_3xtf32_unstaged.json``, the TF32 rung, kernels_gpu.fast and

@@ -41,7 +41,7 @@ instructions, 2.4× the first form: 60-65 TFLOP/s at d = 128; the MMA rate (thre
 TFLOP/s of tf32 MMAs sustained by mma.sync on Hopper) caps it at 40-50. So **40-50 TFLOP/s at d = 128, N ≥ 4096**
 — level with SDPA memory-efficient float32 (44-46) — and at d = 64 35-45 (SDPA 35); error as the first form's.
 
-**Measured** (H200, 2026-11-26, ``python -m benchmarks.tensorcore_variants --parts precision``, batch × N = 16k
+**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``, batch × N = 16k
 tokens, non-causal, TFLOP/s at N = 2048 / 4096 / 16384, kernels_gpu.fast's float32 forward and SDPA
 memory-efficient float32 in every run):
 

@@ -13,7 +13,7 @@ d        row tiles  B_c   why
 ≤ 256    1          32    two Õ tiles would not fit; one row tile per warp (v6's shape) with v8 and v9's changes
 ======== ========== ===== ===================================================================================
 
-(`benchmarks.tensorcore_tiles` measured the first two rows on v9: d = 64, N = 4096: 193 TFLOP/s at B_c = 32
+(`benchmarks.profilers.tensorcore_tiles` measured the first two rows on v9: d = 64, N = 4096: 193 TFLOP/s at B_c = 32
 against 184 at 64; d = 128: 193 against 211.)
 
 **Prediction (before the first GPU run).** d = 64: +3-6 % (the tile sweep); d = 128 unchanged; d = 256: well above

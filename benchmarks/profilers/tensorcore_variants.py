@@ -1,6 +1,6 @@
 """FA2 Section 3.3 (split-K against split-Q) and the TF32 forward, measured on the FA2 paper's grid, in one run.
 
-    python -m benchmarks.tensorcore_variants --out benchmarks/results/<device>/tensorcore_variants.json
+    python -m benchmarks.profilers.tensorcore_variants --out benchmarks/results/<device>/tensorcore_variants.json
 
 **Partitioning.** For each d and N of the grid (float16, batch × N = 16k tokens, hidden 2048 → heads = 2048 / d,
 non-causal unless ``--causal 0,1``), the split-K and split-Q forwards (``kernels_gpu.tensorcore.PARTITIONING``: same
@@ -31,7 +31,7 @@ import platform
 import sys
 from pathlib import Path
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 from benchmarks.tensorcore import GRID_N, HIDDEN, TOKENS, forward_flops, sdpa_flash, time_ms
 
 PARTITION_IMPLS = ("split-q", "split-k", "sdpa_flash")
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
                   numba=numba.__version__, numba_cuda=__import__("numba_cuda").__version__,
                   python=platform.python_version(), tokens=TOKENS, hidden=HIDDEN,
                   torch_allow_tf32_default=torch.backends.cuda.matmul.allow_tf32,
-                  command="python -m benchmarks.tensorcore_variants " + " ".join(sys.argv[1:] if argv is None
+                  command="python -m benchmarks.profilers.tensorcore_variants " + " ".join(sys.argv[1:] if argv is None
                                                                                   else argv))
     result = dict(header=header, ptxas=ptxas_reports(ds), records=[], float64_errors=[])
     rt.poison_outputs = True                 # the check call writes every element or is caught

@@ -14,7 +14,7 @@ run-to-run spread of an unchanged kernel on this device (:func:`run_to_run_sprea
 
 Typical use (the chapter's)::
 
-    from benchmarks import book
+    from benchmarks.harness import book
     dev = book.device()                      # name, dates, SMs, measured ceilings, datasheet profile
     book.ladder_table(N=4096)                # every rung at d = 64 and 128, its gain and its verdict
     book.sanitizer_summary()                 # one row per compute-sanitizer run
@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks.results_io import load_results
+from benchmarks.harness.results_io import load_results
 from fa2edu import hardware
 from fa2edu.flops import model_flops
 from fa2edu.io import closed_form
@@ -45,7 +45,7 @@ __all__ = [
     "sanitizer_summary",
 ]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BYTES = 4                               # every timed kernel here stores float32
 REGISTERS_PER_SM = 65536                # Volta to Hopper: 64 K 32-bit registers per SM
 MAX_THREADS_PER_SM = 2048
@@ -162,8 +162,8 @@ def _profile_for(name: str):
 #: results files of other harnesses that a device folder may hold beside the kernel timings: Nsight Compute's byte
 #: counts (profiles, not timings) and the multi-GPU ring's (one configuration timed per dtype and ring size, which
 #: the (impl, pass, d, causal, N) key of :class:`Run` does not tell apart), the tensor-core harnesses' (their own
-#: record layout, read by :mod:`benchmarks.tensorcore_book`), the GPT and op timings of :mod:`benchmarks.gpt_speed`
-#: and the decoding step's (:mod:`benchmarks.decode`, :mod:`benchmarks.decode_variants`: schemas of their own)
+#: record layout, read by :mod:`benchmarks.harness.tensorcore_book`), the GPT and op timings of :mod:`benchmarks.gpt_speed`
+#: and the decoding step's (:mod:`benchmarks.decode`, :mod:`benchmarks.profilers.decode_variants`: schemas of their own)
 OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json", "tensorcore*.json", "gpt_speed*.json", "decode*.json")
 
 

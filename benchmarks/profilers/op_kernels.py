@@ -1,6 +1,6 @@
 """The PyTorch op's forward + backward taken apart kernel by kernel, beside SDPA's, with PyTorch's profiler.
 
-    python -m benchmarks.op_kernels --dtype float32 --out benchmarks/results/<device>/op_kernels_float32.json
+    python -m benchmarks.profilers.op_kernels --dtype float32 --out benchmarks/results/<device>/op_kernels_float32.json
 
 For each head dimension and mask, on the inputs of :mod:`benchmarks.gpt_speed`'s op-alone rows (batch × N = 16k
 tokens, heads × d = 2048, N = 2048): ``fa2edu.torch.flash_attention`` and SDPA (restricted to the backend those rows
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 
 #: SDPA's backend per dtype, as in benchmarks.gpt_speed's op-alone rows
 BACKEND = {"float32": "EFFICIENT_ATTENTION", "float16": "FLASH_ATTENTION", "bfloat16": "FLASH_ATTENTION"}
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             del q, k, v, dO
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
                   dtype=args.dtype, sdpa_backend=BACKEND[args.dtype], calls=args.calls,
-                  command="python -m benchmarks.op_kernels " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="python -m benchmarks.profilers.op_kernels " + " ".join(sys.argv[1:] if argv is None else argv))
     args.out.write_text(json.dumps(dict(header=header, records=records), indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -1,6 +1,6 @@
 """Where a short tensor-core call spends its time: host work per call against GPU time per call.
 
-    python -m benchmarks.launch_overhead --N 1024 --d 64
+    python -m benchmarks.profilers.launch_overhead --N 1024 --d 64
 
 Times ``kernels_gpu.tensorcore.flash2_forward`` and SDPA flash three ways on one shape (batch × N = 16k tokens,
 hidden 2048): the host time of a call (``perf_counter`` around a call that does not wait for the GPU), one call

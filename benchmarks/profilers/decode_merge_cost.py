@@ -1,7 +1,7 @@
 """What the merge launch of a split decoding step costs in a CUDA graph: the whole step against its split programs
 alone, beside cuDNN's step, on the :mod:`benchmarks.decode` grid's shapes that split.
 
-    python -m benchmarks.decode_merge_cost --out benchmarks/results/<device>/decode_merge_cost.json
+    python -m benchmarks.profilers.decode_merge_cost --out benchmarks/results/<device>/decode_merge_cost.json
 
 Per shape, in 3 rounds (each implementation once per round, graph replays of :func:`benchmarks.decode.time_graph`,
 the medians kept): ``full`` — :func:`kernels_gpu.decode_attention` with the merge launch (``decode.CLUSTER_MERGE``
@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
-    from benchmarks.results_io import write_measurement
-    from benchmarks.timing import cuda_setup, package_versions
+    from benchmarks.harness.results_io import write_measurement
+    from benchmarks.harness.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
 

@@ -28,7 +28,7 @@ it predicted before it was first measured; :func:`rung_header` returns those par
 
 Typical use (the chapter's)::
 
-    from benchmarks import tensorcore_book as tcb
+    from benchmarks.harness import tensorcore_book as tcb
     runs = tcb.load_runs()                         # every committed run, by file name
     tcb.rung_series(runs, "v9", d=64)              # ([N, ...], [TFLOP/s, ...], file): the one-run ladder
     print(tcb.format_predictions(tcb.check_predictions(runs)))
@@ -68,7 +68,7 @@ __all__ = [
     "precision_label", "PrecisionRow", "precision_table",
 ]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: the device folder chapter 14 teaches from
 FOLDER = RESULTS / "nvidia-h100"
 #: the first run (v1-v5 and SDPA flash on the full grid, bf16 and causal for v5)
@@ -91,7 +91,7 @@ FIRST_RUN = {"v1": "tensorcore.json", "v2": "tensorcore.json", "v3": "tensorcore
              "v11": "tensorcore_v11_numba_call.json"}
 #: what every rung is compared with in the same run: PyTorch's SDPA with its flash backend
 BASELINE = "sdpa_flash"
-#: the fastest fp32 CUDA-core forward of chapter 10 (``kernels_gpu.fast``): (file, impl) of ``benchmarks.book``
+#: the fastest fp32 CUDA-core forward of chapter 10 (``kernels_gpu.fast``): (file, impl) of ``benchmarks.harness.book``
 CUDA_CORE = ("final.json", "kg_flash2_fast")
 #: the project's forward targets: TFLOP/s at N ≥ TARGET_TFLOPS_MIN_N; a fraction of SDPA flash of the same run at
 #: every N ≥ TARGET_RATIO_MIN_N; causal faster than non-causal (wall time) by TARGET_CAUSAL at N = TARGET_CAUSAL_N
@@ -255,9 +255,9 @@ def baseline_range(runs: dict, d: int, dtype: str = "float16", causal: bool = Fa
 
 def cuda_core_series(d: int, causal: bool = False, folder=None) -> tuple[list, list, str]:
     """``(Ns, TFLOP/s, device)`` of the fastest fp32 CUDA-core forward (:data:`CUDA_CORE`), read by
-    ``benchmarks.book`` from the device folder chapter 10 teaches from (its own grid: batch × N = 16k tokens,
+    ``benchmarks.harness.book`` from the device folder chapter 10 teaches from (its own grid: batch × N = 16k tokens,
     hidden 2048, as here)."""
-    from benchmarks import book
+    from benchmarks.harness import book
 
     name, impl = CUDA_CORE
     run = book.run(name, folder)
@@ -732,7 +732,7 @@ class TileRow(NamedTuple):
 
 
 def tile_sweep(name: str = "tensorcore_tiles_v9.json", folder=None) -> list[TileRow]:
-    """The rows of a ``benchmarks.tensorcore_tiles`` file, sorted by (d, N, B_c)."""
+    """The rows of a ``benchmarks.profilers.tensorcore_tiles`` file, sorted by (d, N, B_c)."""
     path = (Path(folder) if folder is not None else FOLDER) / name
     records = [r for r in json.loads(path.read_text())["records"] if r["status"] == "ok"]
     sdpa = {(r["d"], r["N"]): r["tflops"] for r in records if r["impl"] == BASELINE}
@@ -743,7 +743,7 @@ def tile_sweep(name: str = "tensorcore_tiles_v9.json", folder=None) -> list[Tile
 
 
 class LaunchRow(NamedTuple):
-    """Host cost of one call (``benchmarks.launch_overhead``): µs on the host, ms of one call timed alone
+    """Host cost of one call (``benchmarks.profilers.launch_overhead``): µs on the host, ms of one call timed alone
     between two events and per call of many queued calls, and the TFLOP/s of each."""
 
     impl: str
@@ -797,7 +797,7 @@ def sanitizer_report(path=None) -> SanitizerReport:
 def gpu_test_counts(path=None) -> dict:
     """``{'passed': n, 'failed': n, ..., 'seconds': s}`` from the last pytest summary line of a GPU test log
     (default: ``gpu_tests_tensorcore.log`` in :data:`FOLDER`)."""
-    from benchmarks.book import pytest_counts
+    from benchmarks.harness.book import pytest_counts
 
     path = Path(path) if path is not None else FOLDER / "gpu_tests_tensorcore.log"
     return pytest_counts(path.read_text(errors="replace"))
@@ -808,7 +808,7 @@ def gpu_test_progress(path) -> dict:
     a pytest log (``.`` ``F`` ``E`` ``s`` at the start of its lines), for logs cut off before pytest's summary line
     (a time limit): ``complete`` says whether the summary line is there. A bare file name is looked up in
     :data:`FOLDER`."""
-    from benchmarks.book import pytest_counts
+    from benchmarks.harness.book import pytest_counts
 
     path = Path(path)
     if not path.is_absolute() and not path.exists():
@@ -831,7 +831,7 @@ def gpu_test_progress(path) -> dict:
 BACKWARD_RUN = "tensorcore_backward.json"
 #: the earlier run of the backward rungs v1-v3 beside SDPA flash's (fp16, non-causal, numba's ordinary launch)
 BACKWARD_LADDER_RUN = "tensorcore_backward_ladder.json"
-#: ``python -m benchmarks.tensorcore_variants``: split-Q against split-K (with shared-memory bytes), and TF32
+#: ``python -m benchmarks.profilers.tensorcore_variants``: split-Q against split-K (with shared-memory bytes), and TF32
 #: against the float32 forwards (with errors against float64)
 VARIANTS_RUN = "tensorcore_variants.json"
 #: ``python -m benchmarks.tensorcore_backward --impls v3,v4,sdpa_flash --dtypes bfloat16``: v4 (causal: the
@@ -840,7 +840,7 @@ BACKWARD_ORDER_RUN = "tensorcore_backward_v4.json"
 #: ``python -m benchmarks.tensorcore_backward --impls v3,v5,sdpa_flash``: v5 beside v3 and SDPA flash on the
 #: ladder's grid, fp16 and bf16, causal and not, planned launch
 BACKWARD_V5_RUN = "tensorcore_backward_v5.json"
-#: ``python -m benchmarks.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
+#: ``python -m benchmarks.profilers.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
 #: (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
 BACKWARD_KERNEL_RUNS = ("tensorcore_backward_tiles_v4.json", "tensorcore_backward_tiles_v5.json")
 #: the same kernel times for v5, v6 and v7, on one machine (v5 timed again beside the two rungs that followed it)
@@ -933,7 +933,7 @@ class KernelTimeRow(NamedTuple):
 
 
 def backward_kernel_times(names=BACKWARD_KERNEL_RUNS, folder=None) -> list[KernelTimeRow]:
-    """The rows of the kernel-time runs (``benchmarks.tensorcore_backward_tiles``), in file order; a run's
+    """The rows of the kernel-time runs (``benchmarks.profilers.tensorcore_backward_tiles``), in file order; a run's
     shape must be the others' (its header's batch, heads, N, dtype, causal)."""
     rows, shape = [], None
     for name in names:

@@ -1,14 +1,14 @@
 """One call of a tensor-core backward rung, bracketed for Nsight Compute: where do its kernels' cycles go?
 
     ncu --profile-from-start off --set full --import-source yes -o bwd \\
-        python -m benchmarks.profile_tensorcore_backward --rung v5 --d 128
+        python -m benchmarks.profilers.profile_tensorcore_backward --rung v5 --d 128
     ncu --import bwd.ncu-rep --page details                 # speed of light, pipes, warp stalls, occupancy
     ncu --import bwd.ncu-rep --page source --csv --print-source sass   # stall samples per SASS instruction
 
 The shape defaults to the GPT benchmark's training step (:mod:`benchmarks.gpt_speed`: batch 4, 8 heads,
 N = 4096, causal, bfloat16). The rung's kernels are compiled and run once before the profiled call, so only that
 call's launches (preprocess, key-block kernel, dQ kernel) are captured. ``--warps`` and ``--B-r`` pick another tile
-shape of the rung (as :mod:`benchmarks.tensorcore_backward_tiles` spells them).
+shape of the rung (as :mod:`benchmarks.profilers.tensorcore_backward_tiles` spells them).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the host time of a decoding call goes, piece by piece, beside SDPA's: what a step pays when it is not
 captured in a CUDA graph.
 
-    python -m benchmarks.decode_host --out benchmarks/results/<device>/decode_host_breakdown.json [--profile 2000]
+    python -m benchmarks.profilers.decode_host --out benchmarks/results/<device>/decode_host_breakdown.json [--profile 2000]
 
 For each shape (the :mod:`benchmarks.decode` grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache), after
 warm-up calls (so the call finds its :class:`kernels_gpu.decode.DecodePlan`): the median host time (``perf_counter``
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="CALLS")
     a = p.parse_args(argv)
-    from benchmarks.results_io import write_measurement
-    from benchmarks.timing import cuda_setup, package_versions
+    from benchmarks.harness.results_io import write_measurement
+    from benchmarks.harness.timing import cuda_setup, package_versions
     cuda_setup(use_torch_allocator=False)
     import torch
     rows = []

@@ -1,6 +1,6 @@
 """Tile shapes per head dimension: one tensor-core rung timed with each K/V tile width B_c, beside SDPA flash.
 
-    python -m benchmarks.tensorcore_tiles --rung v9 --B_c 32,64 --d 64,128 --out tiles.json
+    python -m benchmarks.profilers.tensorcore_tiles --rung v9 --B_c 32,64 --d 64,128 --out tiles.json
 
 A rung's ``config_for`` takes ``B_c``; this times every (d, B_c) on the harness's grid (batch × N = 16k tokens,
 hidden 2048, fp16 unless told) with the harness's method (:func:`benchmarks.tensorcore.time_ms`: CUDA events,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 from benchmarks.tensorcore import HIDDEN, TOKENS, forward_flops, reference, sdpa_flash, time_ms
 
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         del inputs, ref
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
                   numba=numba.__version__, dtype=args.dtype, causal=args.causal,
-                  command="python -m benchmarks.tensorcore_tiles " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="python -m benchmarks.profilers.tensorcore_tiles " + " ".join(sys.argv[1:] if argv is None else argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(header=header, records=records), indent=1))
     return 0

@@ -46,7 +46,7 @@ def default_results_path(device_name, name, root=None):
     """``benchmarks/results/<device-slug>/<name>.json`` (``root`` replaces ``benchmarks/results``)."""
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
         raise ValueError(f"name must be letters, digits, '.', '_' or '-', got {name!r}")
-    root = root or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    root = root or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
     return os.path.join(root, device_slug(device_name), f"{name}.json")
 
 

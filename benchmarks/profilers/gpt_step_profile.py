@@ -1,7 +1,7 @@
 """Where a bfloat16 training step of the GPT goes, with fa2edu's attention and with SDPA: PyTorch's profiler.
 
-    python -m benchmarks.gpt_step_profile > benchmarks/results/<device>/gpt_bf16_d128_profile.log
-    python -m benchmarks.gpt_step_profile --config d64 > benchmarks/results/<device>/gpt_bf16_d64_profile.log
+    python -m benchmarks.profilers.gpt_step_profile > benchmarks/results/<device>/gpt_bf16_d128_profile.log
+    python -m benchmarks.profilers.gpt_step_profile --config d64 > benchmarks/results/<device>/gpt_bf16_d64_profile.log
 
 A configuration of :mod:`benchmarks.gpt_speed` (``d128`` by default: 4 layers, d_model 1024, 8 heads of d = 128;
 ``d64``: d_model 512, d = 64; context 4096, batch 4, bfloat16 autocast, AdamW): 5 warm-up steps, 4 steps timed on
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:          # examples/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="d128", choices=sorted(CONFIGS))
     args = parser.parse_args(argv)
-    from benchmarks import timing
+    from benchmarks.harness import timing
     timing.cuda_setup()
     import torch
 

@@ -137,7 +137,7 @@ def measure(make_call, check, device, protocol, flops, count_memory=True):
     Returns an ``Outcome`` with ``status`` in {ok, skipped, wrong, error}; never raises for a failing
     implementation: out of memory is ``skipped``, any other exception is ``error``.
     """
-    from benchmarks.flop_model import tflops as to_tflops
+    from benchmarks.harness.flop_model import tflops as to_tflops
 
     out = Outcome(status="ok", ms=None, tflops=None, peak_mem_bytes=None, error=None)
     calls = []
@@ -260,7 +260,7 @@ class TorchDevice:
         return "out of memory" in text.lower() or "CUDA_ERROR_OUT_OF_MEMORY" in text
 
     def poisoned(self):
-        from benchmarks import torch_allocator
+        from benchmarks.harness import torch_allocator
         return torch_allocator.poisoned()
 
 
@@ -286,7 +286,7 @@ def cuda_setup(use_torch_allocator=True):
     torch.empty(1, device="cuda")  # create PyTorch's context before numba looks for one
     allocator = "numba"
     if use_torch_allocator:
-        from benchmarks import torch_allocator
+        from benchmarks.harness import torch_allocator
         try:
             installed = torch_allocator.install()
         except Exception as exc:  # measure anyway, without kernels_gpu's peak memory
@@ -330,7 +330,7 @@ def start_run(args, **settings):
     header (device, date, package versions, allocator, settings: ``args.tokens``, ``args.hidden``, the protocol,
     ``settings``, the command line) and an empty record list. Returns ``(run, out_path)``: ``run`` as
     :func:`measure_and_record` takes it, ``out_path`` ``args.out`` or ``results/<device>/fast_<args.name>.json``."""
-    from benchmarks.results_io import default_results_path, utc_now
+    from benchmarks.harness.results_io import default_results_path, utc_now
 
     device, allocator = cuda_setup()
     import torch
@@ -352,8 +352,8 @@ def measure_and_record(run, label, spec, fast, pass_, check, flops, config, reso
     ``seed``; ``config`` is ``(batch, heads, N, d, causal, scale)``; ``fast`` (a fast kernel's identity, or None)
     with ``resources(fast, d)`` adds that kernel's resource report to the header once per (label, d).
     """
-    from benchmarks import impls
-    from benchmarks.results_io import make_record
+    from benchmarks.harness import impls
+    from benchmarks.harness.results_io import make_record
 
     batch, heads, N, d, causal, scale = config
     header, records = run["header"], run["records"]

@@ -1,6 +1,6 @@
 """Figures from benchmark results, in the style of the FA2 paper's Figures 4–7, rendered to PNG without a GPU.
 
-    python -m benchmarks.plot benchmarks/results/nvidia-h100-80gb-hbm3/sweep.json [more.json …] --out DIR
+    python -m benchmarks.harness.plot benchmarks/results/nvidia-h100-80gb-hbm3/sweep.json [more.json …] --out DIR
 
 Writes, for each pass in the results, ``tflops_<pass>.png``: grouped bars of TFLOP/s per implementation at each
 sequence length N, one panel per (d, causal), as the paper draws them; and ``memory.png``: peak memory against N
@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from benchmarks.results_io import load_results
+from benchmarks.harness.results_io import load_results
 
 MARKS = {"skipped": "skip", "wrong": "wrong", "error": "error"}
 
@@ -183,7 +183,7 @@ def render(paths, out_dir):
 #
 # Each draws one pyplot figure and returns it (a notebook shows it with ``plt.show()``): at most two panels side
 # by side, 7 inches wide, so that shown in a ~700-pixel column at 100 dpi every font is at least 9 pt. The data
-# come from benchmarks.book; these functions only draw.
+# come from benchmarks.harness.book; these functions only draw.
 
 BOOK_WIDTH = 7.0                    # inches
 BOOK_RC = {"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9,
@@ -239,7 +239,7 @@ def _finish(fig, title, dev, legend_inches=0.0, legend=None, ncol=2):
 def ladder_figure(rows, base, dev):
     """Bars: each forward rung's TFLOP/s at one N, a panel per d; lines: the baselines and the fp32 ceiling.
 
-    ``rows``: :func:`benchmarks.book.ladder_table`; ``base``: d → {impl: TFLOP/s} (:func:`book.baselines`);
+    ``rows``: :func:`benchmarks.harness.book.ladder_table`; ``base``: d → {impl: TFLOP/s} (:func:`book.baselines`);
     ``dev``: :func:`book.device`."""
     import matplotlib
     ds = sorted({r.d for r in rows})
@@ -271,7 +271,7 @@ def ladder_figure(rows, base, dev):
 def prediction_figure(checks, dev, split=1.15):
     """Each prediction's range (a bar) and the same-run measurements (a dot per N), as % change over the rung
     below: left the large bets (predicted upper end ≥ ``split``), right the small ones. ``checks``: a list of
-    :class:`benchmarks.book.PredictionCheck` with a prediction."""
+    :class:`benchmarks.harness.book.PredictionCheck` with a prediction."""
     checks = [c for c in checks if c.prediction is not None]
     groups = [[c for c in checks if c.ratio_range[1] >= split], [c for c in checks if c.ratio_range[1] < split]]
     height = 0.9 + 0.32 * max(len(g) for g in groups)
@@ -452,7 +452,7 @@ def memory_figure(series, model, dev, title):
 def ncu_figure(rows, dev):
     """Measured bytes against modelled bytes per profiled call (log–log, one dot per call and model): left the
     load bytes at L1 (ledger × 4 B and the sector model), right the DRAM reads (ledger and each tensor once)."""
-    from benchmarks.book import compulsory_read_bytes
+    from benchmarks.harness.book import compulsory_read_bytes
     MiB = 2**20
     fig, axes = _book_figure(2, 3.9)
     panels = (("ncu_load_bytes", "loads requested at L1 (MiB)",
@@ -485,7 +485,7 @@ def ncu_figure(rows, dev):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.plot",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.harness.plot",
                                      description="Render FA2-paper-style figures from benchmark results JSON.")
     parser.add_argument("results", nargs="+", help="results file(s) of one device")
     parser.add_argument("--out", required=True, help="folder for the PNG files")

@@ -1,9 +1,9 @@
 """One call of a fast FA2 forward (or backward) version, bracketed for Nsight Compute: where does its time go?
 
     ncu --profile-from-start off --clock-control none --set full -o v6 \\
-        python -m benchmarks.profile_fast --version v6 --d 128 --N 4096
+        python -m benchmarks.profilers.profile_fast --version v6 --d 128 --N 4096
     ncu --profile-from-start off --clock-control none --set full -k regex:flash2_backward_fast -o bwd \\
-        python -m benchmarks.profile_fast --backward v2 --d 128 --N 2048
+        python -m benchmarks.profilers.profile_fast --backward v2 --d 128 --N 2048
     ncu --import v6.ncu-rep --page details --csv        # speed of light, warp stalls, pipes, occupancy
     ncu --import v6.ncu-rep --page source --csv --print-source sass   # stall samples per SASS instruction
 
@@ -77,7 +77,7 @@ def main(argv=None):
 
     from numba import cuda
 
-    from benchmarks import impls
+    from benchmarks.harness import impls
     from kernels_gpu.fast import VERSIONS, Tiling
     forward = VERSIONS[args.version]
     options = {}

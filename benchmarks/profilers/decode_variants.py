@@ -1,7 +1,7 @@
 """Variants of the tensor-core decoding program against each other and cuDNN, in one process, on the same inputs.
 
-    python -m benchmarks.decode_variants --variants copy=bulk copy=cp.async --out /tmp/variants.json
-    ncu --nvtx --nvtx-include "variant/" --section ... python -m benchmarks.decode_variants --ncu ...
+    python -m benchmarks.profilers.decode_variants --variants copy=bulk copy=cp.async --out /tmp/variants.json
+    ncu --nvtx --nvtx-include "variant/" --section ... python -m benchmarks.profilers.decode_variants --ncu ...
 
 A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
 :mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
@@ -32,8 +32,8 @@ import sys
 import time
 
 from benchmarks import decode as bench
-from benchmarks.results_io import utc_now
-from benchmarks.timing import cuda_setup, package_versions
+from benchmarks.harness.results_io import utc_now
+from benchmarks.harness.timing import cuda_setup, package_versions
 
 KNOBS = ("copy", "stages", "warps", "splits", "l2", "chains", "tile", "cluster", "cluster_shared")
 

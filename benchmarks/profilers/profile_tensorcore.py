@@ -1,7 +1,7 @@
 """Run tensor-core rungs once each on one shape, for Nsight Compute to profile.
 
     ncu --clock-control none --set full -k regex:flash2_forward_tc -c 2 \\
-        python -m benchmarks.profile_tensorcore v6 v7 --N 4096 --d 128
+        python -m benchmarks.profilers.profile_tensorcore v6 v7 --N 4096 --d 128
 
 One launch per rung (batch × N = 16k tokens, hidden 2048, as in :mod:`benchmarks.tensorcore`), so ``-c`` = the
 number of rungs profiles each once. A rung is a name of ``kernels_gpu.tensorcore.VERSIONS`` or of ``TF32`` (float32

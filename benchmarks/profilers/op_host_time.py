@@ -1,6 +1,6 @@
 """Host time of the PyTorch op, layer by layer, beside SDPA's: what a training step pays on the CPU per attention.
 
-    python -m benchmarks.op_host_time --out benchmarks/results/<device>/op_host_time.json
+    python -m benchmarks.profilers.op_host_time --out benchmarks/results/<device>/op_host_time.json
 
 On the inputs of :mod:`benchmarks.gpt_speed`'s ``d64`` bfloat16 model (batch 4, 8 heads of d = 64, causal; q, k,
 v the (B, H, N, d) views of one (B, N, 3·H·d) projection, as the GPT makes them) but a short sequence, so that the
@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.results_io import utc_now
+from benchmarks.harness.results_io import utc_now
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:          # examples/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
@@ -127,7 +127,7 @@ def op_rows(torch, args) -> tuple[list[dict], str]:
 def step_rows(torch, args) -> tuple[dict, str]:
     """The GPT d64 bfloat16 step, SDPA and fa2edu: host time to queue a step and wall time with a sync after it."""
     from benchmarks.gpt_speed import CONFIGS
-    from benchmarks.gpt_step_profile import bf16_training
+    from benchmarks.profilers.gpt_step_profile import bf16_training
     from examples.gpt.data import CharData, generate_text
 
     data = CharData(generate_text(max(40_000, 20 * args.context)))
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from benchmarks import timing
+    from benchmarks.harness import timing
     rows, op_profile = op_rows(torch, args)
     result = dict(device=torch.cuda.get_device_name(), date=utc_now(), versions=timing.package_versions(),
                   settings=vars(args) | {"out": str(args.out)}, rows=rows)

@@ -2,7 +2,7 @@
 Nsight Compute to count the instructions per pipe.
 
     ncu --kernel-name regex:fmha_cutlass --metrics 'regex:sm__inst_executed_pipe_.*\\.sum$' \\
-        python -m benchmarks.sdpa_fp32_pipes
+        python -m benchmarks.profilers.sdpa_fp32_pipes
 
 The module prints what a 3xTF32 kernel (three ``mma.m16n8k8`` tf32 products of 16·8·8·2 = 2048 FLOPs for every
 float32 product) must issue at this shape: 3·4·N²·d·B·H / 2048 tensor-core instructions forward and

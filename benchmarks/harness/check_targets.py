@@ -1,7 +1,7 @@
 """Check issue 5's speed targets against one results file of the benchmark harness.
 
-    python -m benchmarks.check_targets benchmarks/results/nvidia-h200/final.json    # the final run
-    python -m benchmarks.check_targets RESULTS --impl kg_flash2_fast --eager torch_eager --standard kg_standard
+    python -m benchmarks.harness.check_targets benchmarks/results/nvidia-h200/final.json    # the final run
+    python -m benchmarks.harness.check_targets RESULTS --impl kg_flash2_fast --eager torch_eager --standard kg_standard
 
 The file must come from one run holding the fast FA2 kernels and the baselines side by side (``bench_attention
 --impls kg_standard,kg_flash2_fast,torch_eager,... --passes forward,backward``): every comparison below is between
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
-from benchmarks.results_io import load_results
+from benchmarks.harness.results_io import load_results
 
 __all__ = ["Target", "evaluate", "main"]
 

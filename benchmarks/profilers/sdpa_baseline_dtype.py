@@ -7,7 +7,7 @@ SDPA falls back to its math backend, which computes float16/bfloat16 inputs in f
 one. This script prints, for d = 1 and 7, both dtypes, a few seeds, and both settings of that flag, each output's
 error beside its bound (``!`` where the error is over it)::
 
-    python -m benchmarks.sdpa_baseline_dtype            # on a CUDA machine, from the repository root
+    python -m benchmarks.profilers.sdpa_baseline_dtype            # on a CUDA machine, from the repository root
 
 Recorded: ``benchmarks/results/nvidia-h100/torch_op_d1_bfloat16_baseline.log``.
 """

@@ -1,0 +1,101 @@
+"""Imports go one way (DESIGN.md): fa2edu ← kernels_gpu ← benchmarks, and inside each package bottom to top.
+
+The graph is read from the import statements of every module's source (top-level and inside functions alike: a
+lazy import is still an arrow), so an arrow that runs back up fails here before it confuses a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports(package: str) -> dict[str, set[str]]:
+    """{module: the modules it imports}, dotted names, for every module of ``package`` (its own and others')."""
+    graph = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        name = name.removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import mod` names a module when pkg.mod exists; else it names an attribute of pkg
+                for alias in node.names:
+                    candidate = f"{node.module}.{alias.name}"
+                    module_path = ROOT / Path(*candidate.split("."))
+                    found.add(candidate if module_path.with_suffix(".py").exists() or module_path.is_dir()
+                              else node.module)
+        graph[name] = {m for m in found if m.split(".")[0] in ("fa2edu", "kernels_gpu", "benchmarks")} - {name}
+    return graph
+
+
+def within(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def cycles(graph: dict[str, set[str]], group) -> list[str]:
+    """Groups (``group(module)``) that reach themselves through the import graph."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = group(module), group(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+
+    def reaches(start, target, seen=()):
+        return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in edges.get(start, ()))
+    return sorted(g for g in edges if reaches(g, g))
+
+
+#: The PyTorch integration (DESIGN.md's op and context parallelism) sends CUDA tensors to the GPU kernels: these
+#: modules, and only these, import kernels_gpu, inside the functions that launch them (``import fa2edu`` never does).
+TORCH_INTEGRATION = {"fa2edu._torch_ops", "fa2edu.distributed"}
+
+
+def test_fa2edu_imports_neither_kernels_gpu_nor_benchmarks() -> None:
+    graph = imports("fa2edu")
+    wrong = {m: sorted(t for t in ts if within(t, "kernels_gpu", "benchmarks")) for m, ts in graph.items()}
+    wrong = {m: ts for m, ts in wrong.items()
+             if ts and not (m in TORCH_INTEGRATION and not any(within(x, "benchmarks") for x in ts))}
+    assert not wrong, "fa2edu must work without kernels_gpu (DESIGN.md)"
+    # and the integration imports it lazily: not at the top of the module
+    for module in TORCH_INTEGRATION:
+        path = ROOT / Path(*module.split(".")).with_suffix(".py")
+        top = ast.parse(path.read_text(encoding="utf-8")).body
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [n for n in names if within(n, "kernels_gpu")], f"{module} imports kernels_gpu at import time"
+
+
+def test_kernels_gpu_never_imports_benchmarks() -> None:
+    graph = imports("kernels_gpu")
+    wrong = {m: sorted(t for t in ts if within(t, "benchmarks")) for m, ts in graph.items()}
+    assert not {m: ts for m, ts in wrong.items() if ts}
+
+
+def test_the_benchmarks_are_layered_harness_drivers_profilers() -> None:
+    graph = imports("benchmarks")
+    harness = {m for m in graph if within(m, "benchmarks.harness")}
+    profilers = {m for m in graph if within(m, "benchmarks.profilers")}
+    drivers = set(graph) - harness - profilers - {"benchmarks"}
+    assert {"benchmarks.harness.timing", "benchmarks.harness.impls", "benchmarks.decode",
+            "benchmarks.profilers.decode_host"} <= set(graph)
+    # the harness imports only the harness; what is timed (impls) is its bottom
+    for module in harness:
+        assert {t for t in graph[module] if within(t, "benchmarks")} <= harness, module
+    assert not {t for t in graph["benchmarks.harness.impls"] if within(t, "benchmarks")}
+    assert {t for t in graph["benchmarks.harness.timing"] if within(t, "benchmarks")} <= {
+        "benchmarks.harness.impls", "benchmarks.harness.flop_model", "benchmarks.harness.results_io",
+        "benchmarks.harness.torch_allocator"}
+    # the drivers build on the harness, never on a profiler
+    for module in drivers:
+        assert not graph[module] & profilers, f"{module} imports a profiler"
+    assert "benchmarks.harness.timing" in graph["benchmarks.bench_attention"]
+    # nothing imports a profiler but another profiler
+    for module in harness | drivers:
+        assert not graph[module] & profilers, module
+    assert not cycles(graph, lambda m: m), "import cycles between benchmark modules"
