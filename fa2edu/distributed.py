@@ -987,11 +987,12 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
         How the sequence was sharded (see :func:`shard`); it decides which blocks a causal step can skip.
     check : bool, default True (keyword only)
         Before the ring, every rank always shares its shapes, dtype, device kind, options and a look at its values
-        (whether each shard is finite, its largest |q| and |k|), in one collective under the group's timeout, so
-        that every rank raises the same clear error — never a hang, never an abort on mismatched buffers. ``True``
-        gathers them as Python objects (``all_gather_object``: every rank's bad arguments in its own words);
-        ``False`` as one small float64 header per rank (``all_gather`` of a tensor, cheaper: a benchmark's
-        choice), where the ranks see only *that* another rank's arguments are bad and that rank says which.
+        (whether each shard is finite, its largest ``|q|`` and ``|k|``), in one collective under the group's
+        timeout, so that every rank raises the same clear error — never a hang, never an abort on mismatched
+        buffers. ``True`` gathers them as Python objects (``all_gather_object``: every rank's bad arguments in
+        its own words); ``False`` as one small float64 header per rank (``all_gather`` of a tensor, cheaper: a
+        benchmark's choice), where the ranks see only *that* another rank's arguments are bad and that rank says
+        which.
 
     Returns
     -------
@@ -1019,9 +1020,9 @@ def ring_attention(q_local, k_local, v_local, causal: bool = False, scale=None, 
     transfers, and W transfers of the dK, dV accumulators (float32, float64 for float64 inputs). Partial results
     merge in float32 (float64 for float64 inputs). Memory per rank: two K/V blocks (the one computed on and the
     one arriving), and on CPU one N_local × N_local score tile per (batch, head) of a step. Before the ring, the
-    checks read each shard once (``amax`` of its magnitudes: NaN or inf shows there, and the largest |q|, |k| give
-    the overflow bound; on a GPU, one synchronisation) and make one collective; only when the cheap bound
-    d·max|q|·max|k| fails does K go once more around the ring for the exact check (float64, on the host).
+    checks read each shard once (``amax`` of its magnitudes: NaN or inf shows there, and the largest ``|q|``,
+    ``|k|`` give the overflow bound; on a GPU, one synchronisation) and make one collective; only when the cheap
+    bound ``d·max|q|·max|k|`` fails does K go once more around the ring for the exact check (float64, on the host).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention runs on a torch.distributed process group: call "
