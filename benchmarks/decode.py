@@ -43,7 +43,7 @@ padded to its longest sequence, both through :func:`kernels_gpu.varlen_attention
 padding, which a key-padding mask would not make cheaper). Reported with the padding fraction (1 − Σn / (B·n_max))
 and the fraction of attention work that padding adds (causal: Σ n² against B·n_max²).
 
-**Prediction** (written before any measurement; the reasoning is in :mod:`kernels_gpu.decode`'s header): graph
+**Prediction** (written before any measurement; the reasoning is in :mod:`kernels_gpu.inference.decode`'s header): graph
 times at contexts ≥ 16k reach 80-95 % of the copy rate at batch 8 and 32, 65-85 % at batch 1 (4k: 30-60 %); call
 times at batch 1 and contexts ≤ 16k are set by host time (about 60-120 µs for two launches), as SDPA's are;
 num_splits = 1 is 5-10× slower at batch 1, contexts ≥ 32k; paged within 3 % of contiguous; ahead of SDPA's best
@@ -53,11 +53,11 @@ padding fraction (the work saved grows with n², not n).
 **Measured** (first, CUDA-core program only: H100, 2026-11-24, ``--quick``): graph times at 4k, 16k, 64k reached
 77 %, 88 %, 91 % of the copy rate at batch 32 and 18 %, 34 %, 59 % at batch 1; paged 1.036-1.063× contiguous;
 0.47-0.88× SDPA's best backend. **Now** (H100 80GB HBM3, 2026-11-27 06:18 UTC, the full grid, the tensor-core
-program of :mod:`kernels_gpu.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor maps),
-S = Q Kᵀ in two accumulator chains, its split rule of one program per SM, two-warp programs where the programs
+program of :mod:`kernels_gpu.inference.decode_tc` with whole tiles by tensor copies (the copy engine, through tensor
+maps), S = Q Kᵀ in two accumulator chains, its split rule of one program per SM, two-warp programs where the programs
 outnumber the SMs, no register cap; the splits merged inside their thread-block cluster where the GPU holds the
 clusters (batch 8: clusters of 2), else by the merge launch, launched early (batch 1); the lean host path of
-:class:`kernels_gpu.decode.DecodePlan`; graphs of at least 4 calls, 2 rounds;
+:class:`kernels_gpu.inference.decode.DecodePlan`; graphs of at least 4 calls, 2 rounds;
 ``benchmarks/results/nvidia-h100/decode.json``, copy rate 3001 GB/s), graph times at 4k … 128k:
 
 * batch 1: 40 %, 55 %, 71 %, 86 %, 94 %, 98 % of the copy rate (the 80 % target from 16k: met except at 16k,
@@ -73,8 +73,8 @@ clusters (batch 8: clusters of 2), else by the merge launch, launched early (bat
   0.959-1.008×, as fast or faster at 6 and 5 shapes; batch 8 gained 1-4 % (``decode_cluster_ab.json``);
 * call times (a Python call between two events, host time included): 0.59-1.05× SDPA's best call (PyTorch's
   default dispatch at most shapes: 19-147 µs of host time a call in C++, where this program's plan spends 32-107
-  µs in Python; ``benchmarks.profilers.decode_host`` takes a call apart) — behind most at batch 1 with short contexts, where
-  the host time is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` faster at 10 of 18;
+  µs in Python; ``benchmarks.profilers.decode_host`` takes a call apart) — behind most at batch 1 with short contexts,
+  where the host time is most of the call; against SDPA's cuDNN backend under ``sdpa_kernel`` faster at 10 of 18;
 * varlen (16 sequences, 71 % padding, 85 % of the padded causal work): packed 5.2× faster than padded, same
   output (target: met).
 
@@ -366,7 +366,7 @@ def decode_impls(torch, page: int) -> dict:
         "kernels_gpu_paged": lambda s: kernels_gpu.decode_attention(s["q"], s["kp"], s["vp"], s["seqlens"],
                                                                     s["table"]).O,
         "kernels_gpu_splits1": lambda s: ours(s, num_splits=1),
-        # the first split program (FMA units, kernels_gpu.decode.split_kernel), beside the tensor-core default
+        # the first split program (FMA units, kernels_gpu.inference.decode.split_kernel), beside the tensor-core default
         "kernels_gpu_cuda_core": lambda s: ours(s, kernel="cuda_core"),
     }
     for backend in SDPA_BACKENDS:
@@ -379,7 +379,7 @@ def decode_impls(torch, page: int) -> dict:
 
 
 def run_decode_grid(torch, batches, contexts, page, copy_GBps, target_ms, progress) -> list:
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     records = []
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)

@@ -186,8 +186,8 @@ def sanitize(versions=None):
 
 
 def main(argv=None):
-    from benchmarks.harness import impls
     from benchmarks.fast_kernels import _table, add_run_arguments, measure_and_record, start_run
+    from benchmarks.harness import impls
     from benchmarks.harness.flop_model import model_flops
     from benchmarks.harness.results_io import write_results
 

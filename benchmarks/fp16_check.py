@@ -246,8 +246,8 @@ def check_shapes(seed=0, tolerance=4e-3, shapes=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from benchmarks.harness import impls
     from benchmarks.fast_kernels import measure_and_record, start_run
+    from benchmarks.harness import impls
     from benchmarks.harness.flop_model import model_flops
     from benchmarks.harness.results_io import make_record, write_results
 

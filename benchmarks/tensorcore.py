@@ -78,7 +78,7 @@ def mma_ceiling(seconds: float = 0.5) -> dict:
     warp, 8 warps per block, 16 blocks per SM."""
     from numba import cuda, float32, uint32
 
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     ITER = 2048
 
     @cuda.jit

@@ -15,9 +15,10 @@ every implementation's backward is timed on the same inputs Q, K, V, dO:
 Before timing, each implementation's dQ, dK, dV are checked against SDPA's memory-efficient backend in float32 on
 the same inputs (relative error in the Frobenius norm below 2e-2 for each gradient, no NaN; a wrong result is
 recorded, not timed). Times: CUDA events after a warm-up, median of repeats, three input sets rotated so that L2
-does not flatter (``benchmarks.tensorcore.time_ms``). TFLOP/s by the FA2 paper's model (``benchmarks.harness.flop_model``):
-backward = 2.5 × forward = 10·N²·d·batch·heads, halved when causal. The JSON holds the device, versions, date,
-the command, and every record (with the compiled kernels' registers and local memory where numba reports them).
+does not flatter (``benchmarks.tensorcore.time_ms``). TFLOP/s by the FA2 paper's model
+(``benchmarks.harness.flop_model``): backward = 2.5 × forward = 10·N²·d·batch·heads, halved when causal. The JSON holds
+the device, versions, date, the command, and every record (with the compiled kernels' registers and local memory where
+numba reports them).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ exercise    the reader writes                                       budget, per 
 This module imports numba (after :func:`fa2edu.simulator.choose`), so :mod:`fa2edu.exercises` imports it only when a
 kernel exercise is checked or its solution asked for. Like the rest of fa2edu it never imports ``kernels_gpu``
 (DESIGN.md: arrows point one way); the fragment layouts it checks against are written out in
-:mod:`fa2edu.exercises`, and a test checks them against ``kernels_gpu.tensorcore.fragments``.
+:mod:`fa2edu.exercises`, and a test checks them against ``kernels_gpu.fragments``.
 """
 
 from __future__ import annotations

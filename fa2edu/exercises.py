@@ -951,7 +951,7 @@ def _solution_merge_states(O_a, L_a, O_b, L_b):
 
 
 # -- 14.1-14.3: the fragment layouts of mma.sync.m16n8k16, which the kernel exercises check against ------------
-# The mma.sync.m16n8k16 layouts of the PTX ISA, written out here on their own (kernels_gpu.tensorcore.fragments has
+# The mma.sync.m16n8k16 layouts of the PTX ISA, written out here on their own (kernels_gpu.fragments has
 # them too; tests check the two agree): lane l has g = l // 4, t = l % 4.
 
 def _a_fragments(A: np.ndarray) -> np.ndarray:
@@ -1353,7 +1353,7 @@ _EXERCISES = [
                   "(16 × 8, e = 0 … 3)",
         hint="Lane l has g = l // 4 and t = l % 4. In A and C a lane holds rows g and g + 8, columns 2t and "
              "2t + 1 (A: and the same 8 columns on); in B it holds column n = g and rows k = 2t, 2t + 1 (and 8 "
-             "on). The order of the registers is in kernels_gpu/tensorcore/fragments.py's tables: a1 is the "
+             "on). The order of the registers is in kernels_gpu/fragments.py's tables: a1 is the "
              "lower rows, a2 the right columns.",
         covers="every register of every lane of A, B and C, loaded by your map, multiplied by the tensor core's "
                "own layout and stored back by your map, against A·B + C; each element read and written once",

@@ -45,7 +45,8 @@ def choose(*, quiet: bool = False) -> bool:
     """Turn the simulator on when ``NUMBA_ENABLE_CUDASIM`` is unset and there is no CUDA driver; True if it is on.
 
     Has an effect only before ``numba.cuda`` is imported (numba reads the variable then; if only ``numba`` was
-    imported, its settings are read again); afterwards it reports what numba chose. Prints one line to stderr when it turns the simulator on (``quiet=True``: nothing).
+    imported, its settings are read again); afterwards it reports what numba chose. Prints one line to stderr when it
+    turns the simulator on (``quiet=True``: nothing).
     """
     if VARIABLE not in os.environ and "numba.cuda" not in sys.modules and not driver_present():
         os.environ[VARIABLE] = "1"

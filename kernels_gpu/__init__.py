@@ -24,8 +24,8 @@ a GPU nor the CUDA toolkit: kernels are compiled on first use, one compiled kern
 Modules: :mod:`kernels_gpu.runtime` (device checks, layouts, interop), :mod:`kernels_gpu.standard`,
 :mod:`kernels_gpu.flash1`, :mod:`kernels_gpu.flash2` (the kernels), :mod:`kernels_gpu.counting` (global-memory
 traffic counted in the simulator), :mod:`kernels_gpu.sanitize` (one launch of each kernel, for compute-sanitizer),
-:mod:`kernels_gpu.decode` and :mod:`kernels_gpu.varlen` (inference: split-KV decoding from a paged KV cache, packed
-batches; the decoding program's tiles come by Hopper's copy engine, through the tensor maps of
+:mod:`kernels_gpu.inference.decode` and :mod:`kernels_gpu.inference.varlen` (inference: split-KV decoding from a paged
+KV cache, packed batches; the decoding program's tiles come by Hopper's copy engine, through the tensor maps of
 :mod:`kernels_gpu.tensor_map`).
 """
 
@@ -40,9 +40,10 @@ _simulator.choose()
 if not hasattr(_np, "row_stack"):
     _np.row_stack = _np.vstack
 
-from kernels_gpu.decode import DecodeResult, decode_attention  # noqa: E402
 from kernels_gpu.flash1 import Flash1Forward, flash1_forward  # noqa: E402
 from kernels_gpu.flash2 import Flash2Backward, Flash2Forward, flash2_backward, flash2_forward  # noqa: E402
+from kernels_gpu.inference.decode import DecodeResult, decode_attention  # noqa: E402
+from kernels_gpu.inference.varlen import varlen_attention  # noqa: E402
 from kernels_gpu.runtime import NoGPUError, default_block_sizes, simulator_in_use  # noqa: E402
 from kernels_gpu.standard import (  # noqa: E402
     StandardBackward,
@@ -50,7 +51,6 @@ from kernels_gpu.standard import (  # noqa: E402
     standard_attention,
     standard_attention_backward,
 )
-from kernels_gpu.varlen import varlen_attention  # noqa: E402
 
 __all__ = [
     "standard_attention", "standard_attention_backward", "flash1_forward", "flash2_forward", "flash2_backward",

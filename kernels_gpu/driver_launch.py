@@ -364,7 +364,7 @@ def pdl_available() -> bool:
     or more, and ``FA2EDU_PDL`` not ``0``. Such a launch may start while the previous kernel on its stream still
     runs — once every block of that kernel has executed ``griddepcontrol.launch_dependents`` or exited — and its
     kernel must execute ``griddepcontrol.wait`` before it reads what the previous kernel wrote
-    (:func:`kernels_gpu.tensorcore.ptx.griddep_wait`). What it saves is the gap between two kernels: the second one's
+    (:func:`kernels_gpu.ptx.griddep_wait`). What it saves is the gap between two kernels: the second one's
     launch, block scheduling and prologue overlap the first one's last blocks."""
     if not enabled() or os.environ.get("FA2EDU_PDL", "1") == "0":
         return False
@@ -449,7 +449,8 @@ class Prepared:
     addresses that the driver's ``cuLaunchKernelEx`` takes (it copies the values when it queues the launch) —, the
     driver's launch configuration is made once per stream, and a call writes the addresses and hands the driver
     the array (``cuda.bindings``). Host time of one launch of the decoding split program (94 parameter words,
-    ``benchmarks.profilers.decode_host``, H100, ``decode_host_breakdown.json``): 10.1 µs, of which the driver call alone 8.3;
+    ``benchmarks.profilers.decode_host``, H100, ``decode_host_breakdown.json``): 10.1 µs, of which the driver call alone
+    8.3;
     ``cuda.core.launch`` with the same words handed over one by one, 12.9. Calling ``cuLaunchKernelEx`` through
     ctypes with copies of cuda.h's structs instead was no faster (6.7 µs against 5.8 for the bare bindings call and
     8.3 for ``cuda.core``, on another host: ``decode_host_breakdown_ctypes.json``). A lock keeps two threads from

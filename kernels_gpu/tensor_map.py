@@ -1,6 +1,6 @@
 """Tensor maps: the descriptors by which Hopper's copy engine (TMA) copies boxes of a tensor into shared memory.
 
-A ``cp.async.bulk.tensor`` instruction (:func:`kernels_gpu.tensorcore.ptx.tensor_copy_4d`) names no addresses: it
+A ``cp.async.bulk.tensor`` instruction (:func:`kernels_gpu.ptx.tensor_copy_4d`) names no addresses: it
 names a *tensor map* — a 128-byte ``CUtensorMap`` that the driver encodes on the host (``cuTensorMapEncodeTiled``)
 from the tensor's base address, sizes and byte strides, the box one copy moves, and how the box is laid out in
 shared memory — and the coordinates of the box's first element. The copy engine then walks the strides itself,
@@ -21,7 +21,7 @@ it is encoded again for every tensor it describes (:class:`DeviceMaps` keeps the
 **In numba's simulator** there is no driver to encode a map: :func:`simulated_map` makes a stand-in — 16 words
 holding a token under which the tensor and its geometry are kept — and :func:`simulated_box` is what the copy
 engine would write for it (zeros past the edges, the swizzle applied), for the twin of ``tensor_copy_4d``
-(:mod:`kernels_gpu.tensorcore.ptx`). So the tensor-copy programs run in CI as they do on the GPU.
+(:mod:`kernels_gpu.ptx`). So the tensor-copy programs run in CI as they do on the GPU.
 """
 
 from __future__ import annotations

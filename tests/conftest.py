@@ -34,9 +34,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 @pytest.fixture
 def ptx_calls(monkeypatch):
     """``ptx_calls("bulk_copy")`` → a list that, from then on, receives the arguments of every call of that
-    :mod:`kernels_gpu.tensorcore.ptx` function (in the simulator, its twin, which still runs): how a test sees
+    :mod:`kernels_gpu.ptx` function (in the simulator, its twin, which still runs): how a test sees
     which copies or reductions a kernel really issued."""
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
 
     def spy(name: str) -> list:
         calls, original = [], getattr(ptx, name)

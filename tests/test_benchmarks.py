@@ -704,8 +704,8 @@ def test_fast_kernels_parses_a_register_cap():
 
 # ---------------------------------------------------------------------------------------------- book (chapter 10)
 #
-# benchmarks.harness.book reads the committed results of benchmarks/results/<device>/ for chapter 10. The tests below check
-# its arithmetic on synthetic files and its answers on the committed ones (the same files the chapter reads).
+# benchmarks.harness.book reads the committed results of benchmarks/results/<device>/ for chapter 10. The tests below
+# check its arithmetic on synthetic files and its answers on the committed ones (the same files the chapter reads).
 
 def _book_file(folder, name, records, date, **header):
     results_io.write_results(str(folder / name), {"device": "NVIDIA H200", "date": date, **header}, records)

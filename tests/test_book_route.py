@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -112,7 +111,8 @@ def test_every_chapter_runs_on_the_readme_route(tmp_path: Path) -> None:
         if "scripts/lab.sh" in command:
             continue       # starts a server: the chapters are executed below in the kernel it would start
         result = subprocess.run(command, shell=True, cwd=clone, env=env, capture_output=True, text=True)
-        assert result.returncode == 0, f"README command failed: {command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        assert result.returncode == 0, \
+            f"README command failed: {command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
     python = venv / "bin" / "python"
     # The route installs no PyTorch: the chapters' torch cells must skip themselves.
     probe = subprocess.run([str(python), "-c", "import importlib.util; print(importlib.util.find_spec('torch'))"],

@@ -473,7 +473,7 @@ def test_every_checker_is_used_in_its_chapter() -> None:
 def test_fragment_layouts_match_the_kernels() -> None:
     """Exercises 14.1-14.3's ground truth writes the PTX layouts out on its own (fa2edu never imports kernels_gpu);
     they equal kernels_gpu's tables, which the GPU tests check against the hardware."""
-    fragments = pytest.importorskip("kernels_gpu.tensorcore.fragments")
+    fragments = pytest.importorskip("kernels_gpu.fragments")
     S = np.random.default_rng(3).standard_normal((16, 16))
     assert np.array_equal(exercises._a_fragments(S), fragments.a_fragments(S))
     assert np.array_equal(exercises._b_fragments(S[:, 8:]), fragments.b_fragments(S[:, 8:]))

@@ -27,7 +27,7 @@ import fa2edu
 import kernels_gpu
 import kernels_gpu.runtime as rt
 from fa2edu.inference import split_ranges
-from kernels_gpu import decode, varlen
+from kernels_gpu.inference import decode, varlen
 
 torch = pytest.importorskip("torch")
 
@@ -210,7 +210,7 @@ def test_tensorcore_program_matches_oracle(name):
 def test_tensorcore_program_bulk_copies(name, monkeypatch, ptx_calls):
     """decode_tc.COPY = "bulk": whole tiles by cp.async.bulk (a row per lane, an mbarrier per stage), the split's
     partial last tile and the query rows by cp.async; the same answer as the oracle, and bulk copies were made."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     monkeypatch.setattr(decode_tc, "COPY", "bulk")
     monkeypatch.setattr(decode, "_PLANS", {})
     calls = ptx_calls("bulk_copy")                      # (sm, s_index, gmem, g_index, nbytes, bar)
@@ -239,7 +239,7 @@ def test_tensorcore_program_tensor_copies(name, storage, monkeypatch, ptx_calls)
     stand-in tensor maps (kernels_gpu.tensor_map), which write the tiles swizzled —, the query rows and a split's
     partial last tile by cp.async into the same swizzled layout. The oracle's answer, the bits of the cp.async
     program (same arithmetic, same order), and four-word boxes of 16 rows were really copied."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     spec, kw = TENSOR_CASES[name]
     case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
     if storage == "bfloat16":
@@ -264,7 +264,7 @@ def test_tensorcore_program_larger_tiles(tile, copy, paged, monkeypatch, ptx_cal
     answer by tensor copies (boxes of ``tile`` rows) and by cp.async, contiguous and paged (pages of two tiles,
     shuffled), with a split's partial last tile, 2 new tokens (causal), an empty sequence; pages that do not hold
     whole tiles run tiles of 16 (decode_tc.tile_for)."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     monkeypatch.setattr(decode_tc, "TILE", tile)
     monkeypatch.setattr(decode_tc, "COPY", copy)
     monkeypatch.setattr(decode, "_PLANS", {})
@@ -286,7 +286,7 @@ def test_tensorcore_program_one_or_two_accumulator_chains(name, monkeypatch):
     """decode_tc.CHAINS: S = Q Kᵀ with its odd k-steps in a second set of accumulators (d = 40: three k-steps, an
     odd count; d = 16: one, the second set stays zero) or in one chain; both the oracle's answer, and they differ
     by the order of float32 additions only."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     spec, kw = TC_CASES[name]
     case = decode_case(sum(map(ord, name)) + 1, dtype=np.float16, **spec)
     out = {}
@@ -305,7 +305,7 @@ def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
     """Two warps (split-K inside the program, the warps' merge through shared memory), three stages per warp
     (cp.async.wait_group 2), bfloat16 tensors; the partials equal the oracle on their blocks'
     keys and merge, by fa2edu's rule, to the call's answer."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     monkeypatch.setattr(decode, "SIMULATOR_WARPS", 2)
     monkeypatch.setattr(decode_tc, "STAGES", 3)
     case = decode_case(21, paged=True, B=1, H_kv=2, G=2, N_new=1, d=16, d_v=16, block=32, blocks=3,

@@ -12,7 +12,8 @@ from numba import cuda, uint32
 
 import fa2edu
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import VERSIONS, backward_steps, fragments, ptx, selftest, steps
+from kernels_gpu import fragments, ptx
+from kernels_gpu.tensorcore import VERSIONS, backward_steps, selftest, steps
 
 torch = pytest.importorskip("torch")
 
@@ -200,6 +201,7 @@ def test_mbarrier_twin_phases_like_the_hardware(monkeypatch):
     import types
 
     monkeypatch.setattr(ptx, "_MBAR_SPIN_LIMIT", 100)
+    monkeypatch.setattr(ptx, "_MBAR_WAIT_S", 0.0)
     manager = types.SimpleNamespace()
     thread = threading.current_thread()
     thread._manager = manager                     # what a simulated CUDA thread carries
@@ -233,7 +235,7 @@ def test_shfl_and_ex2_twins():
 
 def test_cluster_instructions_have_no_twin_but_a_clear_error():
     """Thread-block clusters cannot be emulated by numba's simulator, which runs one block at a time: the cluster
-    instructions' stand-ins refuse clearly (kernels_gpu.decode never takes its cluster path there)."""
+    instructions' stand-ins refuse clearly (kernels_gpu.inference.decode never takes its cluster path there)."""
     if not ptx.SIMULATED:
         pytest.skip("the stand-ins exist in numba's simulator")
     for call in (ptx.cluster_arrive, ptx.cluster_wait, lambda: ptx.ld_cluster_f32(None, 0, 1)):

@@ -11,7 +11,8 @@ from test_tensorcore_tf32 import _inputs, check_against_oracle  # the TF32 rung'
 
 import fa2edu
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import TF32, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import TF32
 from kernels_gpu.tensorcore.flash2_forward_3xtf32 import PRODUCT_ERROR, Flash2Forward3xTF32, error_bound
 
 forward_3x = TF32["3xtf32"]

@@ -18,8 +18,9 @@ import pytest
 from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
+from kernels_gpu import ptx
 from kernels_gpu import runtime as rt
-from kernels_gpu.tensorcore import TF32_BACKWARD, ptx
+from kernels_gpu.tensorcore import TF32_BACKWARD
 from kernels_gpu.tensorcore.flash2_backward_3xtf32 import config_for
 
 if not rt.simulator_in_use():  # pragma: no cover

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from kernels_gpu.tensorcore import PARTITIONING, launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import PARTITIONING, launch
 from kernels_gpu.tensorcore import flash2_forward_splitk as splitk
 from kernels_gpu.tensorcore import flash2_forward_splitq as splitq
 from kernels_gpu.tensorcore.traffic import shared_memory_traffic

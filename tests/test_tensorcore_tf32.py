@@ -11,7 +11,8 @@ from numba import cuda
 
 import fa2edu
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import TF32, fragments, ptx, selftest
+from kernels_gpu import fragments, ptx
+from kernels_gpu.tensorcore import TF32, selftest
 from kernels_gpu.tensorcore.flash2_forward_tf32 import (
     UNIT_ROUNDOFF_TF32,
     Flash2ForwardTF32,

@@ -162,8 +162,9 @@ def _profile_for(name: str):
 #: results files of other harnesses that a device folder may hold beside the kernel timings: Nsight Compute's byte
 #: counts (profiles, not timings) and the multi-GPU ring's (one configuration timed per dtype and ring size, which
 #: the (impl, pass, d, causal, N) key of :class:`Run` does not tell apart), the tensor-core harnesses' (their own
-#: record layout, read by :mod:`benchmarks.harness.tensorcore_book`), the GPT and op timings of :mod:`benchmarks.gpt_speed`
-#: and the decoding step's (:mod:`benchmarks.decode`, :mod:`benchmarks.profilers.decode_variants`: schemas of their own)
+#: record layout, read by :mod:`benchmarks.harness.tensorcore_book`), the GPT and op timings of
+#: :mod:`benchmarks.gpt_speed` and the decoding step's (:mod:`benchmarks.decode`,
+#: :mod:`benchmarks.profilers.decode_variants`: schemas of their own)
 OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json", "tensorcore*.json", "gpt_speed*.json", "decode*.json")
 
 

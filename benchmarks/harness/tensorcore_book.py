@@ -840,8 +840,8 @@ BACKWARD_ORDER_RUN = "tensorcore_backward_v4.json"
 #: ``python -m benchmarks.tensorcore_backward --impls v3,v5,sdpa_flash``: v5 beside v3 and SDPA flash on the
 #: ladder's grid, fp16 and bf16, causal and not, planned launch
 BACKWARD_V5_RUN = "tensorcore_backward_v5.json"
-#: ``python -m benchmarks.profilers.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training shape
-#: (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
+#: ``python -m benchmarks.profilers.tensorcore_backward_tiles``: each backward kernel's own time at the GPT's training
+#: shape (batch 4, 8 heads, N = 4096, causal, bfloat16), v4 then v5 on one machine, cuDNN's backward beside them
 BACKWARD_KERNEL_RUNS = ("tensorcore_backward_tiles_v4.json", "tensorcore_backward_tiles_v5.json")
 #: the same kernel times for v5, v6 and v7, on one machine (v5 timed again beside the two rungs that followed it)
 BACKWARD_V7_KERNEL_RUNS = ("tensorcore_backward_tiles_v5_again.json", "tensorcore_backward_tiles_v6.json",

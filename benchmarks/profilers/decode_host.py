@@ -1,11 +1,12 @@
 """Where the host time of a decoding call goes, piece by piece, beside SDPA's: what a step pays when it is not
 captured in a CUDA graph.
 
-    python -m benchmarks.profilers.decode_host --out benchmarks/results/<device>/decode_host_breakdown.json [--profile 2000]
+    python -m benchmarks.profilers.decode_host \
+        --out benchmarks/results/<device>/decode_host_breakdown.json [--profile 2000]
 
 For each shape (the :mod:`benchmarks.decode` grid's H_q = 32, H_kv = 8, d = 128, float16, contiguous cache), after
-warm-up calls (so the call finds its :class:`kernels_gpu.decode.DecodePlan`): the median host time (``perf_counter``
-around one call, the GPU idle before it; 400 calls) of
+warm-up calls (so the call finds its :class:`kernels_gpu.inference.decode.DecodePlan`): the median host time
+(``perf_counter`` around one call, the GPU idle before it; 400 calls) of
 
 * ``call``: :func:`kernels_gpu.decode_attention`, whole;
 * ``plan_key``, ``plan_call``: the plan's cache key, and the plan's own call (outputs, maps, launches);
@@ -88,7 +89,8 @@ def breakdown(torch, batch: int, context: int, profile: int = 0) -> dict:
 
     import kernels_gpu
     from benchmarks import decode as bench
-    from kernels_gpu import decode, driver_launch
+    from kernels_gpu import driver_launch
+    from kernels_gpu.inference import decode
 
     s = bench.make_sets(torch, batch, context, bench.PAGE, 1, seed=0)[0]
     q, k, v, seqlens = s["q"], s["k"], s["v"], s["seqlens"]

@@ -5,10 +5,10 @@ alone, beside cuDNN's step, on the :mod:`benchmarks.decode` grid's shapes that s
 
 Per shape, in 3 rounds (each implementation once per round, graph replays of :func:`benchmarks.decode.time_graph`,
 the medians kept): ``full`` — :func:`kernels_gpu.decode_attention` with the merge launch (``decode.CLUSTER_MERGE``
-off: the splits merged by :func:`kernels_gpu.decode.merge_kernel`); ``split_only`` — the same kept plan with its
-merge launch replaced by nothing (its output is then not the answer: a timing device only); ``cudnn`` — SDPA's
+off: the splits merged by :func:`kernels_gpu.inference.decode.merge_kernel`); ``split_only`` — the same kept plan with
+its merge launch replaced by nothing (its output is then not the answer: a timing device only); ``cudnn`` — SDPA's
 cuDNN backend. ``full − split_only`` is what the merge adds to a step, its launch latency included; this is the
-measurement behind the cluster merge of :mod:`kernels_gpu.decode_tc`.
+measurement behind the cluster merge of :mod:`kernels_gpu.inference.decode_tc`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     import kernels_gpu
     from benchmarks import decode as bench
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     decode.CLUSTER_MERGE = False
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     cudnn = bench._sdpa(torch, "cudnn")

@@ -3,9 +3,10 @@
     python -m benchmarks.profilers.decode_variants --variants copy=bulk copy=cp.async --out /tmp/variants.json
     ncu --nvtx --nvtx-include "variant/" --section ... python -m benchmarks.profilers.decode_variants --ncu ...
 
-A variant is a set of the module-level choices of :mod:`kernels_gpu.decode`, :mod:`kernels_gpu.decode_tc` and
-:mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk", "cp.async" or "tensor"), ``stages``
-(``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``tile`` (``decode_tc.TILE``, keys per warp tile),
+A variant is a set of the module-level choices of :mod:`kernels_gpu.inference.decode`,
+:mod:`kernels_gpu.inference.decode_tc` and :mod:`kernels_gpu.tensor_map`: ``copy`` (``decode_tc.COPY``: "bulk",
+"cp.async" or "tensor"), ``stages`` (``decode_tc.STAGES``), ``chains`` (``decode_tc.CHAINS``), ``tile``
+(``decode_tc.TILE``, keys per warp tile),
 ``cluster`` (``decode.CLUSTER_MERGE``: 1 merges the splits inside their thread-block cluster, 0 by the merge
 launch), ``cluster_shared`` (``decode.CLUSTER_SHARED_BYTES``: the least shared memory a clustered program asks for),
 ``warps`` (``decode.TC_WARPS``), ``l2`` (``tensor_map.L2_PROMOTION``: "none", "64B", "128B", "256B") and ``splits``
@@ -63,7 +64,8 @@ _CURRENT: list = [None]
 def apply(variant: dict) -> None:
     """Set the module-level choices of ``variant`` (the others back to their defaults) and drop cached plans —
     only when the variant changes: a call being captured into a graph must find its plan (and its buffers)."""
-    from kernels_gpu import decode, decode_tc, tensor_map
+    from kernels_gpu import tensor_map
+    from kernels_gpu.inference import decode, decode_tc
     if _CURRENT[0] == variant:
         return
     _CURRENT[0] = dict(variant)
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
     cuda_setup(use_torch_allocator=False)
     import torch
 
-    from kernels_gpu import decode, decode_tc, tensor_map
+    from kernels_gpu import tensor_map
+    from kernels_gpu.inference import decode, decode_tc
     if a.cluster_occupancy:
         return cluster_occupancy(torch, a.page)
     DEFAULTS = dict(copy=decode_tc.COPY, stages=decode_tc.STAGES, warps=decode.TC_WARPS, tile=decode_tc.TILE,
@@ -173,7 +176,8 @@ def cluster_occupancy(torch, page: int) -> int:
     one program per SM (``decode.CLUSTER_SHARED_BYTES``). The split rule's batch 1 needs 8 clusters of 16."""
     import numpy as np
 
-    from kernels_gpu import decode, driver_launch
+    from kernels_gpu import driver_launch
+    from kernels_gpu.inference import decode
     s = bench.make_sets(torch, 1, 16384, page, 1, seed=0)[0]
     c = decode._prepare(s["q"], s["k"], s["v"], s["seqlens"], None, True, None, None, page, None, None)
     _, Ow = c.out.empty((c.B, c.H_q, c.N_new, c.d_v), c.storage, np.uint32)

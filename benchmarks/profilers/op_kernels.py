@@ -75,7 +75,8 @@ def main(argv=None) -> int:
             del q, k, v, dO
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
                   dtype=args.dtype, sdpa_backend=BACKEND[args.dtype], calls=args.calls,
-                  command="python -m benchmarks.profilers.op_kernels " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="python -m benchmarks.profilers.op_kernels "
+                  + " ".join(sys.argv[1:] if argv is None else argv))
     args.out.write_text(json.dumps(dict(header=header, records=records), indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -1,6 +1,7 @@
 """Backward tile shapes: one tensor-core backward rung timed with each (warps, B_r), kernel by kernel, beside cuDNN.
 
-    python -m benchmarks.profilers.tensorcore_backward_tiles --rung v4 --tiles 4x32 8x32 4x64 --d 64 128 --out tiles.json
+    python -m benchmarks.profilers.tensorcore_backward_tiles --rung v4 --tiles 4x32 8x32 4x64 --d 64 128 \
+        --out tiles.json
 
 A backward rung's ``config_for`` takes ``warps`` (W: 16 keys per warp, B_c = 16·W keys per block of the key-block
 kernel, 16·W queries per block of the dQ kernel) and ``B_r`` (queries per row block of the key-block kernel, keys
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
                   numba=numba.__version__, dtype=args.dtype, causal=causal, batch=args.batch, heads=args.heads,
                   N=args.N, rung=args.rung,
-                  command="python -m benchmarks.profilers.tensorcore_backward_tiles " + " ".join(sys.argv[1:] if argv is None
-                                                                                      else argv))
+                  command="python -m benchmarks.profilers.tensorcore_backward_tiles "
+                  + " ".join(sys.argv[1:] if argv is None else argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(header=header, records=records), indent=1))
     return 0

@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         del inputs, ref
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
                   numba=numba.__version__, dtype=args.dtype, causal=args.causal,
-                  command="python -m benchmarks.profilers.tensorcore_tiles " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="python -m benchmarks.profilers.tensorcore_tiles "
+                  + " ".join(sys.argv[1:] if argv is None else argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(header=header, records=records), indent=1))
     return 0

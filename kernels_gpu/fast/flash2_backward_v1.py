@@ -93,10 +93,10 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from fa2edu.flash2 import Flash2Backward
+from kernels_gpu import ptx
 from kernels_gpu import runtime as rt
 from kernels_gpu.fast import tiled
 from kernels_gpu.flash2 import preprocess_kernel
-from kernels_gpu.tensorcore import ptx
 
 __all__ = ["BackwardTiling", "flash2_backward", "make_backward", "layout", "resources", "TILINGS",
            "cast_kernel", "run_backward", "teaching_preprocess"]

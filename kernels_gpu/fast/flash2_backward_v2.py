@@ -4,9 +4,10 @@
 query row. v1 takes the teaching kernel's pass for it (:func:`kernels_gpu.flash2.preprocess_kernel`): one thread
 per row, each walking its row's d_v elements of O and dO. Neighbouring threads then read addresses d_v floats
 apart, so every load instruction of a warp touches 32 different 128-byte lines and uses 4 bytes of each. PyTorch's
-profiler on the op (``benchmarks/results/nvidia-h100/op_kernels_float32.json``, ``python -m benchmarks.profilers.op_kernels``;
-batch 8, 16 heads, N = 2048, d = 128, float32) times that pass at 0.59-0.61 ms per call: 268 MB of O and dO at
-0.45 TB/s, 1.8 % of the op's forward + backward, on a GPU that copies at 3.0 TB/s (device to device, measured in
+profiler on the op (``benchmarks/results/nvidia-h100/op_kernels_float32.json``, ``python -m
+benchmarks.profilers.op_kernels``; batch 8, 16 heads, N = 2048, d = 128, float32) times that pass at 0.59-0.61 ms per
+call: 268 MB of O and dO at 0.45 TB/s, 1.8 % of the op's forward + backward, on a GPU that copies at 3.0 TB/s (device to
+device, measured in
 ``decode.json``).
 
 **What changes.** :func:`preprocess_rows_kernel`: a warp per row. Lane ℓ reads columns ℓ, ℓ + 32, … of the row
@@ -22,8 +23,8 @@ Cost per (batch, head): reads 2·N·d_v floats, writes N (as v1's pass); now at 
 2-3 TB/s, 0.09-0.13 ms instead of 0.59, so about 0.5 ms less per op call at d = 128 and d = 64 alike (the bytes
 are the same: heads × d is fixed), −1.5 % of the op's time, nothing else changed.
 
-**Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.profilers.op_kernels --dtype float32``, the op through v1
-in ``op_kernels_float32.json`` and through v2 in ``op_kernels_float32_bwd_v2.json``, two machines of one kind).
+**Measured** (H100 80GB HBM3, 2026-11-26, ``python -m benchmarks.profilers.op_kernels --dtype float32``, the op through
+v1 in ``op_kernels_float32.json`` and through v2 in ``op_kernels_float32_bwd_v2.json``, two machines of one kind).
 The D pass: 0.115 ms at d = 128 (v1's 0.593-0.610), inside the prediction; 0.160-0.167 ms at d = 64 (v1's 0.66), above
 it — a row of 64 floats gives each warp two 128-byte loads per tensor, so the fixed cost per row (the five shuffles, the
 store) is likely to weigh twice as much (not profiled). The op's GPU time per call at d = 128: 32.76 → 32.25 ms

@@ -6,7 +6,7 @@ T_c·N_q·d reductions (T_c = ⌈N_k / B_c⌉): at batch 8, 16 heads, N = 2048, 
 per backward call, each one L2 operation, against 25 ms of arithmetic. Each thread's share of a row of dQ is
 already in chunks of four consecutive floats (columns 4·tx + 4·NX·q + e, e = 0 … 3: the layout the forward's
 16-byte loads use), and Hopper (PTX ISA 8.1, sm_90) has a vector form of the reduction: ``red.global.add.v4.f32``
-adds four consecutive floats by one instruction (:func:`kernels_gpu.tensorcore.ptx.red_add_v4_f32`).
+adds four consecutive floats by one instruction (:func:`kernels_gpu.ptx.red_add_v4_f32`).
 
 **What changes.** The four reductions of a chunk become one vector reduction: a quarter of the instructions and
 of the requests the L2 serves for dQ. Each of the four additions is still atomic on its own (as the scalar ones

@@ -37,8 +37,8 @@ PyTorch's memory-efficient SDPA runs for float32). ``TF32_BACKWARD`` maps ``"3xt
     from kernels_gpu import tensorcore
     O, L = tensorcore.flash2_forward(Q, K, V, causal=True)      # Q (…, N_q, d), K, V (…, N_k, d): f16 / bf16
 
-Modules: :mod:`~kernels_gpu.tensorcore.ptx` (the instructions and their simulator twins),
-:mod:`~kernels_gpu.tensorcore.fragments` (which lane holds which element: tables and NumPy functions),
+Modules: :mod:`~kernels_gpu.ptx` (the instructions and their simulator twins),
+:mod:`~kernels_gpu.fragments` (which lane holds which element: tables and NumPy functions),
 :mod:`~kernels_gpu.tensorcore.steps` (the device functions every rung shares), :mod:`~kernels_gpu.tensorcore.launch`
 (inputs and outputs). In numba's CUDA simulator every rung runs unchanged (the twins emulate each warp-level
 instruction), which is how CI tests them.

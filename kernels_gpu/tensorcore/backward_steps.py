@@ -23,7 +23,7 @@ line 21  dK_j += dSᵀ Q_i    16 × d,  k = B_r       dSᵀ's accumulators, pack
 The operand addressing is the forward's, with roles exchanged: K_j and V_j are loaded as the forward loads Q_i
 (A, row-major), Q_i and dO_i as the forward loads K_j (B of a product with a transposed matrix) or V_j (B loaded
 transposed). Pᵀ and dSᵀ never leave the registers for dV and dK: the accumulators of two neighbouring 16 × 8 tiles
-are, packed, the A fragment of the next product (:func:`kernels_gpu.tensorcore.fragments.c_to_a`, the forward
+are, packed, the A fragment of the next product (:func:`kernels_gpu.fragments.c_to_a`, the forward
 v3's reuse).
 
 **dQ (Alg. 2 line 20, dQ_i += dS K_j) needs the other orientation.** Its rows are queries and its sum runs over
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import ptx
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
 __all__ = ["BackwardConfig", "make_backward_steps", "preprocess_kernel", "convert_dq_kernel", "PRE_WARPS",

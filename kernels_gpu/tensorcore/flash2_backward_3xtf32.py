@@ -8,7 +8,7 @@ about three quarters of fa2edu's float32 op time — so this kernel is what can 
 **The algorithm** is FA2 Alg. 2 with one block per key block j (line 5), looping over the row blocks i (line 8) and,
 for GQA, over the query heads that read K_j and V_j. W warps, each owning 16 keys of K_j and V_j (B_c = 16·W); a
 step is one row block of B_r queries. Per warp and step, five products, every one in 3xTF32 (each operand split
-into a big and a small tf32 value, :func:`~kernels_gpu.tensorcore.ptx.split_tf32`;
+into a big and a small tf32 value, :func:`~kernels_gpu.ptx.split_tf32`;
 A·B ≈ A_small·B_big + A_big·B_small + A_big·B_big):
 
 ====================  =====================================  =========================================================
@@ -23,7 +23,7 @@ Alg. 2 line           product (per warp)                     operands
 
 Pᵀ and dSᵀ are C fragments (rows: the warp's keys; columns: queries 2t, 2t + 1 of each 8-query tile). Used as the A
 operand of the next products their columns are taken in the order 0, 2, 4, 6, 1, 3, 5, 7
-(:data:`~kernels_gpu.tensorcore.fragments.KEY_ORDER_TF32`, as the forward does with P̃), so a0 … a3 = c0, c2, c1,
+(:data:`~kernels_gpu.fragments.KEY_ORDER_TF32`, as the forward does with P̃), so a0 … a3 = c0, c2, c1,
 c3 and the B operand's k-rows are queries 2t and 2t + 1: lane (g, t) loads X[2t][g] and X[2t + 1][g] of Q_i or
 dO_i. dQ_i needs dS with queries as rows — the transpose of what a warp holds — so the warps write τ·dS into a
 B_r × B_c tile of shared memory, and after a barrier each warp multiplies its share of dQ_i's tiles and adds it into
@@ -144,10 +144,9 @@ import numpy as np
 from numba import cuda, float32, types, uint32
 
 import kernels_gpu.runtime as rt
-from kernels_gpu import driver_launch
+from kernels_gpu import driver_launch, ptx
 from kernels_gpu.fast.flash2_backward_v2 import warp_preprocess
 from kernels_gpu.flash2 import Flash2Backward
-from kernels_gpu.tensorcore import ptx
 from kernels_gpu.tensorcore.flash2_forward_3xtf32_planes import stage_steps
 from kernels_gpu.tensorcore.flash2_forward_tf32 import _contiguous, make_accumulators, make_copy_rows, make_splits
 from kernels_gpu.tensorcore.steps import LOG2E, device, repeat

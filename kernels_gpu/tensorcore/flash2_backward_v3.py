@@ -52,7 +52,8 @@ import math
 
 from numba import cuda, float32, types, uint32
 
-from kernels_gpu.tensorcore import backward_launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import backward_launch
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 
 __all__ = ["flash2_backward", "make_kernel", "make_dq_kernel", "config_for", "shared_words", "dq_shared_words"]

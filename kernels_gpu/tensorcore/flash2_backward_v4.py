@@ -43,7 +43,8 @@ import math
 from numba import cuda, float32, uint32
 
 import kernels_gpu.runtime as rt
-from kernels_gpu.tensorcore import backward_launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import backward_launch
 from kernels_gpu.tensorcore import flash2_backward_v3 as v3
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 

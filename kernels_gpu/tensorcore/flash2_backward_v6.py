@@ -1,8 +1,8 @@
 """Tensor-core FA2 backward, v6: the key-block kernel's per-step integer work cut (v5 + one change).
 
 Nsight Compute on v5 at the GPT training shape (batch 4, 8 heads, N = 4096, d = 128, causal, bfloat16;
-``ncu_tensorcore_bwd_v5_d128.txt``, ``python -m benchmarks.profilers.profile_tensorcore_backward``) finds the key-block kernel
-issuing in only 34 % of its cycles, two warps per scheduler, 0.42 of them eligible, and its machine code spending
+``ncu_tensorcore_bwd_v5_d128.txt``, ``python -m benchmarks.profilers.profile_tensorcore_backward``) finds the key-block
+kernel issuing in only 34 % of its cycles, two warps per scheduler, 0.42 of them eligible, and its machine code spending
 more on integers than on matrices: per warp and step about 745 instructions, of them 128 HMMA and 80 LDSM but
 ~300 integer ones. Two sources stand out in the SASS, both v5's loop bookkeeping rather than its algorithm:
 
@@ -25,8 +25,8 @@ d = 128), the dQ kernel unchanged.
 
 **Measured** (H100 80GB HBM3, 2026-11-26, one machine, v5 then v6 then v7: ``tensorcore_backward_tiles_v5_again.json``,
 ``_v6.json``, ``_v7.json``; batch 4, 8 heads, N = 4096, causal, bfloat16, each kernel's GPU time per call from
-PyTorch's profiler, ``python -m benchmarks.profilers.tensorcore_backward_tiles --rung v6 --tiles 4x32 4x64 --d 128 64``).
-Key-block kernel at the default shapes: d = 128 (4 warps, B_r = 32) 1.203 → 0.998 ms (−17 %), d = 64 (B_r = 64)
+PyTorch's profiler, ``python -m benchmarks.profilers.tensorcore_backward_tiles --rung v6 --tiles 4x32 4x64 --d 128
+64``). Key-block kernel at the default shapes: d = 128 (4 warps, B_r = 32) 1.203 → 0.998 ms (−17 %), d = 64 (B_r = 64)
 0.687 → 0.487 ms (−29 %); the dQ kernel (v5's) 0.672 and 0.326 ms in both runs. Past the prediction, most at
 d = 64, where B_r = 64 doubles the L_i, D_i loads per step (2·NT each) and with them the fix-ups v6 removed (the
 products per step are the same: 16·B_r·d per warp and product). Registers (numba's report in the same
@@ -42,7 +42,8 @@ import functools
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import backward_launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import backward_launch
 from kernels_gpu.tensorcore import flash2_backward_v5 as v5
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 

@@ -8,7 +8,7 @@ PyTorch's ``mem_eff_attention/gemm_kernel_utils.h``) are ``OpClassTensorOp`` wit
 d = 128 (GPU.md), where cuBLAS's float32 GEMM on the FMA units makes 50.8 and kernels_gpu.fast's float32 forward
 36-40. This rung does the same on the MMAs fa2edu already issues, to measure what it buys here.
 
-**The split.** Every float32 operand x becomes two tf32 values (:func:`kernels_gpu.tensorcore.ptx.split_tf32`):
+**The split.** Every float32 operand x becomes two tf32 values (:func:`kernels_gpu.ptx.split_tf32`):
 big = x rounded to tf32 (``cvt.rna``: 10 mantissa bits, ``|x − big| ≤ u·|x|`` with u = 2⁻¹¹) and small = (x − big)
 rounded to tf32 (x − big is exact in float32; ``|x − big − small| ≤ u²·|x| = 2⁻²²·|x|``). A product of two operands is
 then
@@ -46,8 +46,8 @@ product of PyTorch's memory-efficient attention is three tf32 MMAs. The float32 
 ``fa2edu.torch.flash_attention`` (≥ 0.9× this backend) compares kernels_gpu.fast's FMA-unit kernels with a
 tensor-core kernel.
 
-**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``; batch × N = 16k
-tokens, non-causal, TFLOP/s by the FA2 model; error: largest ``|O − O_float64|`` at N = 2048, batch 1):
+**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``; batch × N =
+16k tokens, non-causal, TFLOP/s by the FA2 model; error: largest ``|O − O_float64|`` at N = 2048, batch 1):
 
 * **first form, one accumulator chain** (``tensorcore_3xtf32_unstaged.json``, the TF32 rung, kernels_gpu.fast and
   SDPA in the same run): d = 128 21.1 / 21.8 / 22.4 TFLOP/s at N = 2048 / 4096 / 16384, d = 64 25.3 / 26.6 / 27.4

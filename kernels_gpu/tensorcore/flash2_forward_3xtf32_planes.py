@@ -12,7 +12,7 @@ for 384 MMAs. It ran at 25-28 TFLOP/s where PyTorch's own 3xTF32 (SDPA memory-ef
 * **Split once.** Q_i is split once per block, K_j and V_j once per tile, by all the block's threads together, each
   value once, into big and small **planes** in shared memory: Q_big, Q_small and K_big, K_small row-major as the
   tensors, V_big, V_small stored **transposed**, Vᵀ[column][key], with each 8-key group's keys in the order 0, 2,
-  4, 6, 1, 3, 5, 7 (:data:`~kernels_gpu.tensorcore.fragments.KEY_ORDER_TF32`, the order P̃'s accumulators give).
+  4, 6, 1, 3, 5, 7 (:data:`~kernels_gpu.fragments.KEY_ORDER_TF32`, the order P̃'s accumulators give).
   K_j and V_j still arrive as float32 (``cp.async``, two raw stages, tile j + 2 on its way while tile j is used);
   Q_i's float32 rows land in the space of the K/V stages before the first tile and are split from there.
 * **Every operand by ``ldmatrix``.** ``ldmatrix`` moves 8 × 8 matrices of 16-bit elements; read as 32-bit data, an
@@ -22,7 +22,7 @@ for 384 MMAs. It ran at 25-28 TFLOP/s where PyTorch's own 3xTF32 (SDPA memory-ef
   — K is Bᵀ — columns c … c + 7), or of two 8-column tiles of Õ (Vᵀ's rows, the permuted keys as columns): per
   8-wide k-step and pair of tiles, four ``ldmatrix`` (Q's and K's big and small) and six MMAs, where the first form
   issued ten scalar loads, ten splits and six MMAs.
-* **The split's roundings on the bits** (:func:`kernels_gpu.tensorcore.ptx.split_tf32`): cvt.rna's rounding as an
+* **The split's roundings on the bits** (:func:`kernels_gpu.ptx.split_tf32`): cvt.rna's rounding as an
   integer addition and a mask, two instructions, where ptxas expands ``cvt.rna.tf32.f32`` on sm_90 into five.
 * **Eight warps, B_r = 128, B_c = 16**, d a multiple of 16 up to 128: at d = 128 Q_i's planes 132 KB, two raw
   stages 33 KB, the K/V planes 37 KB — 202 KB, one block per SM (d = 64: 104 KB, two).
@@ -41,8 +41,8 @@ instructions, 2.4× the first form: 60-65 TFLOP/s at d = 128; the MMA rate (thre
 TFLOP/s of tf32 MMAs sustained by mma.sync on Hopper) caps it at 40-50. So **40-50 TFLOP/s at d = 128, N ≥ 4096**
 — level with SDPA memory-efficient float32 (44-46) — and at d = 64 35-45 (SDPA 35); error as the first form's.
 
-**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``, batch × N = 16k
-tokens, non-causal, TFLOP/s at N = 2048 / 4096 / 16384, kernels_gpu.fast's float32 forward and SDPA
+**Measured** (H200, 2026-11-26, ``python -m benchmarks.profilers.tensorcore_variants --parts precision``, batch × N =
+16k tokens, non-causal, TFLOP/s at N = 2048 / 4096 / 16384, kernels_gpu.fast's float32 forward and SDPA
 memory-efficient float32 in every run):
 
 1. **First version** (Q_i split per use, two plane stages, ``cvt.rna`` in the split;
@@ -93,7 +93,7 @@ from typing import ClassVar
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import ptx
 from kernels_gpu.tensorcore.flash2_forward_3xtf32 import Flash2Forward3xTF32, error_bound
 from kernels_gpu.tensorcore.flash2_forward_tf32 import PTX_SIGNATURE as PTX_SIGNATURE_TF32
 from kernels_gpu.tensorcore.flash2_forward_tf32 import (

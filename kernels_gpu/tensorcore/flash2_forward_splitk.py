@@ -62,7 +62,8 @@ import functools
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import flash2_forward_splitq, launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import flash2_forward_splitq, launch
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
 __all__ = ["flash2_forward", "make_kernel", "config_for", "shared_words", "exchange_words"]

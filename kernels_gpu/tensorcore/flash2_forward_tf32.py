@@ -15,13 +15,13 @@ base-2 softmax, masks on the tiles that need them):**
   8 rows × 4 columns one fragment load touches fall in 32 different banks) and in registers;
 * ``ldmatrix`` moves 16-bit elements only, so every operand register is a plain shared-memory load
   (``ld.shared.f32``) followed by ``cvt.rna.tf32.f32`` — Q, K, V are converted to tf32 *as they are loaded into
-  registers*, laid out as :mod:`~kernels_gpu.tensorcore.fragments`' m16n8k8 tf32 table says
+  registers*, laid out as :mod:`~kernels_gpu.fragments`' m16n8k8 tf32 table says
   (a0 = Q[g][t], a1 = Q[g + 8][t], a2 = Q[g][t + 4], a3 = Q[g + 8][t + 4]; b0 = K[g][t], b1 = K[g][t + 4]);
 * the k-steps are 8 wide (``mma.m16n8k8``: half the FLOPs of an m16n8k16 per instruction), so d needs only be a
   multiple of 8, with no padding;
 * P̃ still never leaves the registers, but S's accumulators are not P̃'s A operand as they are for 16-bit types:
   the keys of each 8-key k-step are taken in the order 0, 2, 4, 6, 1, 3, 5, 7
-  (:data:`~kernels_gpu.tensorcore.fragments.KEY_ORDER_TF32`), which makes a0…a3 = cvt(c0, c2, c1, c3) of the
+  (:data:`~kernels_gpu.fragments.KEY_ORDER_TF32`), which makes a0…a3 = cvt(c0, c2, c1, c3) of the
   lane's own accumulators, and V's rows are loaded in the same order (b0 = V[2t][g], b1 = V[2t + 1][g]);
 * O is stored as float32.
 
@@ -70,8 +70,7 @@ import numpy as np
 from numba import cuda, float32
 
 import kernels_gpu.runtime as rt
-from kernels_gpu import driver_launch
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import driver_launch, ptx
 from kernels_gpu.tensorcore.steps import LN2, LOG2E, device
 
 __all__ = ["flash2_forward_tf32", "Flash2ForwardTF32", "TF32Config", "config_for", "make_kernel", "shared_words",

@@ -12,7 +12,7 @@ B_r = 64 query rows (16 per warp: split-Q, FA2 Section 3.3). Per K/V tile:
    as A fragments of O_i += P̃_ij V_j (B from V_jᵀ: two 16-bit loads per register).
 
 Nothing is asynchronous and nothing is reused across tiles: the point is a correct kernel whose every operand
-load can be read against :mod:`kernels_gpu.tensorcore.fragments`.
+load can be read against :mod:`kernels_gpu.fragments`.
 
 **Prediction (written before the first GPU run).** Per 16 × 8 × 16 MMA a lane issues 6 scalar shared loads for
 A and B (4 + 2) plus address arithmetic: about 10 instructions per ``mma`` where the tensor core needs ~2 issue
@@ -34,7 +34,8 @@ import functools
 
 from numba import cuda, float32, uint16, uint32
 
-from kernels_gpu.tensorcore import launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.steps import Config, make_steps
 
 __all__ = ["flash2_forward", "make_kernel", "config_for"]

@@ -21,9 +21,9 @@ fp16, TFLOP/s at N = 1024 / 2048 / 4096 / 8192 / 16384): d = 64: 78.0 / 118.6 / 
 non-causal wall time at N = 8192, same run: 1.65× (d = 64), 1.46× (d = 128) in fp16; 1.86× and 1.82× in bf16.
 Non-causal is v10's kernel (same numbers within noise). What limits it now: SDPA flash runs 264-341 TFLOP/s in the
 same run; v11 reaches 0.45-0.5× at N = 1024, 0.58-0.68× at 2048-4096 and 0.8-0.87× at 16384, one call between two
-CUDA events as the harness times it. ``benchmarks.profilers.launch_overhead`` (``tensorcore_launch_overhead.json``) separates
-the host from the GPU: a v11 call spent 400 µs (d = 64) to 900 µs (d = 128) on the host — argument checks, five
-zero-copy array views and numba's launch, which types every argument — against SDPA's 110-170 µs, and a single
+CUDA events as the harness times it. ``benchmarks.profilers.launch_overhead`` (``tensorcore_launch_overhead.json``)
+separates the host from the GPU: a v11 call spent 400 µs (d = 64) to 900 µs (d = 128) on the host — argument checks,
+five zero-copy array views and numba's launch, which types every argument — against SDPA's 110-170 µs, and a single
 call's GPU waits for it. Twenty calls queued between two events (the GPU never waits) gave v11 218 / 235 TFLOP/s at
 d = 64 (N = 1024 / 4096) and 168 / 309 at d = 128: 0.75-0.9× SDPA flash queued the same way (291 / 303, 332 / 343)
 — the kernel was above the targets' 0.5× everywhere; the Python launch path was what missed them at short N.
@@ -45,7 +45,8 @@ import functools
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.steps import LOG2E, Config, make_steps
 
 __all__ = ["flash2_forward", "make_kernel", "config_for"]

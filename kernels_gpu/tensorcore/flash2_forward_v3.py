@@ -3,7 +3,7 @@
 In v2 every warp wrote P̃_ij to shared memory and read it back with ``ldmatrix`` as the A operand of
 O += P̃ V. The fragment tables say that round trip is unnecessary: the accumulators of S's n-tiles 2k and 2k + 1
 (keys 16k … 16k + 15), rounded to 16 bits and packed in pairs, *are* the A registers of the k-th 16-key step of
-P̃·V, lane by lane (:func:`kernels_gpu.tensorcore.fragments.c_to_a`)::
+P̃·V, lane by lane (:func:`kernels_gpu.fragments.c_to_a`)::
 
     a0 = pack(s[8k + 0], s[8k + 1])    # row g,     keys 16k + 2t, +1      (tile 2k: c0, c1)
     a1 = pack(s[8k + 2], s[8k + 3])    # row g + 8, same keys              (tile 2k: c2, c3)
@@ -30,7 +30,8 @@ import functools
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.steps import Config, make_steps
 
 __all__ = ["flash2_forward", "make_kernel", "config_for"]

@@ -27,7 +27,8 @@ import functools
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import flash2_forward_v6, launch, ptx
+from kernels_gpu import ptx
+from kernels_gpu.tensorcore import flash2_forward_v6, launch
 from kernels_gpu.tensorcore.steps import LOG2E, Config, make_steps
 
 __all__ = ["flash2_forward", "make_kernel", "config_for", "MAX_D"]

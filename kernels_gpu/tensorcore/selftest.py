@@ -1,7 +1,7 @@
-"""One-warp kernels that exercise each wrapper of :mod:`kernels_gpu.tensorcore.ptx`, and their NumPy expectations.
+"""One-warp kernels that exercise each wrapper of :mod:`kernels_gpu.ptx`, and their NumPy expectations.
 
 The same kernels run on the GPU (the real instructions) and in numba's CUDA simulator (the twins), and both are
-compared with the NumPy specification in :mod:`kernels_gpu.tensorcore.fragments`: in CI that checks the twins, on
+compared with the NumPy specification in :mod:`kernels_gpu.fragments`: in CI that checks the twins, on
 the GPU the real instructions — so the twin and the hardware are checked against each other through one spec.
 Each ``check_*`` returns ``(got, expected)`` NumPy arrays.
 """
@@ -13,8 +13,8 @@ import functools
 import numpy as np
 from numba import cuda, uint32
 
-from kernels_gpu.tensorcore import fragments as frag
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import fragments as frag
+from kernels_gpu import ptx
 
 __all__ = ["check_mma", "check_ldmatrix", "check_pack", "check_cp_async", "check_bulk_copy", "check_shfl_ex2",
            "check_mma_tf32", "check_cvt_tf32"]
@@ -214,7 +214,7 @@ def _mma_tf32_kernel(a, b, c, d):
 def check_mma_tf32(seed: int = 0, scale: float = 1.0):
     """D = A·B + C for float32 A (16 × 8), B (8 × 8) converted to tf32 in the kernel (``cvt.rna``) and float32 C,
     per lane: ``(got, expected, magnitude)``, each (32, 4): ``magnitude`` = ``Σ|a·b| + |c|`` of each element, the scale
-    of the summation error a tensor core may make (see :func:`~kernels_gpu.tensorcore.fragments.mma_tf32_reference`)."""
+    of the summation error a tensor core may make (see :func:`~kernels_gpu.fragments.mma_tf32_reference`)."""
     rng = np.random.default_rng(seed)
     A = (rng.standard_normal((16, 8)) * scale).astype(np.float32)
     B = (rng.standard_normal((8, 8)) * scale).astype(np.float32)

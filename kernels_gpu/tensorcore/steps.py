@@ -9,7 +9,7 @@ file shows only what that rung changes.
 W warps own 16 rows each and never exchange anything. Each warp computes its 16 × B_c slice of S_ij = Q_i K_jᵀ as
 B_c / 8 accumulator tiles of 16 × 8 (``mma.sync.m16n8k16``), the online softmax of its rows, and its 16 × d slice
 of O_i as d / 8 tiles. Lane l of a warp holds rows ``g = l // 4`` and ``g + 8`` of each tile, columns
-``2t, 2t + 1`` (``t = l % 4``) — :mod:`kernels_gpu.tensorcore.fragments` has the tables. Register arrays, per lane:
+``2t, 2t + 1`` (``t = l % 4``) — :mod:`kernels_gpu.fragments` has the tables. Register arrays, per lane:
 
 ====== ===================== ========================================================
 array  length                holds
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint32
 
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import ptx
 
 __all__ = ["Config", "make_steps", "device", "LOG2E", "LN2"]
 

@@ -44,8 +44,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU available", allow_module_level=True)
 
 import kernels_gpu  # noqa: E402
-from kernels_gpu import decode_io  # noqa: E402
 from kernels_gpu import runtime as rt  # noqa: E402
+from kernels_gpu.inference import decode_io  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -171,7 +171,7 @@ def test_tensorcore_program_head_sizes_and_row_tiles(d, d_v, G, N_new):
     """The tensor-core program at head sizes off the fast copy path (d = 40: 5 chunks a row; d = 8: half a 16-wide
     MMA step), d = 256 (the largest), d ≠ d_v, and 24 rows (two 16-row tiles); its partials, merged on the host in
     float32, give the call's answer."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     g = torch.Generator(device="cuda").manual_seed(d * 1000 + d_v + G)
     B, H_kv, page, max_pages = 3, 2, 16, 40
     seqlens = torch.tensor([600, 0, 640], dtype=torch.int32, device="cuda")
@@ -198,7 +198,7 @@ def test_a_repeated_call_runs_the_kept_plan(paged, S, monkeypatch):
     """A call on PyTorch CUDA tensors keeps a DecodePlan; the next call with the same shapes, strides, dtypes and
     options runs it (no checks, two prepared launches): the same bits on the same data, and new tensors of the
     same shapes read at their own addresses (a new cache, new lengths, a new block table) within the rule."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     spec = dict(B=3, H_kv=2, G=4, N_new=1, d=128, page=16, max_pages=20, dtype="float16", paged=paged)
     case = make_cache(11, lengths=[300, 0, "full"], **spec)
     extra = {} if paged else {"block_size": 16}
@@ -239,7 +239,8 @@ def test_tensor_copies_give_the_bits_of_cp_async(dtype, spec, monkeypatch):
     same bits. Two caches alternate and each is called twice, so the kept plan reads a cache it was not made for
     (its maps are encoded for the new addresses) — with unused cache entries NaN, a tile read from the wrong
     place shows."""
-    from kernels_gpu import decode, decode_tc, driver_launch
+    from kernels_gpu import driver_launch
+    from kernels_gpu.inference import decode, decode_tc
     B, H_kv, G, N_new, d, page, max_pages, lengths, paged, S = spec
     cases = [make_cache(40 + i, B=B, H_kv=H_kv, G=G, N_new=N_new, d=d, page=page, max_pages=max_pages,
                         lengths=lengths, dtype=dtype, paged=paged) for i in range(2)]
@@ -264,7 +265,7 @@ def test_two_warp_programs_where_programs_outnumber_the_sms(monkeypatch):
     """The split rule's two-warp programs (decode.tc_warps: more programs than SMs, one split): batch 40 × 8 KV
     heads = 320 programs on an H100's 132 SMs, within the rule; the same call with four warps agrees to float32
     rounding (the warps' merge order differs)."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     assert decode.tc_warps(320, 132) == 2 and decode.tc_warps(128, 132) == 4
     case = make_cache(60, B=40, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=2, lengths=[511] * 39 + ["full"],
                       dtype="bfloat16")
@@ -310,7 +311,7 @@ def test_a_kept_plan_keeps_no_tensor_of_its_call(monkeypatch):
     import gc
     import weakref
 
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     monkeypatch.setattr(decode, "_PLANS", {})
     case = make_cache(70, B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=4, lengths=[700, "full"],
                       dtype="float16")
@@ -339,7 +340,7 @@ def test_decode_strided_cache_read_in_place():
 def test_lean_launch_equals_numba_launch_and_reruns(monkeypatch):
     """The same kernels launched by the driver-level launch and by numba's: the same bits (the merge launch in
     both: numba's launch has no clusters), over reruns too."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     monkeypatch.setattr(decode, "CLUSTER_MERGE", False)
     monkeypatch.setattr(decode, "_PLANS", {})
     case = make_cache(5, B=3, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=[2000, "full", 300],
@@ -399,7 +400,7 @@ def test_splits_merged_in_their_cluster(B, lengths, S, clustered, monkeypatch):
     answer (a different order of float32 additions). Clusters of 2 to 4 programs, one per SM, fit an H100 or H200
     many times over, so those calls must take the cluster path; 8 clusters of 16 do not fit an H100 one program
     per SM (``cuOccupancyMaxActiveClusters``: 7), and the call then takes the merge launch."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     case = make_cache(60 + B, B=B, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=16, lengths=lengths,
                       dtype="float16")
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], case["block_table"])
@@ -409,7 +410,7 @@ def test_splits_merged_in_their_cluster(B, lengths, S, clustered, monkeypatch):
         monkeypatch.setattr(decode, "_PLANS", {})
         out[merged] = kernels_gpu.decode_attention(*args, num_splits=S)
         plan = next(iter(decode._PLANS.values()))
-        splits = kernels_gpu.decode.planned_splits(*args, num_splits=S)
+        splits = kernels_gpu.inference.decode.planned_splits(*args, num_splits=S)
         taken = len(plan.launches) == 1 and plan.launches[0].cluster == splits
         assert taken if merged and clustered else not taken if not merged else True
         assert len(plan.launches) == 1 + (splits > 1 and not taken)
@@ -427,7 +428,7 @@ def test_one_plan_from_threads_on_their_own_streams(monkeypatch):
     no thread's addresses end up in another's launch — bit for bit those of calls made one at a time."""
     import threading
 
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     cases = [make_cache(40 + i, B=2, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=8, lengths=["full", 900],
                         dtype="float16") for i in range(4)]
 
@@ -467,7 +468,8 @@ def test_merge_launched_early_equals_an_ordinary_launch(monkeypatch, request):
     split programs still run) gives the bits of an ordinary launch. Two caches alternate, so partials left in
     reused memory by the previous call belong to the other problem: a merge that read them before the split
     programs were done would give a different answer."""
-    from kernels_gpu import decode, driver_launch
+    from kernels_gpu import driver_launch
+    from kernels_gpu.inference import decode
     request.addfinalizer(driver_launch.pdl_available.cache_clear)
     cases = [make_cache(20 + i, B=1, H_kv=8, G=4, N_new=1, d=128, page=256, max_pages=32, lengths=["full"],
                         dtype="float16") for i in range(2)]
@@ -491,7 +493,7 @@ def test_merge_launched_early_equals_an_ordinary_launch(monkeypatch, request):
 def test_q_not_16_byte_aligned_runs_the_cuda_core_program():
     """The tensor-core program copies q's rows 16 bytes at a time: a q 4 bytes off (a view into a larger buffer)
     runs the CUDA-core program, correctly, and naming the tensor-core one is an error that says why."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     case = make_cache(9, B=2, H_kv=2, G=4, N_new=1, d=64, page=16, max_pages=8, lengths=[100, 37],
                       dtype="bfloat16")
     buf = torch.empty(case["q"].numel() + 2, dtype=torch.bfloat16, device="cuda")

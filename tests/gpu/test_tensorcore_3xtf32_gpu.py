@@ -26,7 +26,8 @@ from numba import cuda  # noqa: E402
 from test_tensorcore_gpu import SHAPES, reference  # noqa: E402  (the ladder's oracle and shapes)
 
 import kernels_gpu.runtime as rt  # noqa: E402
-from kernels_gpu.tensorcore import TF32, ptx  # noqa: E402
+from kernels_gpu import ptx  # noqa: E402
+from kernels_gpu.tensorcore import TF32  # noqa: E402
 from kernels_gpu.tensorcore.flash2_forward_3xtf32 import error_bound  # noqa: E402
 
 FORMS = ("3xtf32", "3xtf32-planes")

@@ -1,8 +1,8 @@
-"""Split-KV decoding on tensor cores: the split program of :mod:`kernels_gpu.decode`, second version.
+"""Split-KV decoding on tensor cores: the split program of :mod:`kernels_gpu.inference.decode`, second version.
 
 :func:`kernels_gpu.decode_attention` launches this program for float16 and bfloat16 caches whose head sizes are
 multiples of 8 (up to 256) and whose rows are 16-byte aligned; everything else (float32, odd sizes or strides) runs
-the CUDA-core program of :mod:`kernels_gpu.decode`, which stays reachable with ``kernel="cuda_core"``. Both
+the CUDA-core program of :mod:`kernels_gpu.inference.decode`, which stays reachable with ``kernel="cuda_core"``. Both
 programs write the same partials, merged by the same launch, so everything around them (the split cut, the split
 rule, the merge, paged lookups, the checks) is shared.
 
@@ -31,8 +31,8 @@ loads go from HBM to shared memory by ``cp.async`` without passing through regis
    accumulators, V by ``ldmatrix.trans``).
 4. The W warps merge their (m, ℓ, Õ) through shared memory by the (m, ℓ) rule of FA1 Section 3.1, and the
    program writes its partial (O_s, L_s) in float32 — or, with a single split, O and L themselves. The merge of
-   the splits is :func:`kernels_gpu.decode.merge_kernel`, the launch both programs share — or, where the GPU holds
-   a (sequence, KV head)'s S programs as one thread-block cluster, the programs themselves, through each other's
+   the splits is :func:`kernels_gpu.inference.decode.merge_kernel`, the launch both programs share — or, where the GPU
+   holds a (sequence, KV head)'s S programs as one thread-block cluster, the programs themselves, through each other's
    shared memory (the last section below).
 
 Costs as the first program: per (sequence, KV head), n_b·(d + d_v) cache elements read once; the tensor cores do
@@ -98,7 +98,7 @@ makes, then ``ldmatrix`` into A-fragments); the divisions by ``row_tiles`` and `
 not 1 and q's row offset needs none (b·H_q·N_new + h·R); the epilogue indexes with unsigned integers (its stores
 become ``STS.64``); the merge is a programmatic dependent launch (``griddepcontrol``, which the program triggers
 after its loop). The machine code (float16, d = 128, causal, 256-key pages; ``decode_tc_sass.json``, from
-:mod:`kernels_gpu.decode_inspect`): 4048 → 2480 instructions, 1518 → 203 of them before the first copy.
+:mod:`kernels_gpu.inference.decode_inspect`): 4048 → 2480 instructions, 1518 → 203 of them before the first copy.
 Predicted: batch 1 at 16k keys 38.6 → 34-35.5 µs. Measured (``--quick``, one machine, the three in a row:
 ``decode_tc_prologue_ab_*.json`` and ``.log``): batch 1 at 4k / 16k / 64k, 0.33 / 0.58 / 0.80 of the copy rate
 before, 0.37 / 0.62 / 0.83 after without the early merge, 0.40 / 0.63 / 0.84 with it (16k: 38.1 → 35.2 µs, within
@@ -112,7 +112,7 @@ launch spans 28.6 µs against the 22.4 µs its bytes take at the copy rate. In o
 (``decode_tc_trace_16k_S32.npy``: start, query rows, first tile, loop end, end in ns, SM, tiles) the SMs that hold
 one program (8 of 132) end their loops at 20.4 µs (median), those that hold two at 25.1: the step waits for the
 doubled SMs. Hence the split rule of
-:func:`kernels_gpu.decode.default_num_splits`, at most one program per SM — measured over split counts
+:func:`kernels_gpu.inference.decode.default_num_splits`, at most one program per SM — measured over split counts
 (``decode_split_sweep.json``): batch 1, 16 splits (128 programs) against 32, 33.9 against 35.2 µs at 16k and 56.7
 against 59.6 at 32k; 22 splits (176 programs) slower than both. Eight warps per program, or three stages, with
 one program per SM: no gain (``decode_split_sweep_warps_stages.json``: within −1 to +4 % of four warps and two
@@ -186,12 +186,12 @@ warps (4k to 16k keys: within 0.5 % or up to 6 % slower than the rule's 2 splits
 ``decode_tc_tensor_b8_splits.json``), letting the merge launch be scheduled at
 the programs' start instead of after their loops (``griddepcontrol.launch_dependents`` moved; batch 1 and 8, 4k to
 64k keys, 5 rounds: within ±0.3 %, ``decode_tc_tensor_trigger_start.json``, from a ``trigger`` knob of
-``benchmarks.profilers.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with tensor
-copies (the two-warp programs of :func:`kernels_gpu.decode.tc_warps` at batch 32, and — below — no register cap) was
-(the run of 19:16; ``benchmarks.decode``'s header has the latest): batch 1 at 16k / 32k keys 0.71 / 0.84 of the copy
-rate, batch 8 and 32 from 16k 0.98-1.05; against cuDNN 1.002-1.008× at batch 32 from 16k keys and batch 8 from 64k,
-0.975-0.997× elsewhere but at batch 1 with 4k keys (0.945). In numba's simulator the copy engine is a twin and the
-tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the GPU does
+``benchmarks.profilers.decode_variants`` taken out again — the merge's launch was already hidden). The full grid with
+tensor copies (the two-warp programs of :func:`kernels_gpu.inference.decode.tc_warps` at batch 32, and — below — no
+register cap) was (the run of 19:16; ``benchmarks.decode``'s header has the latest): batch 1 at 16k / 32k keys 0.71 /
+0.84 of the copy rate, batch 8 and 32 from 16k 0.98-1.05; against cuDNN 1.002-1.008× at batch 32 from 16k keys and batch
+8 from 64k, 0.975-0.997× elsewhere but at batch 1 with 4k keys (0.945). In numba's simulator the copy engine is a twin
+and the tensor maps stand-ins (:mod:`kernels_gpu.tensor_map`), so CI runs this path as the GPU does
 (``test_tensorcore_program_tensor_copies``: the bits of ``cp.async``).
 
 Where batch 1 stands (Nsight Compute, one call each, ``decode_tc_tensor_ncu_b1_splits.txt``): the split
@@ -214,7 +214,7 @@ warp's instructions). The busiest SM streams the same 1024 keys in both; the dif
 .txt``, batch 1 at 16k and batch 32 at 4k) put the largest share of a warp's 7.0 cycles between instructions on
 the L1TEX scoreboard, 2.7 (38 %): waits for local or global memory — and with tensor copies the loop reads no
 global memory, but it did read the 40 bytes ptxas spilled under the cap of 168 registers. That cap bought three
-programs per SM, which the split rule and :func:`kernels_gpu.decode.tc_warps` no longer ask for (at most one
+programs per SM, which the split rule and :func:`kernels_gpu.inference.decode.tc_warps` no longer ask for (at most one
 four-warp program per SM, or two-warp ones), so tensor copies are compiled uncapped (:func:`register_cap`): 206
 registers, no spill. Prediction: batch 1 and 8 a few per cent faster, batch 32 unchanged. Measured (the two trees
 alternated twice, cuDNN in every run; ``decode_tc_tensor_nocap_{old,new}_{1,2}.json``), time over cuDNN's before →
@@ -230,20 +230,21 @@ tiles.
 **Two accumulator chains for S** (:data:`CHAINS` = 2, 2026-11-26). S's odd k-steps go into a second set of eight
 accumulators, added to the first after the last k-step: four chains of four MMAs per tile instead of two of eight.
 ptxas: the same 206 registers, no spill, 32 MMAs. Prediction: the fixed-latency share of the stalls halved, the
-split programs at batch 1, 16k keys 29.8 → 29.0-29.3 µs (2-3 %). Measured (``python -m benchmarks.profilers.decode_variants
+split programs at batch 1, 16k keys 29.8 → 29.0-29.3 µs (2-3 %). Measured (``python -m
+benchmarks.profilers.decode_variants
 --variants chains=1 chains=2 --rounds 5``, seven shapes, cuDNN in every round; ``decode_tc_chains_ab.json``):
 graph time 31.3 → 31.1 µs at batch 1, 16k keys, 95.2 → 94.9 at 64k, 52.8 → 52.5 at batch 8, 4k, 353.2 → 352.8 at
 batch 8, 32k, 698.1 → 697.3 at batch 32, 16k, unchanged at batch 1, 4k and batch 32, 4k: faster at five shapes of
 seven, by 0.1-0.7 %, a third of the prediction. Kept (the default). cuDNN in the same rounds: 30.6, 95.3, 51.9,
 351.5, 695.2 µs. GPU tests with it (``gpu_tests_decode_chains.log``): 56 passed; compute-sanitizer memcheck of
-``kernels_gpu.decode_sanitize`` (``sanitizer_decode_chains_memcheck.log``): 0 errors.
+``kernels_gpu.inference.decode_sanitize`` (``sanitizer_decode_chains_memcheck.log``): 0 errors.
 
 **Tried, not kept: the tensor maps prefetched.** Lane 0 of each warp issuing ``prefetch.tensormap`` for K's and
 V's maps at the program's start, before the query rows' copy, so that the first tensor copy would not wait for
 the map's 128 bytes (the maps live in global memory, not in the launch's parameters). Prediction: batch 1 at 4k
 keys 14.1 → 13.8 µs, 16k 0.5-1 % faster, batch 8 and 32 unchanged. Measured (a ``prefetch`` knob of
-``benchmarks.profilers.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1 /
-20.7 / 31.6 / 52.8 µs without, 14.1 / 20.9 / 31.4 / 52.9 with, at batch 1 with 4k / 8k / 16k / 32k keys; batch 8
+``benchmarks.profilers.decode_variants``, 0 against 1, six shapes, 5 rounds; ``decode_tc_prefetch_maps_ab.json``): 14.1
+/ 20.7 / 31.6 / 52.8 µs without, 14.1 / 20.9 / 31.4 / 52.9 with, at batch 1 with 4k / 8k / 16k / 32k keys; batch 8
 and 32 at 4k within 0.1 µs — no change: the map's fetch is not on the program's critical path. Taken out again.
 
 **Tried, not kept: 32-key tiles** (:data:`TILE`, 2026-11-27). A warp's stage holds two 16-key blocks of K and V
@@ -258,9 +259,10 @@ the large-batch prediction failed. The instructions saved per byte were not what
 batch fills the GPU (DRAM already ran at cuDNN's 92 % of its peak there); the tile stays 16, the knob stays (the
 simulator tests run 32 and 48).
 
-**The splits merged inside their cluster** (``cluster`` = S; :func:`kernels_gpu.decode._cluster_merge` decides;
-2026-11-27). What the merge launch costs a step, measured first (``python -m benchmarks.profilers.decode_merge_cost``, H100,
-graph replays of the whole step against the same plan with its merge launch replaced by nothing;
+**The splits merged inside their cluster** (``cluster`` = S; :func:`kernels_gpu.inference.decode._cluster_merge`
+decides; 2026-11-27). What the merge launch costs a step, measured first (``python -m
+benchmarks.profilers.decode_merge_cost``, H100, graph replays of the whole step against the same plan with its merge
+launch replaced by nothing;
 ``decode_merge_cost.json``): 2.6-3.0 µs at batch 1 with 4k / 8k / 16k / 32k keys (14.0 → 11.0, 20.0 → 17.1, 31.0 → 28.3,
 52.1 → 49.5 µs) and 2.9-3.0 µs at batch 8 — more than this program trails cuDNN by. So the S programs of a
 (sequence, KV head) run as one thread-block cluster: each keeps its partial (O_s, L_s) in its own shared memory,
@@ -268,21 +270,21 @@ the cluster meets at a barrier (``barrier.cluster`` arrive.release / wait.acquir
 the group's outputs reading the S partials from the other programs' shared memory (``mapa`` + ``ld.shared::cluster``:
 distributed shared memory) by the merge launch's rule, and a second barrier keeps every program's memory alive
 until the reads are done. No partials in HBM, no second launch. Each program asks for more than half an SM's shared
-memory (:data:`kernels_gpu.decode.CLUSTER_SHARED_BYTES`), so that an SM holds one, as the split rule plans, and the
-path is taken only where ``cuOccupancyMaxActiveClusters`` says every cluster of the grid fits at once.
+memory (:data:`kernels_gpu.inference.decode.CLUSTER_SHARED_BYTES`), so that an SM holds one, as the split rule plans,
+and the path is taken only where ``cuOccupancyMaxActiveClusters`` says every cluster of the grid fits at once.
 Prediction: 2-2.5 µs less a step wherever it applies (two barriers and one round of reads from a neighbour's shared
 memory, ~0.5-1 µs, for the merge's 3). Measured (``python -m benchmarks.profilers.decode_variants --variants cluster=1
 cluster=0 --rounds 5``, cuDNN in every round; ``decode_cluster_ab.json``): batch 8 with 4k and 16k keys (2 splits,
 clusters of 2) 50.9 and 180.8 µs against 52.9 and 183.0 with the merge launch — 2.0 and 2.2 µs, as predicted, and
 ahead of cuDNN's 52.1 and 181.3 —; batch 1 unchanged (14.0 / 30.9 / 95.0 µs at 4k / 16k / 64k): its 8 clusters of 16
 programs do not fit an H100 one program per SM (``cuOccupancyMaxActiveClusters``: 7 for clusters of 10 to 16
-programs, 15 of 8: ``decode_cluster_occupancy.log``, ``benchmarks.profilers.decode_variants --cluster-occupancy``), so the call
-keeps the merge launch. Letting two programs share an SM
+programs, 15 of 8: ``decode_cluster_occupancy.log``, ``benchmarks.profilers.decode_variants --cluster-occupancy``), so
+the call keeps the merge launch. Letting two programs share an SM
 so that they fit (``cluster_shared=0``, ``decode_cluster_shared_ab.json``) made batch 1 slower — 14.8 against 14.1
 µs at 4k keys, 32.4 against 30.9 at 16k, 103.0 against 95.0 at 64k —: the cluster is placed on half as many SMs.
 Bit for bit, the cluster's merge adds the S terms in split order where the merge launch folds them in two warps'
 blocks: the two agree within float16 rounding, and each meets the oracle's rule (GPU tests:
-``test_splits_merged_in_their_cluster``; memcheck and racecheck of :mod:`kernels_gpu.decode_sanitize`, whose
+``test_splits_merged_in_their_cluster``; memcheck and racecheck of :mod:`kernels_gpu.inference.decode_sanitize`, whose
 first launch is clustered: 0 errors, 0 hazards, ``sanitizer_decode_cluster_*.log``). numba's simulator runs one block
 at a time, so the cluster path is GPU-only; CI runs the merge launch.
 """
@@ -294,9 +296,8 @@ import math
 
 from numba import cuda, float32, int64, uint32, uint64
 
-from kernels_gpu import tensor_map
-from kernels_gpu.decode_io import cache_rows
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu import ptx, tensor_map
+from kernels_gpu.inference.decode_io import cache_rows
 from kernels_gpu.tensorcore.steps import Config, make_steps
 
 __all__ = ["TILE", "supports", "split_kernel_tc", "shared_bytes", "layout", "register_cap"]
@@ -312,7 +313,7 @@ STAGES = 2
 #: row) or "cp.async" (16 bytes per lane and instruction, completion by commit groups). A split's last, partial
 #: tile, the query rows and head sizes that are not multiples of 16 always take ``cp.async`` (zero fill); "tensor"
 #: applies to head sizes multiples of 64, on PyTorch CUDA caches (and in numba's simulator, with stand-in maps):
-#: kernels_gpu.decode falls back to "cp.async" elsewhere.
+#: kernels_gpu.inference.decode falls back to "cp.async" elsewhere.
 COPY = "tensor"
 #: independent accumulator sets of S = Q Kᵀ per warp tile: 1 (each 16 × 8 tile of S one chain of d / 16 dependent
 #: MMAs) or 2 (even and odd k-steps apart, two chains of half the length, added after the last k-step)
@@ -320,14 +321,14 @@ CHAINS = 2
 LN2 = 0.6931471805599453
 #: registers per thread asked of the compiler for head sizes ≤ 128 (None: its own choice). Uncapped it takes 198
 #: at d = 128 (ptxas): 2 programs per SM by registers; 168 fits 3 (3 · 128 · 168 ≤ 65 536, as the 70 KB of shared
-#: memory does) for 8 bytes of spill (``python -m kernels_gpu.decode_inspect``).
+#: memory does) for 8 bytes of spill (``python -m kernels_gpu.inference.decode_inspect``).
 REGISTER_CAP = 168
 
 
 def register_cap(d: int, d_v: int, copy: str = COPY) -> int | None:
     """The ``max_registers`` the program is compiled with: :data:`REGISTER_CAP` for head sizes up to 128 with
     ``cp.async`` or bulk copies, else None (the compiler's own choice). Tensor copies take no cap: the split rule
-    and :func:`kernels_gpu.decode.tc_warps` never ask an SM for more than one four-warp program (or two of two
+    and :func:`kernels_gpu.inference.decode.tc_warps` never ask an SM for more than one four-warp program (or two of two
     warps), so 206 registers (ptxas, d = 128) cost no residency, where the cap of 168 spilled 40 bytes."""
     return REGISTER_CAP if max(d, d_v) <= 128 and copy != "tensor" else None
 
@@ -392,8 +393,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
     whole tiles are copied (:data:`COPY`), keys per warp tile (``tile``: 16 to 64, dividing the page), and
     ``cluster``: 0, or the split count S when the S programs of a (sequence, KV head) run as one thread-block
     cluster and merge their partials through distributed shared memory (one row tile; GPU only). Parameters
-    as :func:`kernels_gpu.decode.split_kernel` (flat word arrays; the same launch arguments), then ``ktm``, ``vtm``:
-    the tensor maps of K and V (16 uint64 words each; read only with ``copy="tensor"``); grid (num_splits ·
+    as :func:`kernels_gpu.inference.decode.split_kernel` (flat word arrays; the same launch arguments), then ``ktm``,
+    ``vtm``: the tensor maps of K and V (16 uint64 words each; read only with ``copy="tensor"``); grid (num_splits ·
     row_tiles, H_kv, B) with row tiles of 16 rows; block 32·warps threads; :func:`shared_bytes` of dynamic shared
     memory."""
     if stages not in (2, 3, 4):
@@ -766,7 +767,8 @@ def split_kernel_tc(storage: str, d: int, d_v: int, warps: int, page: int, causa
                 if w == 0:
                     L[uint64(q_base + r)] = L_r
             else:
-                # Flash-Decoding: this split's partial (O_s, L_s) in float32, for kernels_gpu.decode.merge_kernel.
+                # Flash-Decoding: this split's partial (O_s, L_s) in float32, for
+                # kernels_gpu.inference.decode.merge_kernel.
                 part = ((b * H_kv + h) * S + split) * R + r
                 Opart[uint64(part * d_v + 2 * w)] = a_lo * inv
                 Opart[uint64(part * d_v + 2 * w + 1)] = a_hi * inv

@@ -3,7 +3,7 @@
 numba has no tensor-core API, but a numba kernel can issue any PTX instruction through
 ``numba.cuda.extending.intrinsic`` with an ``llvmlite.ir.InlineAsm`` body. Every such wrapper of fa2edu lives in
 this module; the kernel bodies stay Python. Each wrapper cites the PTX ISA section it implements; the operand
-layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
+layouts are tabulated in :mod:`kernels_gpu.fragments`::
 
     =========================  ===============================================  ==============================
     function                   PTX instruction                                  PTX ISA section
@@ -99,7 +99,7 @@ layouts are tabulated in :mod:`kernels_gpu.tensorcore.fragments`::
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
 that emulates the instruction exactly, so the same kernel source runs in numba's CUDA simulator: the warp-level ones
 (mma, ldmatrix, shfl) make the 32 lanes of the warp meet at a barrier, exchange their registers, and each lane
-takes what the fragment tables say it gets (:mod:`~kernels_gpu.tensorcore.fragments`). ``cp.async`` is emulated as
+takes what the fragment tables say it gets (:mod:`~kernels_gpu.fragments`). ``cp.async`` is emulated as
 *asynchronous*: a copy lands only when a ``cp_async_wait_*`` says its group may have completed, so a kernel that
 reads a tile before waiting for it reads stale data in the simulator too. Bulk and tensor copies likewise land only
 when a lane tries to wait on their mbarrier, whose phases the twin keeps as the hardware does (arrivals and a
@@ -116,11 +116,12 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 
+from kernels_gpu import fragments as frag
 from kernels_gpu.runtime import simulator_in_use
-from kernels_gpu.tensorcore import fragments as frag
 
 __all__ = [
     "mma_f16", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16", "cp_async16_l2_128",
@@ -442,8 +443,11 @@ def _mbarriers() -> dict:
         return manager.__dict__.setdefault("_fa2edu_mbarriers", {})
 
 
-#: try_wait calls on one incomplete phase before the twin reports a barrier that can never complete
+#: try_wait calls on one incomplete phase, and seconds since the first of them, before the twin reports a barrier
+#: that can never complete. Both must be exceeded: the simulator runs one Python thread at a time, so the warp's
+#: other lanes may spin a million times before the lane that issues the copy is scheduled on a loaded machine.
 _MBAR_SPIN_LIMIT = 1_000_000
+_MBAR_WAIT_S = 30.0
 
 
 def _mbar_complete_if_done(bar: dict) -> None:
@@ -451,6 +455,7 @@ def _mbar_complete_if_done(bar: dict) -> None:
         bar["completed"] += 1
         bar["pending"] = bar["count"]
         bar["spins"] = 0
+        bar["since"] = None
 
 
 def _mbar_init_twin(smem, index, count):
@@ -513,7 +518,9 @@ def _mbar_try_wait_twin(smem, index, parity):
         done = (bar["completed"] & 1) != (int(parity) & 1)
         if not done:
             bar["spins"] += 1
-            if bar["spins"] > _MBAR_SPIN_LIMIT:
+            if bar.get("since") is None:
+                bar["since"] = time.monotonic()
+            if bar["spins"] > _MBAR_SPIN_LIMIT and time.monotonic() - bar["since"] > _MBAR_WAIT_S:
                 raise RuntimeError(f"mbarrier at word {int(index)}: phase {bar['completed']} never completes "
                                    f"({bar['pending']} arrivals and {bar['tx']} bytes outstanding)")
     return np.uint32(1 if done else 0)
@@ -558,7 +565,7 @@ def _red_add_v4_f32_twin(gmem, index, x0, x1, x2, x3):
 
 def _cluster_twin(*args):
     """Simulator stand-in of the cluster instructions: numba's simulator runs a grid one block at a time, so blocks
-    cannot meet or read each other's shared memory — kernels_gpu.decode never takes its cluster path there."""
+    cannot meet or read each other's shared memory — kernels_gpu.inference.decode never takes its cluster path there."""
     raise RuntimeError("thread-block clusters need a GPU: numba's CUDA simulator runs one block at a time")
 
 

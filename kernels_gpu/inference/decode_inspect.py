@@ -1,7 +1,7 @@
 """Compile the inference kernels to PTX and read ptxas's resource report — no GPU needed (numba's NVVM and the CUDA
 toolkit's ptxas only)::
 
-    python -m kernels_gpu.decode_inspect                  # the decode benchmark's shapes, and varlen at d = 64, 128
+    python -m kernels_gpu.inference.decode_inspect    # the decode benchmark's shapes, and varlen at d = 64, 128
 
 Prints, per kernel and configuration: registers, spill bytes, shared memory, and counts of the instructions the
 design relies on (16-byte global loads, warp shuffles, local-memory loads: 0 means every per-thread array stayed in
@@ -68,7 +68,7 @@ def _sass_counts(cubin: Path) -> dict:
 def split_report(storage: str = "float16", d: int = 128, R: int = 4, page: int = 256, causal: bool = True,
                  index: str = "int32") -> dict:
     """The split program for (storage, d = d_v, R = G·N_new rows, page size; 0: contiguous)."""
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     _compile_without_gpu()
     tiling = decode.decode_tiling(storage, d, d, R, 4, warps=4)
     kernel = decode.split_kernel(storage, d, d, tiling, page, causal, False)
@@ -82,10 +82,10 @@ def split_report(storage: str = "float16", d: int = 128, R: int = 4, page: int =
 
 def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, causal: bool = True,
                     index: str = "int32", warps: int = 4, copy: str | None = None) -> dict:
-    """The tensor-core split program (:mod:`kernels_gpu.decode_tc`) for (storage, d = d_v, page size; 0:
+    """The tensor-core split program (:mod:`kernels_gpu.inference.decode_tc`) for (storage, d = d_v, page size; 0:
     contiguous; ``copy``: how whole tiles travel, default :data:`decode_tc.COPY`): ``ldsm`` and ``mma`` counts
     beside the resources (``cp_async``: 16-byte copies in the PTX, ``tensor_copies``: bulk tensor copies)."""
-    from kernels_gpu import decode_tc
+    from kernels_gpu.inference import decode_tc
     _compile_without_gpu()
     copy = decode_tc.COPY if copy is None else copy
     tile = decode_tc.tile_for(page)
@@ -104,7 +104,7 @@ def split_tc_report(storage: str = "float16", d: int = 128, page: int = 256, cau
 
 
 def merge_report(storage: str = "float16", d_v: int = 128) -> dict:
-    from kernels_gpu import decode
+    from kernels_gpu.inference import decode
     _compile_without_gpu()
     kernel = decode.merge_kernel(storage, d_v, False)
     W = types.float32 if storage == "float32" else types.uint32
@@ -115,7 +115,7 @@ def merge_report(storage: str = "float16", d_v: int = 128) -> dict:
 
 
 def varlen_report(storage: str = "float16", d: int = 128, causal: bool = False) -> dict:
-    from kernels_gpu import varlen
+    from kernels_gpu.inference import varlen
     _compile_without_gpu()
     tiling = varlen.VarlenTiling(16, 8, 4, 4) if d <= 128 else varlen.VarlenTiling(8, 8, 4, 4)
     kernel = varlen.varlen_kernel(storage, d, d, tiling, causal, (d, d, d), False)

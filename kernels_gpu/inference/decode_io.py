@@ -1,4 +1,5 @@
-"""Inputs, outputs and launches of the inference kernels (:mod:`kernels_gpu.decode`, :mod:`kernels_gpu.varlen`).
+"""Inputs, outputs and launches of the inference kernels (:mod:`kernels_gpu.inference.decode`,
+:mod:`kernels_gpu.inference.varlen`).
 
 **Operands.** The kernels read every tensor as a flat 1-D array of its storage, addressed with element strides
 that the host passes as integers, so a strided cache (say a ``(B, N, H, d)`` buffer seen as ``(B, H, N, d)``

@@ -2,10 +2,11 @@
 
 Run on the GPU machine from the repository root::
 
-    compute-sanitizer --tool memcheck  --report-api-errors no --error-exitcode 1 python -m kernels_gpu.decode_sanitize
-    compute-sanitizer --tool racecheck --error-exitcode 1 python -m kernels_gpu.decode_sanitize
-    compute-sanitizer --tool synccheck --error-exitcode 1 python -m kernels_gpu.decode_sanitize
-    compute-sanitizer --tool initcheck --error-exitcode 1 python -m kernels_gpu.decode_sanitize
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+        python -m kernels_gpu.inference.decode_sanitize
+    compute-sanitizer --tool racecheck --error-exitcode 1 python -m kernels_gpu.inference.decode_sanitize
+    compute-sanitizer --tool synccheck --error-exitcode 1 python -m kernels_gpu.inference.decode_sanitize
+    compute-sanitizer --tool initcheck --error-exitcode 1 python -m kernels_gpu.inference.decode_sanitize
 
 (``--report-api-errors no``: on the device image of 2026-11-26, memcheck otherwise counts 34 host-side errors,
 every one a call to ``cuGetProcAddress_v2`` from numba's driver initialisation — none from a kernel.)
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ok &= decode_case(torch.float16, paged=True, N_new=1, num_splits=3, seed=5, kernel="cuda_core")
     ok &= decode_case(torch.float16, paged=False, N_new=3, num_splits=None, seed=6)
     # the tensor-core program's other ways of copying whole tiles (decode_tc.COPY; the default: tensor copies)
-    from kernels_gpu import decode, decode_tc
+    from kernels_gpu.inference import decode, decode_tc
     default = decode_tc.COPY
     try:
         for i, copy in enumerate(("bulk", "cp.async")):

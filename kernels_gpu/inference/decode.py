@@ -14,8 +14,8 @@ strides, dtypes and options: the next such call skips the checks, the typing and
 partials, launches the split programs, then allocates O and L and launches the merge (or, where the splits merge
 inside their thread-block cluster, allocates O and L and makes the one launch) — each launch one
 ``cuLaunchKernelEx`` of parameters packed once (:class:`kernels_gpu.driver_launch.Prepared`), the tensor maps found
-by the caches' addresses. Where its host time goes (``python -m benchmarks.profilers.decode_host``, H100, batch 1 with 16k
-keys, ``decode_host_breakdown.json``): 65 µs a call — the plan's key 9, allocations 18, the maps 4, the two
+by the caches' addresses. Where its host time goes (``python -m benchmarks.profilers.decode_host``, H100, batch 1 with
+16k keys, ``decode_host_breakdown.json``): 65 µs a call — the plan's key 9, allocations 18, the maps 4, the two
 launches 10 and 8 —, against 75 µs for SDPA's cuDNN backend under ``sdpa_kernel`` and 31 µs for SDPA's default
 call, whose dispatch is C++ (host times move with the machine: the same measurement on another H100 host gave 38,
 45 and 23 µs, ``decode_host_breakdown_ctypes.json``). The first plan (launches through ``cuda.core.launch``, maps
@@ -23,9 +23,9 @@ looked up as a list of tensor rows, four allocations) spent 94 µs at that shape
 cuDNN's 87 (``decode_same_bytes.json``); this one 40 against 72, and SDPA's default call 33 (``decode.json``).
 
 **Two split programs.** This module's :func:`split_kernel` does its dot products on the FMA units (the first
-version, described below); :mod:`kernels_gpu.decode_tc` does them on tensor cores and is the default for float16
-and bfloat16 caches whose head sizes are multiples of 8 (``kernel=`` names either). Both write the same partials;
-everything else here — the checks, the split cut, the merge launch, paged lookups — serves both.
+version, described below); :mod:`kernels_gpu.inference.decode_tc` does them on tensor cores and is the default for
+float16 and bfloat16 caches whose head sizes are multiples of 8 (``kernel=`` names either). Both write the same
+partials; everything else here — the checks, the split cut, the merge launch, paged lookups — serves both.
 
 **Why these kernels look as they do.** A decoding step reads the whole cache to produce G·N_new rows of output per
 KV head (G = H_q / H_kv): about 2·G·N_new FLOPs per element read, a few, against the hundreds a GPU can do per
@@ -40,7 +40,8 @@ element its memory delivers (chapter 13). So the kernel's only job is to stream 
    a second, small launch merges them by the log-sum-exp rule of :func:`fa2edu.merge_attention_states` (a split
    that saw no key holds O = 0, L = +inf, the merge's identity). On a Hopper GPU that can hold a (sequence, KV
    head)'s S programs as one thread-block cluster, the tensor-core programs merge among themselves instead,
-   through distributed shared memory (:func:`_cluster_merge`; :mod:`kernels_gpu.decode_tc`'s header measures it).
+   through distributed shared memory (:func:`_cluster_merge`; the header of
+   :mod:`kernels_gpu.inference.decode_tc` measures it).
 3. **Paged KV** (PagedAttention): key j of sequence b lives in physical page ``block_table[b, j // page_size]``,
    row ``j % page_size``; the page size is a compile-time constant, so the division is a multiply and a shift.
 4. **Wide loads, no shared memory in the loop.** Inside a program, groups of ``lanes`` consecutive threads each
@@ -73,7 +74,7 @@ cycle: enough warps must be resident to hide the load latency, hence two steps i
 of 4 warps per SM) and a split rule that fills the resident slots.
 
 **Measured** (H100 80GB HBM3, 2026-11-24, ``benchmarks.decode --quick``: batch 1 and 32, contexts 4k, 16k, 64k;
-copy rate 3007 GB/s; ``decode.json`` of that date, since replaced by the run of :mod:`kernels_gpu.decode_tc`,
+copy rate 3007 GB/s; ``decode.json`` of that date, since replaced by the run of :mod:`kernels_gpu.inference.decode_tc`,
 where this program is the line ``kernels_gpu_cuda_core``). Graph times reach 77 %, 88 %, 91 % of the
 copy rate at batch 32 (predicted 80-95 % from 16k: met), but only 18 %, 34 %, 59 % at batch 1 (predicted 65-85 %
 from 16k: missed; a 16k step is 65 µs of GPU time, in which the split programs' fixed costs and the merge launch
@@ -99,10 +100,10 @@ from numba import cuda, float32, int64, uint32
 
 from fa2edu.inference import DECODE_SMS, DecodeResult, check_decode_inputs, check_decode_values, decode_block_size
 from fa2edu.validation import check_scale
-from kernels_gpu import decode_io as io
-from kernels_gpu import decode_tc, driver_launch
+from kernels_gpu import driver_launch, ptx
 from kernels_gpu import runtime as rt
-from kernels_gpu.tensorcore import ptx
+from kernels_gpu.inference import decode_io as io
+from kernels_gpu.inference import decode_tc
 
 __all__ = ["decode_attention", "decode_split_partials", "merge_split_partials", "planned_splits", "DecodeResult",
            "DecodeTiling", "decode_tiling", "default_num_splits", "rounds_num_splits",
@@ -124,7 +125,7 @@ WORDS_IN_FLIGHT = 16
 LANE_FLOATS = 32
 #: warps per block in numba's simulator (which runs every thread as a Python thread); 4 on a GPU
 SIMULATOR_WARPS = 1
-#: warps of a tensor-core split program on a GPU (:mod:`kernels_gpu.decode_tc`); None: :func:`tc_warps`' rule
+#: warps of a tensor-core split program on a GPU (:mod:`kernels_gpu.inference.decode_tc`); None: :func:`tc_warps`' rule
 TC_WARPS = None
 
 
@@ -216,7 +217,7 @@ def load_words(vec: int, simulator: bool):
 @functools.lru_cache(maxsize=None)
 def _converters(storage: str, simulator: bool):
     """``unpack(word) -> (lo, hi)`` (float32 storage: (word, 0)) and ``pack(lo, hi) -> word`` (float32: lo)."""
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
     if storage == "float32":
         @jit
@@ -364,7 +365,7 @@ def split_kernel(storage: str, d: int, d_v: int, tiling: DecodeTiling, page: int
     load = load_words(VEC, simulator)
     rows = io.cache_rows(page, simulator)
     butterfly = butterfly_sum(RT * KB, LPK, simulator)
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     ex2 = ptx.ex2
 
     dev = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
@@ -1355,8 +1356,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causa
         page ids to [0, num_pages), so a bad value gives a wrong result, never a read outside the cache), and the
         split rule then plans for the cache's capacity as the longest length.
     kernel : {None, "tensorcore", "cuda_core"}, optional
-        The split program. Default None: the tensor-core program (:mod:`kernels_gpu.decode_tc`) for float16 and
-        bfloat16 caches with head sizes multiples of 8 (≤ 256), 16-byte aligned rows and pages of a multiple of
+        The split program. Default None: the tensor-core program (:mod:`kernels_gpu.inference.decode_tc`) for float16
+        and bfloat16 caches with head sizes multiples of 8 (≤ 256), 16-byte aligned rows and pages of a multiple of
         16 keys; the CUDA-core program (this module's :func:`split_kernel`) otherwise. Naming "tensorcore" where
         it does not apply is an error.
 

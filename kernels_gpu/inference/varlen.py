@@ -40,8 +40,8 @@ from numba import cuda, float32, int64, uint16, uint32, uint64
 from fa2edu.flash2 import Flash2Forward
 from fa2edu.inference import check_cu_seqlens, check_varlen_values
 from fa2edu.validation import check_scale
-from kernels_gpu import decode_io as io
 from kernels_gpu import runtime as rt
+from kernels_gpu.inference import decode_io as io
 
 __all__ = ["varlen_attention", "VarlenTiling", "default_varlen_tiling", "block_map", "varlen_kernel",
            "shared_floats"]
@@ -103,14 +103,14 @@ def shared_floats(tiling: VarlenTiling, d: int, d_v: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _to_float(storage: str, simulator: bool):
     """A device function: one stored element → float32 (16-bit: its bits, through the conversion of
-    :mod:`kernels_gpu.tensorcore.ptx`; bfloat16's is a shift into the upper half of a float32)."""
+    :mod:`kernels_gpu.ptx`; bfloat16's is a shift into the upper half of a float32)."""
     jit = cuda.jit(device=True) if simulator else cuda.jit(device=True, inline=True)
     if storage == "float32":
         @jit
         def identity(x):
             return float32(x)
         return identity
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     unpack = ptx.unpack_f16x2 if storage == "float16" else ptx.unpack_bf16x2
 
     @jit
@@ -129,7 +129,7 @@ def _from_float(storage: str, simulator: bool):
         def identity(x):
             return x
         return identity
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     pack = ptx.pack_f16x2 if storage == "float16" else ptx.pack_bf16x2
 
     @jit
@@ -254,7 +254,7 @@ def varlen_kernel(storage: str, d: int, d_v: int, tiling: VarlenTiling, causal: 
     fetch_v, store_v, NV = _tile_mover(B_c, VS, T, v_sn, storage, simulator)
     row_max, row_sum = _row_reducers(NX, TR, T, simulator)
     from_float = _from_float(storage, simulator)
-    from kernels_gpu.tensorcore import ptx
+    from kernels_gpu import ptx
     ex2 = ptx.ex2
     CAUSAL = causal
     SIMULATOR = simulator

@@ -3,7 +3,7 @@
 A warp-level matrix instruction does not see a matrix in memory: each of the warp's 32 lanes passes a few
 registers, and the hardware fixes which elements those registers must hold. These layouts are the whole
 difficulty of programming tensor cores by hand, so they are written out here once, as tables and as NumPy
-functions. The simulator twins in :mod:`kernels_gpu.tensorcore.ptx` are built on these functions, and the GPU tests
+functions. The simulator twins in :mod:`kernels_gpu.ptx` are built on these functions, and the GPU tests
 check them against the real instructions.
 
 Notation (PTX ISA, section "Matrix Fragments for mma.m16n8k16 with floating point type"): for lane ``l``,
