@@ -7,7 +7,7 @@ they execute with their working directory in ``chapters/``, as the chapter test 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -30,7 +30,11 @@ import fa2edu  # noqa: E402  (after the environment is set)
 # its signature and docstring as with PyTorch installed (their module docstrings say that they need it). The
 # chapters' torch cells skip themselves with a one-line note (``%%needs torch``, fa2edu/notebook.py). With torch
 # installed nothing is mocked.
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
+try:
+    importlib.import_module("torch")
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
 autodoc_mock_imports = [] if HAVE_TORCH else ["torch"]
 
 project = "fa2edu"
