@@ -99,3 +99,48 @@ def test_the_benchmarks_are_layered_harness_drivers_profilers() -> None:
     for module in harness | drivers:
         assert not graph[module] & profilers, module
     assert not cycles(graph, lambda m: m), "import cycles between benchmark modules"
+
+
+#: kernels_gpu, bottom first: what every kernel family shares (devices and layouts, the PTX instructions and their
+#: simulator twins, the fragment layouts, launches through the driver, tensor maps, traffic counting), then the
+#: families, each of which may build on the ones before it: the teaching kernels, the fast CUDA-core kernels, the
+#: tensor-core ladder, the inference kernels. Tools (``kernels_gpu.sanitize``) and the package itself sit on top.
+KERNEL_TIERS = [
+    {"runtime", "counting", "driver_launch", "tensor_map", "ptx", "fragments"},
+    {"standard", "flash1", "flash2"},
+    {"fast"},
+    {"tensorcore"},
+    {"inference"},
+]
+
+
+def _kernel_tier(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None                       # the package itself: the public façade (and numba's shim), on top
+    for tier, names in enumerate(KERNEL_TIERS):
+        if parts[1] in names:
+            return tier
+    return None                           # tools on top (sanitize)
+
+
+def test_kernels_gpu_is_layered_bottom_to_families() -> None:
+    graph = imports("kernels_gpu")
+    assert {"kernels_gpu.ptx", "kernels_gpu.fragments", "kernels_gpu.inference.decode",
+            "kernels_gpu.inference.varlen"} <= set(graph)
+    upward = []
+    for module, targets in graph.items():
+        tier = _kernel_tier(module)
+        if tier is None:
+            continue
+        for target in targets:
+            if not within(target, "kernels_gpu"):
+                continue
+            if target == "kernels_gpu" and tier > 0:
+                continue                  # `import kernels_gpu` for the package's import-time set-up
+            other = _kernel_tier(target)
+            if other is None or other > tier or (tier == 0 and other != 0):
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that run back up kernels_gpu's layers:\n" + "\n".join(sorted(upward))
+    # the shared PTX module lives at the bottom, not inside a family
+    assert not (ROOT / "kernels_gpu" / "tensorcore" / "ptx.py").exists()
