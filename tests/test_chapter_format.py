@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
-CHAPTER_FILES = sorted(CHAPTERS.glob("[0-9][0-9]_*.md"))
+CHAPTER_FILES = sorted(CHAPTERS.glob("[0-9][0-9]_*.md")) + sorted(CHAPTERS.glob("appendix_[0-9][0-9]_*.md"))
 IDS = [path.stem for path in CHAPTER_FILES]
 
 #: The widest line of code a chapter may show, in characters.
