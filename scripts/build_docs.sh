@@ -11,9 +11,11 @@
 #
 # Offline once the `docs` extra is installed; if it is missing, this script installs it (that step needs PyPI).
 # No GPU is needed: the GPU chapters run in numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 unless you set it).
+# No PyTorch is needed either (the `docs` extra installs none): the API pages of the modules that need it are built
+# against a stand-in (docs/conf.py), and the chapters' cells that need it print one line and are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python3 -c "import importlib, sphinx, myst_nb, furo, jupytext, fa2edu; importlib.import_module('sphinx-mathjax-offline')" 2>/dev/null; then
+if ! python3 -c "import importlib, sphinx, myst_nb, furo, jupytext, ipykernel, fa2edu; importlib.import_module('sphinx-mathjax-offline')" 2>/dev/null; then
     python3 -m pip install --quiet --disable-pip-version-check -e ".[docs]"
 fi
 export NUMBA_ENABLE_CUDASIM="${NUMBA_ENABLE_CUDASIM:-1}"
