@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, with its set-up: installs fa2edu with its test, notebook and torch extras (PyTorch's CPU-only
-# build where there is no NVIDIA driver), then runs pytest.
+# The whole test suite, with its set-up: installs fa2edu with its test, notebook, docs and torch extras (PyTorch's
+# CPU-only build where there is no NVIDIA driver), then runs pytest.
 # Extra arguments go to pytest. Kernels run in numba's CUDA simulator (tests/conftest.py selects it).
 #
 # The install runs only when needed: build/test-env.stamp (git-ignored) holds a hash of pyproject.toml, the torch
@@ -18,8 +18,9 @@ installed() {
     python3 - <<'EOF'
 import importlib.metadata, importlib.util, json, os, sys, urllib.parse
 
-# What the suite imports, from the test, notebooks and torch extras.
-modules = ("pytest", "xdist", "hypothesis", "jupytext", "jupyterlab", "nbclient", "nbformat", "ipykernel", "torch")
+# What the suite imports, from the test, notebooks, docs and torch extras.
+modules = ("pytest", "xdist", "hypothesis", "jupytext", "jupyterlab", "nbclient", "nbformat", "ipykernel", "torch",
+           "sphinx", "myst_nb", "furo")
 missing = [name for name in modules if importlib.util.find_spec(name) is None]
 # fa2edu installed in editable mode from this checkout, looked up outside the checkout: its fa2edu.egg-info
 # (setuptools' build metadata) would otherwise answer for whichever environment installed it last.
@@ -43,7 +44,7 @@ else
         command -v nvidia-smi >/dev/null 2>&1 || index=(--index-url https://download.pytorch.org/whl/cpu)
         python3 -m pip install --quiet --disable-pip-version-check "$TORCH" "${index[@]}"
     fi
-    python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,torch]" "$TORCH"
+    python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,docs,torch]" "$TORCH"
     mkdir -p "$(dirname "$STAMP")" && echo "$key" > "$STAMP"
 fi
 python3 -m pytest -n 2 "$@"

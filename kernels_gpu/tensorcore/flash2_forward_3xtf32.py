@@ -20,7 +20,7 @@ What is left out: a_small·b_small (``≤ u²·|a·b|·(1 + u)²``) and the resi
 each side), so every product is off by at most ε = 3u²(1 + u)² ≈ 7.2e-7 of its size — about 12 of float32's unit
 roundoffs, where TF32 is off by 2u ≈ 1e-3 (8200 of them). Accumulated over d products, float32's own summation error
 (up to d roundoffs of the running sum) is of the same size: this is float32 accuracy, not TF32's
-(:func:`error_bound` states it; chapter 12 shows the arithmetic in NumPy).
+(:func:`error_bound` states it; appendix 12, the lab notebook of chapter 12, shows the arithmetic in NumPy).
 
 **What changes against the TF32 rung:** only the operands and the product (``TF32Config.products = 3``: the same
 tiles, copies, online softmax and key order); each operand register that was ``cvt(ld.shared)`` is now
