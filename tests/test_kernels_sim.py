@@ -260,7 +260,9 @@ def test_bad_inputs_are_refused_with_named_errors():
 
 @pytest.mark.skipif(os.environ.get("FA2EDU_GPU") == "1", reason="this machine may have a GPU")
 def test_import_works_without_gpu_and_a_call_says_how_to_use_the_simulator():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    """With the simulator turned off by hand (without the variable, kernels_gpu would choose it on a machine with
+    no CUDA driver: tests/test_notebook_support.py), a call with no GPU says how to turn it on."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     code = ("import numpy as np, kernels_gpu\n"
             "x = np.ones((4, 2), np.float32)\n"
             "try:\n    kernels_gpu.flash2_forward(x, x, x)\n"

@@ -301,7 +301,7 @@ RUNG_CASES = [(v, c) for v in VERSIONS for c in range(len(CASES))
 @pytest.mark.parametrize("version, case", RUNG_CASES, ids=[f"{v}-{CASE_IDS[c]}" for v, c in RUNG_CASES])
 def test_rung_matches_oracle(version, case, poisoned):
     shape_q, shape_kv, causal, dtype = CASES[case]
-    Q, K, V = _inputs(shape_q, shape_kv, dtype, seed=hash(version) % 1000)
+    Q, K, V = _inputs(shape_q, shape_kv, dtype, seed=int(version.strip('v')))   # fixed per rung
     O, L = VERSIONS[version](Q, K, V, causal=causal)
     assert O.dtype == Q.dtype and L.dtype == torch.float32 and O.shape == Q.shape and L.shape == Q.shape[:-1]
     flash_attn_rule(O, L, Q, K, V, causal)
