@@ -1,12 +1,13 @@
 """fa2edu.distributed: ring attention on real gloo process groups, checked against the float64 oracle.
 
-Spawning a process group costs seconds (each process imports torch), so each world size W = 2, 3, 4 starts
-**one** group, whose workers run every case in turn and send their shards back through a queue; the checks then
-run here, in the test process, on the unsharded results. Every collective runs under the group's timeout and
-the workers are joined with a deadline and killed past it: nothing can hang.
+Spawning a process group costs seconds (each process imports torch), so the module starts **one** group of 4
+processes, whose workers run every case in turn and send their shards back through a queue; the checks then run
+here, in the test process, on the unsharded results. The rings of W = 4 run on the whole world (the default
+group), those of W = 2 and W = 3 on the subgroups of ranks 0, 1 and 0, 1, 2. Every collective runs under the
+group's timeout and the workers are joined with a deadline and killed past it: nothing can hang.
 
-The same groups also run the W = 1 ring (each rank in a group of its own) and a ring on a subgroup whose group
-ranks differ from the global ones (W = 4: ranks 1, 2, 3).
+The same group also runs the W = 1 ring (each rank in a group of its own) and a ring on a subgroup whose group
+ranks differ from the global ones (ranks 1, 2, 3).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with the gloo backend")
 
 GROUP_TIMEOUT_S = 45          # every collective and point-to-point wait of the workers
-DEADLINE_S = 150              # the whole group, from spawn to the last result
+DEADLINE_S = 240              # the whole group (every W's cases), from spawn to the last result
+WORLD = 4                     # the one group's size; W = 2 and 3 ring on its first ranks
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ SHAPES = [  # (B, H_q, H_kv, c, d, d_v): c tokens per zigzag chunk, N = 2·W·c 
 
 
 def _cases(W: int) -> list[dict]:
+    """The cases of a ring of W ranks: on the world when W = WORLD, else on the subgroup of ranks 0 … W − 1."""
     cases = []
     i = 0
     for layout in cp.LAYOUTS:
@@ -73,6 +76,9 @@ def _cases(W: int) -> list[dict]:
     cases.append(dict(cases[3], name="after-errors", seed=200, check=False))
     # The W = 1 ring: every rank alone in a group of its own.
     cases.append(dict(cases[3], name="alone", group="self", W=1, N=2 * 4, seed=300))
+    if W < WORLD:
+        for case in cases:
+            case.update(group="sub" if case["group"] == "world" else case["group"], ranks=list(range(W)))
     return cases
 
 
@@ -154,20 +160,20 @@ def _worker(rank: int, world_size: int, init_method: str, cases: list, results) 
         alone = [dist.new_group([r], timeout=timeout) for r in range(world_size)]
         subgroups = {}
         for case in cases:
-            if case["group"] == "sub":
-                subgroups[case["name"]] = dist.new_group(case["ranks"], timeout=timeout)
+            if case["group"] == "sub" and tuple(case["ranks"]) not in subgroups:
+                subgroups[tuple(case["ranks"])] = dist.new_group(case["ranks"], timeout=timeout)
         out = {}
         for case in cases:
+            if rank not in case.get("ranks", range(world_size)):
+                continue
             if case["group"] == "world":
                 group, group_rank = None, rank
             elif case["group"] == "self":
                 group, group_rank = alone[rank], 0
             else:
-                if rank not in case["ranks"]:
-                    continue
-                group, group_rank = subgroups[case["name"]], case["ranks"].index(rank)
+                group, group_rank = subgroups[tuple(case["ranks"])], case["ranks"].index(rank)
             run = _run_ring if case["kind"] == "ring" else _run_error
-            out[case["name"]] = dict(run(case, group, group_rank), group_rank=group_rank)
+            out[case["key"]] = dict(run(case, group, group_rank), group_rank=group_rank)
         dist.barrier()
         dist.destroy_process_group()
         results.put((rank, out, None))
@@ -176,7 +182,7 @@ def _worker(rank: int, world_size: int, init_method: str, cases: list, results) 
 
 
 def _run_group(world_size: int, cases: list, tmp_path) -> dict:
-    """Spawn the group, run every case, return {case name: {group rank: result}}; fail (never hang) otherwise."""
+    """Spawn the group, run every case, return {case key: {group rank: result}}; fail (never hang) otherwise."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"file://{tmp_path / 'rendezvous'}"
@@ -192,7 +198,7 @@ def _run_group(world_size: int, cases: list, tmp_path) -> dict:
                 rank, out, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
-                pytest.fail(f"the W = {world_size} group did not finish within {DEADLINE_S} s "
+                pytest.fail(f"the group of {world_size} did not finish within {DEADLINE_S} s "
                             f"(ranks that died: {dead})")
             if error is not None:
                 failures.append(f"rank {rank}:\n{error}")
@@ -208,7 +214,7 @@ def _run_group(world_size: int, cases: list, tmp_path) -> dict:
     if failures:
         pytest.fail("\n".join(failures))
     # Keyed by the rank in the case's ring (the global rank for the W = 1 rings, where every rank is rank 0).
-    alone = {case["name"] for case in cases if case["group"] == "self"}
+    alone = {case["key"] for case in cases if case["group"] == "self"}
     by_case: dict[str, dict[int, dict]] = {}
     for rank, out in received.items():
         for name, result in out.items():
@@ -216,13 +222,23 @@ def _run_group(world_size: int, cases: list, tmp_path) -> dict:
     return by_case
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda W: f"W{W}")
-def group_run(request, tmp_path_factory):
-    W = request.param
-    cases = _cases(W)
-    if W == 4:
-        cases.append(_subgroup_case([1, 2, 3]))
-    return W, {case["name"]: case for case in cases}, _run_group(W, cases, tmp_path_factory.mktemp(f"ring{W}"))
+@pytest.fixture(scope="module")
+def world_run(tmp_path_factory):
+    """Every W's cases, run by one group of WORLD processes: the W = 4 rings (and the subgroup of ranks 1, 2, 3)
+    first, then W = 3 and W = 2 on ranks 0 … W − 1 (a rank outside them goes on to the next ring it is in)."""
+    cases = []
+    for W in (4, 3, 2):
+        ring = _cases(W) + ([_subgroup_case([1, 2, 3])] if W == WORLD else [])
+        cases += [dict(case, key=f"W{W}/{case['name']}") for case in ring]
+    return cases, _run_group(WORLD, cases, tmp_path_factory.mktemp("ring"))
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda W: f"W{W}")
+def group_run(request, world_run):
+    """W, {case name: case} and {case name: {group rank: result}} of the rings of W ranks."""
+    W, (cases, results) = request.param, world_run
+    mine = [case for case in cases if case["key"].startswith(f"W{W}/")]
+    return W, {case["name"]: case for case in mine}, {case["name"]: results[case["key"]] for case in mine}
 
 
 # ----------------------------------------------------------------------------------------------------------------

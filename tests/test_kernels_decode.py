@@ -198,11 +198,26 @@ TC_CASES = {
 }
 
 
+#: (case name, decode_tc.CHAINS) → (case, O, L): a TC_CASES run made once per process, shared by the oracle test
+#: and the accumulator-chain test (whose default chain count is the same computation)
+_TC_RUNS: dict = {}
+
+
+def run_tc_case(name):
+    """TC_CASES[name] (float16, its seed) by the tensor-core program with the current decode_tc settings."""
+    from kernels_gpu.inference import decode_tc
+    key = (name, decode_tc.CHAINS, decode_tc.COPY, decode_tc.TILE, decode_tc.STAGES, decode.SIMULATOR_WARPS,
+           rt.poison_outputs)
+    if key not in _TC_RUNS:
+        spec, kw = TC_CASES[name]
+        case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
+        _TC_RUNS[key] = (case, *run_decode(case, kernel="tensorcore", **kw))
+    return _TC_RUNS[key]
+
+
 @pytest.mark.parametrize("name", list(TC_CASES))
 def test_tensorcore_program_matches_oracle(name):
-    spec, kw = TC_CASES[name]
-    case = decode_case(sum(map(ord, name)), dtype=np.float16, **spec)
-    O, L = run_decode(case, kernel="tensorcore", **kw)
+    case, O, L = run_tc_case(name)
     check_against_oracle(case, O, L, storage="float16")
 
 
@@ -223,11 +238,12 @@ def test_tensorcore_program_bulk_copies(name, monkeypatch, ptx_calls):
 
 
 TENSOR_CASES = {
-    # paged, a split's partial last tile and an idle slot; 3 splits and the merge
-    "paged16-d64-gqa4-S3": (dict(paged=True, B=3, H_kv=1, G=4, N_new=1, d=64, d_v=64, block=16, blocks=4,
-                                 lengths=[53, 0, 64]), dict(num_splits=3)),
-    # contiguous, d_v = 2 boxes a row, 2 new tokens (causal), one split
-    "contig-d64-dv128-new2": (dict(paged=False, B=1, H_kv=2, G=2, N_new=2, d=64, d_v=128, block=16, blocks=3,
+    # paged, a split's partial last tile and an idle slot; 3 splits (the first of two whole tiles: both stages'
+    # mbarriers) and the merge. (The simulator's cost is programs × tiles: one busy sequence and one KV head.)
+    "paged16-d64-gqa4-S3": (dict(paged=True, B=2, H_kv=1, G=4, N_new=1, d=64, d_v=64, block=16, blocks=4,
+                                 lengths=[53, 0]), dict(num_splits=3)),
+    # contiguous, d_v = 2 boxes a row, 2 new tokens (causal), GQA 2, one split
+    "contig-d64-dv128-new2": (dict(paged=False, B=1, H_kv=1, G=2, N_new=2, d=64, d_v=128, block=16, blocks=3,
                                    lengths=[41]), dict(num_splits=1)),
 }
 
@@ -263,15 +279,16 @@ def test_tensorcore_program_larger_tiles(tile, copy, paged, monkeypatch, ptx_cal
     """decode_tc.TILE = 32 or 48 keys per warp tile (two or three 16-key blocks of K and V per stage): the oracle's
     answer by tensor copies (boxes of ``tile`` rows) and by cp.async, contiguous and paged (pages of two tiles,
     shuffled), with a split's partial last tile, 2 new tokens (causal), an empty sequence; pages that do not hold
-    whole tiles run tiles of 16 (decode_tc.tile_for)."""
+    whole tiles run tiles of 16 (decode_tc.tile_for). One busy sequence: split 0 its first page (two whole tiles),
+    split 1 the partial one (the simulator's cost is programs × tiles)."""
     from kernels_gpu.inference import decode_tc
     monkeypatch.setattr(decode_tc, "TILE", tile)
     monkeypatch.setattr(decode_tc, "COPY", copy)
     monkeypatch.setattr(decode, "_PLANS", {})
     assert (decode_tc.tile_for(0), decode_tc.tile_for(2 * tile), decode_tc.tile_for(16)) == (tile, tile, 16)
     calls = ptx_calls("tensor_copy_4d")                 # (sm, s_index, tmap, c0, c1, c2, c3, bar)
-    case = decode_case(tile + paged, paged=paged, B=3, H_kv=1, G=2, N_new=2, d=64, d_v=64, block=2 * tile,
-                       blocks=2, lengths=["full", 2 * tile + 7, 0], dtype=np.float16)
+    case = decode_case(tile + paged, paged=paged, B=2, H_kv=1, G=2, N_new=2, d=64, d_v=64, block=2 * tile,
+                       blocks=2, lengths=[2 * tile + 7, 0], dtype=np.float16)
     O, L = run_decode(case, kernel="tensorcore", num_splits=2)
     check_against_oracle(case, O, L, storage="float16")
     rows = {int(c[4]) for c in calls}
@@ -287,13 +304,11 @@ def test_tensorcore_program_one_or_two_accumulator_chains(name, monkeypatch):
     odd count; d = 16: one, the second set stays zero) or in one chain; both the oracle's answer, and they differ
     by the order of float32 additions only."""
     from kernels_gpu.inference import decode_tc
-    spec, kw = TC_CASES[name]
-    case = decode_case(sum(map(ord, name)) + 1, dtype=np.float16, **spec)
     out = {}
     for chains in (1, 2):
         monkeypatch.setattr(decode_tc, "CHAINS", chains)
         monkeypatch.setattr(decode, "_PLANS", {})
-        out[chains] = run_decode(case, kernel="tensorcore", **kw)
+        case, *out[chains] = run_tc_case(name)          # 2 chains (the default): the oracle test's run
         check_against_oracle(case, *out[chains], storage="float16")
     finite = np.isfinite(out[1][1])
     assert np.array_equal(finite, np.isfinite(out[2][1]))
@@ -308,7 +323,7 @@ def test_tensorcore_program_two_warps_three_stages_bfloat16(monkeypatch):
     from kernels_gpu.inference import decode_tc
     monkeypatch.setattr(decode, "SIMULATOR_WARPS", 2)
     monkeypatch.setattr(decode_tc, "STAGES", 3)
-    case = decode_case(21, paged=True, B=1, H_kv=2, G=2, N_new=1, d=16, d_v=16, block=32, blocks=3,
+    case = decode_case(21, paged=True, B=1, H_kv=1, G=2, N_new=1, d=16, d_v=16, block=32, blocks=3,
                        lengths=[90])
     bf = [torch.from_numpy(case[k]).to(torch.bfloat16) for k in ("q", "k_cache", "v_cache")]
     seq, table = torch.from_numpy(case["cache_seqlens"]), torch.from_numpy(case["block_table"])
