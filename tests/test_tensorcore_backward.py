@@ -86,16 +86,17 @@ def flash_attn_rule(grads, Q, K, V, dO, causal):
 
 
 CASES = {  # (Q shape, K/V shape, causal, dtype, tile options, logit scale)
-    # GQA (2 query heads per K/V head), N_q < N_k, bottom-right causal, d = 40 (not a multiple of 16), ragged
-    "causal-gqa-d40-f16": ((1, 2, 29, 40), (1, 1, 50, 40), True, "float16", dict(warps=2, B_r=16), 1.0),
-    # N_q > N_k causal: 33 rows see no key (L = +inf); scores in the tens; bf16
-    "masked-rows-bf16": ((1, 2, 50, 24), (1, 1, 17, 24), True, "bfloat16", dict(warps=2, B_r=16), 3.0),
+    # GQA (2 query heads per K/V head), N_q < N_k, bottom-right causal, d = 40 (not a multiple of 16), ragged;
+    # two key blocks and two row blocks, the second key block skipping the first row block
+    "causal-gqa-d40-f16": ((1, 2, 29, 40), (1, 1, 45, 40), True, "float16", dict(warps=2, B_r=16), 1.0),
+    # N_q > N_k causal: 17 rows see no key (L = +inf), a whole row block among them; scores in the tens; bf16
+    "masked-rows-bf16": ((1, 2, 28, 24), (1, 1, 11, 24), True, "bfloat16", dict(warps=2, B_r=16), 3.0),
     # the default tile shape (4 warps, B_c = B_r = 64) at d = 64, N not a multiple of 64
     "default-d64": ((1, 1, 20, 64), (1, 1, 30, 64), False, "float16", {}, 1.0),
     # dK, dV in two column chunks (the d > 128 scheme) on a small d: chunk 1 holds only columns 32-39; batch 2
     "chunks-d40": ((2, 1, 30, 40), (2, 1, 20, 40), False, "bfloat16", dict(warps=2, B_r=16, chunks=2), 1.0),
-    # the smallest head dimension
-    "d8": ((1, 3, 19, 8), (1, 3, 21, 8), True, "float16", dict(warps=1, B_r=16), 1.0),
+    # the smallest head dimension; two K/V heads (the only case here with more than one)
+    "d8": ((1, 2, 19, 8), (1, 2, 21, 8), True, "float16", dict(warps=1, B_r=16), 1.0),
 }
 
 
@@ -109,8 +110,9 @@ def test_fastest_rung_matches_oracle(case, poisoned):
 
 @pytest.mark.parametrize("version", sorted(v for v, f in BACKWARD_VERSIONS.items() if f is not flash2_backward))
 def test_every_other_rung_matches_oracle(version, poisoned):
-    """Every other rung on one case with several key blocks and row blocks, GQA, causal with N_q ≠ N_k."""
-    Q, K, V, O, L, dO = _problem((1, 2, 40, 16), (1, 1, 45, 16), "float16", True, seed=7)
+    """Every other rung on one case with several key blocks and row blocks, GQA, causal with N_q ≠ N_k (the
+    second key block skips the first row block)."""
+    Q, K, V, O, L, dO = _problem((1, 2, 30, 16), (1, 1, 45, 16), "float16", True, seed=7)
     grads = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True, warps=2, B_r=16)
     flash_attn_rule(grads, Q, K, V, dO, True)
 
@@ -124,10 +126,10 @@ def test_later_rungs_are_v3_bit_for_bit(versions, batch, heads, d, chunks, poiso
     grid) with copies that step their addresses; v6 counts the key-block kernel's (query head, row block) steps
     instead of dividing them out and reads L_i, D_i at unsigned indices; v7 computes Sᵀ and dPᵀ in one loop.
     Every block still runs once and computes the same sums — gradients bit-identical to v3's, with two key blocks,
-    two query blocks, N_q ≠ N_k, a batch, column chunks, and a GQA group of 3 (v6's counter moves to the next query
-    head after the last row block).
+    two query blocks (the second key block skipping the first), N_q ≠ N_k, a batch, column chunks, and a GQA group
+    of 3 (v6's counter moves to the next query head after the last row block).
     (Non-causal, d = 64 and 128: ``tests/gpu/test_tensorcore_backward_gpu.py``.)"""
-    Q, K, V, O, L, dO = _problem((batch, heads, 34, d), (batch, 1, 40, d), "bfloat16", True, seed=11)
+    Q, K, V, O, L, dO = _problem((batch, heads, 30, d), (batch, 1, 40, d), "bfloat16", True, seed=11)
     tile = dict(warps=2, B_r=16, chunks=chunks)
     v3 = BACKWARD_VERSIONS["v3"](Q, K, V, O, L, dO, causal=True, **tile)     # once for the rungs of a case
     for version in versions:
