@@ -37,6 +37,23 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(rt, "poison_outputs", True)
 
 
+#: the tests that run the merge launch with the GPU's MERGE_WARPS (4): the merge's own test (splits in two warps,
+#: their combine through shared memory) and the four-warp decode
+FOUR_WARP_MERGE = ("test_merge_launch_is_fa2edus_merge_rule_with_empty_splits", "test_decode_with_the_gpus_four_warps")
+
+
+@pytest.fixture(autouse=True)
+def one_warp_merge(request, monkeypatch):
+    """Elsewhere the merge launch runs one warp a row: the same rule, a quarter of the simulator's threads (with
+    S ≤ MERGE_UNROLL splits the other three warps hold no split anyway). merge_kernel is built per (storage, d_v)
+    and reads MERGE_WARPS when built: its cache is emptied on the way in and out."""
+    if request.node.originalname not in FOUR_WARP_MERGE:
+        monkeypatch.setattr(decode, "MERGE_WARPS", 1)
+    decode.merge_kernel.cache_clear()
+    yield
+    decode.merge_kernel.cache_clear()
+
+
 # -- problems ----------------------------------------------------------------------------------------------------
 
 def decode_case(seed, *, paged, B, H_kv, G, N_new, d, d_v, block, blocks, lengths, dtype=np.float32):
@@ -114,8 +131,9 @@ DECODE_CASES = {
     # paged float16, GQA 4, two new tokens (one sequence shorter than N_new: its first token sees nothing)
     "paged-f16-gqa4-new2": (dict(paged=True, B=2, H_kv=1, G=4, N_new=2, d=16, d_v=8, block=5, blocks=3,
                                  lengths=[13, 1], dtype=np.float16), dict()),
-    # contiguous, MHA, three new tokens, more splits than blocks (empty splits), d ≠ d_v
-    "contiguous-f32-mha-new3": (dict(paged=False, B=2, H_kv=2, G=1, N_new=3, d=6, d_v=5, block=4, blocks=4,
+    # contiguous, MHA, three new tokens, more splits than blocks (empty splits), d ≠ d_v (one head: the heads'
+    # strides in a contiguous cache: contig-new3-dv32-S1's)
+    "contiguous-f32-mha-new3": (dict(paged=False, B=2, H_kv=1, G=1, N_new=3, d=6, d_v=5, block=4, blocks=4,
                                      lengths=["full", 2]), dict(num_splits=6)),
     # paged float16 with an odd head size (padded on the way in), GQA 8, two splits
     "paged-f16-gqa8-odd-d": (dict(paged=True, B=1, H_kv=1, G=8, N_new=1, d=7, d_v=7, block=8, blocks=3,
@@ -399,7 +417,7 @@ def test_split_partials_are_the_oracle_on_their_key_blocks_and_merge_to_the_answ
 
 def test_merge_launch_is_fa2edus_merge_rule_with_empty_splits():
     rng = np.random.default_rng(9)
-    S, rows, d_v = 6, 10, 7
+    S, rows, d_v = 12, 10, 7                               # S > MERGE_UNROLL: two warps take splits
     O_s = rng.standard_normal((S, rows, d_v)).astype(np.float32)
     L_s = (rng.standard_normal((S, rows)) * 30).astype(np.float32)
     L_s[0, :] = 1e4                                        # extreme log-sum-exps: no overflow

@@ -108,8 +108,8 @@ def test_mma_tf32_twin_refuses_values_that_are_not_tf32():
 
 CASES = [  # (Q shape, K/V shape, causal)
     ((1, 2, 37, 24), (1, 1, 50, 24), True),       # GQA, bottom-right causal with N_q < N_k, d % 16 = 8
-    ((2, 1, 20, 40), (2, 1, 45, 40), False),      # ragged: a partial row block, two K/V tiles (one partial), d = 40
-    ((1, 1, 90, 16), (1, 1, 30, 16), True),       # N_q > N_k causal: 60 rows see no key (O = 0, L = +inf)
+    ((1, 1, 20, 40), (1, 1, 45, 40), False),      # ragged: a partial row block, two K/V tiles (one partial), d = 40
+    ((2, 1, 64, 16), (2, 1, 4, 16), True),        # N_q > N_k causal: 60 rows see no key (O = 0, L = +inf), batch 2
 ]
 IDS = ["gqa-causal", "ragged-d40", "masked-rows"]
 
