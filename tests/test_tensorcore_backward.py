@@ -140,7 +140,7 @@ def test_later_rungs_are_v3_bit_for_bit(versions, batch, heads, d, chunks, poiso
 
 
 def test_numpy_float16_in_and_out():
-    Q, K, V, O, L, dO = (x.numpy() for x in _problem((1, 19, 16), (1, 23, 16), "float16", False, seed=4))
+    Q, K, V, O, L, dO = (x.numpy() for x in _problem((1, 13, 16), (1, 15, 16), "float16", False, seed=4))
     dQ, dK, dV = flash2_backward(Q, K, V, O, L, dO, warps=1, B_r=16)
     assert all(isinstance(x, np.ndarray) and x.dtype == np.float16 for x in (dQ, dK, dV))
     ref = fa2edu.attention_reference_backward(*(x.astype(np.float64) for x in (Q, K, V, dO)))
