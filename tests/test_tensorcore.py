@@ -6,8 +6,6 @@ runs here unchanged; ``tests/gpu/test_tensorcore_gpu.py`` runs the same checks o
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda, uint32
@@ -18,16 +16,6 @@ from kernels_gpu import fragments, ptx
 from kernels_gpu.tensorcore import VERSIONS, backward_steps, selftest, steps
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(autouse=True)
-def quick_warps():
-    """The twins make a warp's 32 simulated threads meet at barriers; a shorter GIL switch interval lets the woken
-    threads through sooner (as in ``test_tensorcore_backward.py``). Restored afterwards."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 # -- the fragment tables -----------------------------------------------------------------------------------------

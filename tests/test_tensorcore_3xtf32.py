@@ -5,8 +5,6 @@ closer than the TF32 rung on the same inputs."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from test_tensorcore_tf32 import _inputs, check_against_oracle  # the TF32 rung's inputs and oracle check
@@ -19,16 +17,6 @@ from kernels_gpu.tensorcore.flash2_forward_3xtf32 import PRODUCT_ERROR, Flash2Fo
 
 forward_3x = TF32["3xtf32"]
 u = 2.0 ** -11
-
-
-@pytest.fixture(autouse=True)
-def quick_warps():
-    """The twins make a warp's 32 simulated threads meet at barriers; a shorter GIL switch interval lets the woken
-    threads through sooner (as in ``test_tensorcore_backward.py``). Restored afterwards."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 # -- the split ------------------------------------------------------------------------------------------------------

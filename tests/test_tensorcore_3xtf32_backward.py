@@ -13,8 +13,6 @@ backward) are in ``tests/gpu/test_tensorcore_3xtf32_backward_gpu.py``.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from tolerances import assert_close_to_oracle, baseline_error
@@ -29,16 +27,6 @@ if not rt.simulator_in_use():  # pragma: no cover
     pytest.skip("simulator tests: NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
 
 backward = TF32_BACKWARD["3xtf32"]
-
-
-@pytest.fixture(autouse=True)
-def quick_warps():
-    """The twins make a warp's 32 simulated threads meet at barriers; a shorter GIL switch interval lets the woken
-    threads through sooner (as in ``test_tensorcore_backward.py``). Restored afterwards."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.fixture(autouse=True)

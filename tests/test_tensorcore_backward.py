@@ -8,8 +8,6 @@ at benchmark-like sizes.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -18,16 +16,6 @@ import kernels_gpu.runtime as rt
 from kernels_gpu.tensorcore import BACKWARD_VERSIONS, backward_steps, flash2_backward
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(autouse=True)
-def quick_warps():
-    """The twins make a warp's 32 simulated threads meet at barriers; a shorter GIL switch interval lets the woken
-    threads through sooner (about 1.5× faster here). Restored afterwards."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.fixture
