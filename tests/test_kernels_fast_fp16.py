@@ -34,7 +34,7 @@ from tolerances import assert_same_nan_and_inf, baseline_error
 
 import fa2edu
 from kernels_gpu import runtime as rt
-from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS, Tiling, tiled
+from kernels_gpu.fast import BACKWARD_VERSIONS, VERSIONS, Tiling, split, tiled
 
 if not rt.simulator_in_use():  # pragma: no cover
     pytest.skip("simulator tests: NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py sets it)", allow_module_level=True)
@@ -112,8 +112,8 @@ def _check_forward(Q, K, V, causal, tiling, version="v5", **options):
 
 FORWARD_CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
     (Tiling(4, 2, 2, 2), 1, 2, 1, 13, 11, 8, True),     # GQA, causal, N_q > N_k (two fully masked rows)
-    (Tiling(8, 1, 2, 4), 2, 2, 2, 9, 21, 4, False),     # several K/V tiles: the K_{j+1} prefetch runs
-    (Tiling(2, 4, 3, 1), 1, 2, 1, 7, 13, 16, True),     # T % d ≠ 0: the general tile move
+    (Tiling(8, 1, 2, 4), 2, 1, 1, 9, 13, 4, False),     # several K/V tiles: the K_{j+1} prefetch runs; a batch
+    (Tiling(2, 4, 3, 1), 1, 1, 1, 7, 9, 16, True),      # T % d ≠ 0: the general tile move
 ]
 
 
@@ -126,10 +126,13 @@ def test_forward_fp16_storage(version, tiling, Z, H_q, H_kv, N_q, N_k, d, causal
 
 def test_forward_fp16_storage_through_split_launches():
     """v7's split last wave and v8's stream-K pieces: the merge writes float16 O from float32 sums, rounded once,
-    as the float32 launch's merge does (4 slots: v7 splits 2 of 18 items in 2 pieces, v8 splits 2)."""
-    Q, K, V, _ = _problem(12, 2, 3, 1, 9, 37, 8)
+    as the float32 launch's merge does (2 slots: v7 splits the last of 3 items in 2 pieces, v8 cuts its 5 K/V
+    tiles in 2 ranges)."""
+    Q, K, V, _ = _problem(12, 1, 1, 1, 9, 37, 8)
+    assert split.split_plan(3, 5, 2, False) == (2, 1, 2)                        # the cases really split
+    assert any(p[4] >= 0 for p in split.stream_pieces(3, 5, 2))
     for version in ("v7", "v8"):
-        _check_forward(Q, K, V, False, Tiling(2, 2, 2, 4), version=version, slots=4)
+        _check_forward(Q, K, V, False, Tiling(2, 2, 2, 4), version=version, slots=2)
 
 
 def test_forward_v4_takes_the_storage_option_too():
@@ -187,7 +190,7 @@ def _check_backward(Q, K, V, dO, causal, tiling):
 
 BACKWARD_CASES = [  # (tiling (NY, NX, TR, TC), Z, H_q, H_kv, N_q, N_k, d, causal)
     (Tiling(2, 2, 2, 2), 1, 2, 1, 11, 13, 8, True),      # GQA, causal, N_q < N_k, several row/column blocks
-    (Tiling(2, 4, 3, 2), 2, 2, 2, 10, 9, 16, False),     # T % d ≠ 0 (general tile move), KC = 4
+    (Tiling(2, 4, 3, 2), 1, 1, 1, 10, 9, 16, False),     # T % d ≠ 0 (general tile move), KC = 4
 ]
 
 
@@ -206,7 +209,7 @@ def test_backward_fully_masked_rows_give_zero_dQ():
 # -- device inputs and bad input -------------------------------------------------------------------------------
 
 def test_device_inputs_in_the_storage_dtype_are_used_and_give_device_arrays():
-    Q, K, V, dO = _problem(3, 1, 2, 1, 9, 10, 8)
+    Q, K, V, dO = _problem(3, 1, 1, 1, 9, 10, 8)
     til = Tiling(4, 2, 2, 2)
     O, L = VERSIONS["v5"](Q, K, V, causal=True, tiling=til, storage="float16")              # NumPy in, NumPy out
     dQ, dK, dV = BACKWARD_VERSIONS["v1"](Q, K, V, O, L, dO, causal=True, tiling=Tiling(2, 2, 2, 2),
