@@ -42,7 +42,7 @@ else
     if ! python3 -c "import torch" 2>/dev/null; then
         index=()
         command -v nvidia-smi >/dev/null 2>&1 || index=(--index-url https://download.pytorch.org/whl/cpu)
-        python3 -m pip install --quiet --disable-pip-version-check "$TORCH" "${index[@]}"
+        python3 -m pip install --quiet --disable-pip-version-check --retries 1 "$TORCH" "${index[@]}"
     fi
     python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,docs,torch]" "$TORCH"
     mkdir -p "$(dirname "$STAMP")" && echo "$key" > "$STAMP"

@@ -173,7 +173,8 @@ def _worker(rank: int, world_size: int, init_method: str, cases: list, results) 
             else:
                 group, group_rank = subgroups[tuple(case["ranks"])], case["ranks"].index(rank)
             run = _run_ring if case["kind"] == "ring" else _run_error
-            out[case["key"]] = dict(run(case, group, group_rank), group_rank=group_rank)
+            # a case's key names it among the group's cases (its name where the caller gives no key)
+            out[case.get("key", case["name"])] = dict(run(case, group, group_rank), group_rank=group_rank)
         dist.barrier()
         dist.destroy_process_group()
         results.put((rank, out, None))
@@ -214,7 +215,7 @@ def _run_group(world_size: int, cases: list, tmp_path) -> dict:
     if failures:
         pytest.fail("\n".join(failures))
     # Keyed by the rank in the case's ring (the global rank for the W = 1 rings, where every rank is rank 0).
-    alone = {case["key"] for case in cases if case["group"] == "self"}
+    alone = {case.get("key", case["name"]) for case in cases if case["group"] == "self"}
     by_case: dict[str, dict[int, dict]] = {}
     for rank, out in received.items():
         for name, result in out.items():
