@@ -19,8 +19,8 @@ if os.environ.get("FA2EDU_GPU") != "1":
 
 #: The `slow` tier: what runs the fast, tensor-core and inference kernels in numba's CUDA simulator, executes the
 #: book, builds the docs or starts several processes. `pytest -m "not slow"` leaves it out: the NumPy textbook, the
-#: teaching kernels in the simulator, the exercises, the CLI, the formats and the guards, in about a minute and a
-#: half on two cores (a contributor's loop); the full suite runs everything.
+#: teaching kernels in the simulator, the exercises, the CLI, the formats and the guards, in about a minute on
+#: two cores (a contributor's loop); the full suite runs everything.
 SLOW_FILES = ("test_kernels_fast", "test_kernels_decode", "test_tensorcore", "test_docs_build", "test_distributed",
               "test_torch_dispatch", "test_book_route")
 SLOW_TESTS = ("test_chapters.py::test_chapter_executes",)
