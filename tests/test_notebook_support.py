@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,6 @@ from fa2edu import notebook, simulator
 
 
 def _fresh_python(code: str, env_extra: dict | None = None, drop=("NUMBA_ENABLE_CUDASIM",)) -> str:
-    import os
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra or {})
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
@@ -26,10 +26,10 @@ def test_choose_turns_the_simulator_on_only_without_a_driver(monkeypatch) -> Non
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     monkeypatch.setattr(simulator, "driver_present", lambda: True)
     assert simulator.choose(quiet=True) is False
-    assert "NUMBA_ENABLE_CUDASIM" not in __import__("os").environ       # a driver: numba decides, nothing is set
+    assert "NUMBA_ENABLE_CUDASIM" not in os.environ       # a driver: numba decides, nothing is set
     monkeypatch.setattr(simulator, "driver_present", lambda: False)
     assert simulator.choose(quiet=True) is True
-    assert __import__("os").environ["NUMBA_ENABLE_CUDASIM"] == "1"
+    assert os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0")                     # the user's own choice is kept
     assert simulator.choose(quiet=True) is False
 

@@ -859,13 +859,6 @@ def _words_view(t: io.Tensor, name: str) -> tuple[io.Flat, tuple, int]:
     return flat, strides, vec
 
 
-def _host_values(t: io.Tensor) -> np.ndarray:
-    """A host operand's values (bfloat16 bits decoded), for checks."""
-    if t.storage == "bfloat16":
-        return (t.host.astype(np.uint32) << 16).view(np.float32)
-    return t.host
-
-
 def _host_words(x: np.ndarray, storage: str, pad_to: int) -> tuple[io.Flat, tuple]:
     """A host operand (bits from :func:`io.host_bits`) padded with zeros to ``pad_to`` columns, on the device as
     words; strides in words."""
@@ -893,7 +886,7 @@ def _check_host_values(tq: io.Tensor, tk: io.Tensor, tv: io.Tensor, seq: io.Inde
         table_h = table_vals if table_vals is not None else _host_index_values(table, True)
         table_h = np.clip(np.asarray(table_h, dtype=np.int64), 0, num_pages - 1)
     stored_as = np.float32 if tq.storage == "float32" and tq.host.dtype == np.float64 else None
-    check_decode_values(_host_values(tq), _host_values(tk), _host_values(tv), seq_h, table_h, tau, np.float32,
+    check_decode_values(io.host_values(tq), io.host_values(tk), io.host_values(tv), seq_h, table_h, tau, np.float32,
                         float64_helps=False, storage=stored_as)
 
 

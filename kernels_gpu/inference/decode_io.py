@@ -139,6 +139,13 @@ def host_bits(x: np.ndarray, storage: str) -> np.ndarray:
     return np.ascontiguousarray(x).view(np.uint16)          # bfloat16: already bits
 
 
+def host_values(t: Tensor) -> np.ndarray:
+    """A host operand's values for the checks before its copy: bfloat16 bits decoded to float32, else as given."""
+    if t.storage == "bfloat16":
+        return (t.host.astype(np.uint32) << 16).view(np.float32)
+    return t.host
+
+
 def from_bits(bits: np.ndarray, storage: str) -> np.ndarray:
     """The inverse of :func:`host_bits` for float32 and float16 (bfloat16 stays bits: only torch can hold it)."""
     if storage == "float16":

@@ -538,9 +538,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
         # Host data is copied to the device here: its values are checked first, as fa2edu.varlen_attention checks
         # them (finite q, k, v; each sequence's scores within float32, the kernel's arithmetic). Device data is read
         # in place and not checked (a second pass over it in HBM, and a host synchronisation, on every call).
-        def values(t):
-            return (t.host.astype(np.uint32) << 16).view(np.float32) if t.storage == "bfloat16" else t.host
-        check_varlen_values(values(tq), values(tk), values(tv), cu_q, cu_k, tau, np.float32, float64_helps=False)
+        check_varlen_values(io.host_values(tq), io.host_values(tk), io.host_values(tv), cu_q, cu_k, tau, np.float32,
+                            float64_helps=False)
         for t in (tq, tk, tv):
             if t.host.dtype == np.float64 and t.host.size and float(np.max(np.abs(t.host))) > np.finfo(np.float32).max:
                 raise ValueError(f"{t.name} has values beyond the range of float32: it cannot be stored as float32")
