@@ -94,6 +94,27 @@ layouts are tabulated in :mod:`kernels_gpu.fragments`::
                                floats added atomically into global memory by    ISA 8.1, sm_90)
                                one instruction (16-byte aligned); each of the
                                four additions is atomic, not the four together
+    **Hopper (sm_90a)**
+    ``make_wgmma(dtype, N,     ``wgmma.mma_async.sync.aligned.m64nNk16.f32.     9.7.15.5.2 (wgmma.mma_async);
+    a, trans_b)``              {f16,bf16}``: D (64 × N) = A·B + D by the        layouts: 9.7.15.5.1 and
+                               warpgroup, B (and A when ``a="smem"``) named by  :mod:`kernels_gpu.wgmma_layout`
+                               shared-memory descriptors, A otherwise from four
+                               registers per thread; the accumulators a local
+                               array updated in place; ``trans_b``: B MN-major
+    ``wgmma_fence``,           ``wgmma.fence``, ``wgmma.commit_group``,          9.7.15.6, 9.7.15.7, 9.7.15.8
+    ``wgmma_commit``,          ``wgmma.wait_group N`` (the accumulators tied
+    ``make_wgmma_wait``,       through the wait, so no use of them is moved
+    ``make_register_fence``    above it)
+    ``descriptor``,            a matrix descriptor from a shared byte address    9.7.15.5.1.2.2
+    ``shared_byte_address``    (``cvta.to.shared``), LBO, SBO, swizzle mode
+    ``mbar_arrive``            ``mbarrier.arrive.shared::cta.b64``: one arrival  9.7.13.15.13 (mbarrier.arrive)
+    ``make_setmaxnreg``        ``setmaxnreg.{inc,dec}.sync.aligned.u32 n``:      9.7.17.1 (setmaxnreg)
+                               the warpgroup's register budget moved
+    ``elect_one``              ``elect.sync``: 1 in one lane of the warp          9.7.13.10 (elect.sync)
+    ``named_barrier_sync``,    ``bar.sync id, n`` / ``bar.arrive id, n``: the    9.7.13.1 (bar, barrier)
+    ``named_barrier_arrive``   n threads of barrier ``id`` meet (arrive: count
+                               in without waiting)
+    ``globaltimer``            ``mov.u64 %globaltimer``: nanoseconds             10.28 (%globaltimer)
     =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
@@ -108,6 +129,12 @@ stand-in (:func:`kernels_gpu.tensor_map.simulated_map`), and its box lands swizz
 mma twin rounds once, after an exact sum; the hardware's internal accumulation may differ in the last bits of float32
 (the GPU tests bound it).
 
+The warpgroup instructions (``wgmma``) meet all 128 threads of the warpgroup the same way; the twin reads its shared
+memory operands through the descriptors (:func:`kernels_gpu.wgmma_layout.read_operand`) and computes the product
+when it is issued (the hardware may read them until ``wgmma.wait_group``: a kernel that overwrites an operand
+before waiting is wrong on the GPU and not caught here — the GPU tests and racecheck are). Named barriers count
+threads in as ``bar.sync``/``bar.arrive`` do; ``setmaxnreg`` only checks its count.
+
 Every warp-level function must be called by all 32 lanes of the warp, together (as on the hardware: the ``.sync``
 and ``.aligned`` qualifiers require it).
 """
@@ -118,7 +145,10 @@ import math
 import threading
 import time
 
+import functools
+
 import numpy as np
+from numba import uint64
 
 from kernels_gpu import fragments as frag
 from kernels_gpu.runtime import simulator_in_use
@@ -131,7 +161,9 @@ __all__ = [
     "shfl_xor", "syncwarp", "SIMULATED", "mma_tf32", "cvt_tf32", "split_tf32", "tf32_round", "griddep_wait",
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
     "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32", "cluster_arrive",
-    "cluster_wait", "ld_cluster_f32",
+    "cluster_wait", "ld_cluster_f32", "make_wgmma", "wgmma_fence", "wgmma_commit", "make_wgmma_wait",
+    "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive", "make_setmaxnreg", "elect_one",
+    "named_barrier_sync", "named_barrier_arrive", "globaltimer",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -575,6 +607,176 @@ def _shfl_xor_twin(value, mask):
     return _collective(value, lambda values: [values[lane ^ m] for lane in range(frag.WARP)])
 
 
+
+# -- Hopper: warpgroup MMA, descriptors, named barriers ---------------------------------------------------------
+
+class _Group:
+    """The meeting point of one warpgroup's 128 simulated threads (as :class:`_Warp` for a warp)."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=_WARP_TIMEOUT_S)
+        self.slots: list = [None] * size
+        self.results: list = [None] * size
+
+
+def _group_collective(value, compute, size: int = 128):
+    """:func:`_collective` over the ``size`` consecutive threads (a warpgroup) that the caller belongs to."""
+    thread = threading.current_thread()
+    manager = getattr(thread, "_manager", None)
+    if manager is None:
+        raise RuntimeError("a warpgroup instruction twin was called outside a simulated CUDA kernel")
+    tid = thread.thread_id
+    with _STATE_LOCK:
+        groups = manager.__dict__.setdefault("_fa2edu_groups", {})
+        group = groups.get((size, tid // size))
+        if group is None:
+            group = groups[(size, tid // size)] = _Group(size)
+    me = tid % size
+    try:
+        group.slots[me] = value
+        group.barrier.wait()
+        if me == 0:
+            try:
+                group.results = compute(list(group.slots))
+            except Exception:
+                group.barrier.abort()
+                raise
+        group.barrier.wait()
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"a warpgroup instruction was not reached by all {size} threads of the warpgroup "
+                           "(divergent call, or a thread failed)") from None
+    return group.results[me]
+
+
+def _uniform(values, name: str):
+    first = values[0]
+    if any(v != first for v in values):
+        raise RuntimeError(f"wgmma: {name} must be the same in every thread of the warpgroup")
+    return first
+
+
+def _wgmma_twin(dtype: str, N: int, a_from: str, trans_b: bool):
+    from kernels_gpu import wgmma_layout as wl
+    n_acc = N // 2
+
+    def compute(values):
+        smem = values[0][0]
+        desc_b = _uniform([v[3] for v in values], "the B descriptor")
+        scale_d = _uniform([v[4] for v in values], "scale-d")
+        if a_from == "smem":
+            A = half_values(wl.read_operand(smem, _uniform([v[2] for v in values], "the A descriptor"), 64, "K"),
+                            dtype)
+        else:
+            regs = np.array([[_u32(x) for x in v[2]] for v in values], dtype=np.uint32)     # (128, 4)
+            A = wl.from_a_fragments(half_values(regs.view(np.uint16), dtype).reshape(128, 8))
+        B = half_values(wl.read_operand(smem, desc_b, N, "MN" if trans_b else "K"), dtype).T        # (16, N)
+        C = wl.from_accumulator_fragments(np.array([v[1] for v in values], dtype=np.float32))
+        D = wl.wgmma_reference(A, B, C if scale_d else None)
+        return list(wl.accumulator_fragments(D))
+
+    def wgmma_ss(smem, acc, desc_a, desc_b, scale_d):
+        """Simulator twin of ``wgmma.mma_async.sync.aligned.m64nNk16.f32`` with A and B in shared memory."""
+        mine = tuple(np.float32(acc[i]) for i in range(n_acc))
+        acc[:n_acc] = _group_collective((smem, mine, int(desc_a), int(desc_b), int(scale_d)), compute)
+
+    def wgmma_rs(smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+        """Simulator twin of ``wgmma.mma_async.sync.aligned.m64nNk16.f32`` with A in registers."""
+        mine = tuple(np.float32(acc[i]) for i in range(n_acc))
+        acc[:n_acc] = _group_collective((smem, mine, (a0, a1, a2, a3), int(desc_b), int(scale_d)), compute)
+    return wgmma_ss if a_from == "smem" else wgmma_rs
+
+
+def _wgmma_sync_twin(*args):
+    """Simulator twin of ``wgmma.fence`` / ``commit_group`` / ``wait_group`` and the register fence: the twin's
+    products are complete when issued, so there is nothing to order."""
+
+
+def _shared_byte_address_twin(smem, index):
+    """Simulator twin of ``cvta.to.shared``: the byte offset of ``smem[index]`` from the start of ``smem`` (the
+    twins read descriptors relative to the shared array they are given)."""
+    return np.uint32(int(index) * np.asarray(smem).dtype.itemsize)
+
+
+def _mbar_arrive_twin(smem, index):
+    """Simulator twin of ``mbarrier.arrive``: one arrival on the current phase."""
+    bar = _mbar_bar(index)
+    with _STATE_LOCK:
+        bar["pending"] -= 1
+        if bar["pending"] < 0:
+            raise RuntimeError(f"mbarrier at word {int(index)}: more arrivals than its count")
+        _mbar_complete_if_done(bar)
+
+
+def _setmaxnreg_twin(inc: bool, count: int):
+    def setmaxnreg():
+        """Simulator twin of ``setmaxnreg``: registers are not simulated; the count is checked."""
+    return setmaxnreg
+
+
+def _elect_one_twin():
+    """Simulator twin of ``elect.sync`` over the full warp: lane 0 is the elected one (the lowest active lane)."""
+    return np.uint32(1 if threading.current_thread().thread_id % frag.WARP == 0 else 0)
+
+
+class _NamedBarrier:
+    """One of the block's 16 hardware barriers: threads count in until ``n`` have, then the phase completes."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.count, self.generation, self.n = 0, 0, None
+
+    def arrive(self, n: int, wait: bool, ident: int) -> None:
+        with self.cond:
+            if self.n is None:
+                self.n = n
+            elif self.n != n:
+                raise RuntimeError(f"named barrier {ident}: threads disagree on its count ({self.n} and {n})")
+            generation = self.generation
+            self.count += 1
+            if self.count == n:
+                self.count, self.n = 0, None
+                self.generation += 1
+                self.cond.notify_all()
+                return
+            if wait and not self.cond.wait_for(lambda: self.generation != generation, timeout=_WARP_TIMEOUT_S):
+                raise RuntimeError(f"named barrier {ident}: {self.count} of {n} threads arrived; the rest never "
+                                   "did")
+
+
+def _named_barrier(ident) -> _NamedBarrier:
+    manager = getattr(threading.current_thread(), "_manager", None)
+    if manager is None:
+        raise RuntimeError("a named-barrier twin was called outside a simulated CUDA kernel")
+    i = int(ident)
+    if not 0 <= i < 16:
+        raise RuntimeError(f"named barrier ids are 0 … 15, got {i}")
+    with _STATE_LOCK:
+        bars = manager.__dict__.setdefault("_fa2edu_named_barriers", {})
+        return bars.setdefault(i, _NamedBarrier())
+
+
+def _check_barrier_count(n) -> int:
+    n = int(n)
+    if n <= 0 or n % frag.WARP:
+        raise RuntimeError(f"a named barrier's thread count must be a positive multiple of 32, got {n}")
+    return n
+
+
+def _named_barrier_sync_twin(ident, n):
+    """Simulator twin of ``bar.sync id, n``: wait until ``n`` threads have arrived at barrier ``id``."""
+    _named_barrier(ident).arrive(_check_barrier_count(n), True, int(ident))
+
+
+def _named_barrier_arrive_twin(ident, n):
+    """Simulator twin of ``bar.arrive id, n``: count in at barrier ``id`` without waiting."""
+    _named_barrier(ident).arrive(_check_barrier_count(n), False, int(ident))
+
+
+def _globaltimer_twin():
+    """Simulator twin of ``%globaltimer``: nanoseconds of the host's monotonic clock."""
+    return np.uint64(time.monotonic_ns())
+
+
 # ================================================================================================================
 # The real instructions (built only when a GPU compiles kernels)
 # ================================================================================================================
@@ -834,6 +1036,46 @@ def _build_gpu() -> dict:
     def syncwarp():
         cuda.syncwarp(FULL_MASK)
 
+
+    @intrinsic
+    def shared_byte_address(typingctx, smem, index):
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            return shared_address(context, builder, a[0], args[0], args[1], a[1])
+        return types.uint32(smem, index), codegen
+
+    @intrinsic
+    def mbar_arrive(typingctx, smem, index):
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            bar = shared_address(context, builder, a[0], args[0], args[1], a[1])
+            asm(builder, ir.VoidType(), [bar], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}")
+            return context.get_dummy_value()
+        return types.void(smem, index), codegen
+
+    @intrinsic
+    def elect_one(typingctx):
+        def codegen(context, builder, signature, args):
+            return asm(builder, i32, [], "{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 $0, 1, 0, p; }",
+                       "=r")
+        return types.uint32(), codegen
+
+    def make_bar(op):
+        @intrinsic
+        def bar(typingctx, ident, n):
+            def codegen(context, builder, signature, args):
+                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
+                asm(builder, ir.VoidType(), vals, f"{op} $0, $1;", "r,r,~{memory}")
+                return context.get_dummy_value()
+            return types.void(ident, n), codegen
+        return bar
+
+    @intrinsic
+    def globaltimer(typingctx):
+        def codegen(context, builder, signature, args):
+            return asm(builder, i64, [], "mov.u64 $0, %globaltimer;", "=l")
+        return types.uint64(), codegen
+
     return dict(syncwarp=syncwarp, mma_f16=make_mma("f16"), mma_bf16=make_mma("bf16"), ldmatrix_x4=make_ldmatrix(False),
                 ldmatrix_x4_trans=make_ldmatrix(True), cp_async16=make_cp_async16(),
                 cp_async16_l2_128=make_cp_async16(".L2::128B"),
@@ -854,7 +1096,12 @@ def _build_gpu() -> dict:
                 fence_mbarrier_init=make_simple("fence.mbarrier_init.release.cluster;"),
                 fence_proxy_async=make_simple("fence.proxy.async.shared::cta;"), red_add_v4_f32=red_add_v4_f32,
                 cluster_arrive=make_simple("barrier.cluster.arrive.release.aligned;"),
-                cluster_wait=make_simple("barrier.cluster.wait.acquire.aligned;"), ld_cluster_f32=ld_cluster_f32)
+                cluster_wait=make_simple("barrier.cluster.wait.acquire.aligned;"), ld_cluster_f32=ld_cluster_f32,
+                wgmma_fence=make_simple("wgmma.fence.sync.aligned;"),
+                wgmma_commit=make_simple("wgmma.commit_group.sync.aligned;"),
+                shared_byte_address=shared_byte_address, mbar_arrive=mbar_arrive, elect_one=elect_one,
+                named_barrier_sync=make_bar("bar.sync"), named_barrier_arrive=make_bar("bar.arrive"),
+                globaltimer=globaltimer)
 
 
 def _build_twins() -> dict:
@@ -874,7 +1121,183 @@ def _build_twins() -> dict:
                 mbar_arrive_expect_tx=_mbar_arrive_expect_tx_twin,
                 mbar_try_wait=_mbar_try_wait_twin, fence_mbarrier_init=_fence_twin, fence_proxy_async=_fence_twin,
                 red_add_v4_f32=_red_add_v4_f32_twin, cluster_arrive=_cluster_twin, cluster_wait=_cluster_twin,
-                ld_cluster_f32=_cluster_twin)
+                ld_cluster_f32=_cluster_twin, wgmma_fence=_wgmma_sync_twin, wgmma_commit=_wgmma_sync_twin,
+                shared_byte_address=_shared_byte_address_twin, mbar_arrive=_mbar_arrive_twin,
+                elect_one=_elect_one_twin, named_barrier_sync=_named_barrier_sync_twin,
+                named_barrier_arrive=_named_barrier_arrive_twin, globaltimer=_globaltimer_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())
+
+
+# ================================================================================================================
+# Hopper instructions whose operand counts are compile-time constants: made per shape, in either world
+# ================================================================================================================
+
+def _wgmma_gpu(dtype: str, N: int, a_from: str, trans_b: bool):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    n = N // 2
+    d = ",".join(f"${i}" for i in range(n))
+    f32 = ir.FloatType()
+    if a_from == "smem":
+        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
+                "$%d, $%d, p, 1, 1, 0, %d; }" % (2 * n + 2, N, kind, kind, d, 2 * n, 2 * n + 1, int(trans_b)))
+        operands = "l,l,r"
+    else:
+        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
+                "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1, %d; }"
+                % (2 * n + 5, N, kind, kind, d, 2 * n, 2 * n + 1, 2 * n + 2, 2 * n + 3, 2 * n + 4, int(trans_b)))
+        operands = "r,r,r,r,l,r"
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)]) + "," + operands + ",~{memory}"
+
+    def body(context, builder, signature, args, scalars, scalar_types):
+        acc_ty = signature.args[1]
+        data = context.make_array(acc_ty)(context, builder, args[1]).data
+        ptrs = [builder.gep(data, [ir.Constant(ir.IntType(64), i)]) for i in range(n)]
+        vals = [builder.load(p) for p in ptrs]
+        extra = [context.cast(builder, v, t, f) for v, t, f in scalars]
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * n), [x.type for x in vals + extra])
+        res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), vals + extra)
+        for i, p in enumerate(ptrs):
+            builder.store(builder.extract_value(res, i), p)
+        return context.get_dummy_value()
+
+    if a_from == "smem":
+        @intrinsic
+        def wgmma_ss(typingctx, smem, acc, desc_a, desc_b, scale_d):
+            def codegen(context, builder, signature, args):
+                a = signature.args
+                return body(context, builder, signature, args,
+                            [(args[2], a[2], types.uint64), (args[3], a[3], types.uint64),
+                             (args[4], a[4], types.uint32)], a)
+            return types.void(smem, acc, desc_a, desc_b, scale_d), codegen
+        return wgmma_ss
+
+    @intrinsic
+    def wgmma_rs(typingctx, smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            scalars = [(args[i], a[i], types.uint32) for i in range(2, 6)]
+            scalars += [(args[6], a[6], types.uint64), (args[7], a[7], types.uint32)]
+            return body(context, builder, signature, args, scalars, a)
+        return types.void(smem, acc, a0, a1, a2, a3, desc_b, scale_d), codegen
+    return wgmma_rs
+
+
+@functools.lru_cache(maxsize=None)
+def make_wgmma(dtype: str, N: int, a: str = "smem", trans_b: bool = False):
+    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16}`` (PTX ISA 9.7.15.5.2) for one shape,
+    as a device function that the warpgroup's 128 threads call together:
+
+    * ``a="smem"``: ``wgmma(smem, acc, desc_a, desc_b, scale_d)`` — A (64 × 16, K-major) and B named by matrix
+      descriptors (:func:`descriptor`);
+    * ``a="regs"``: ``wgmma(smem, acc, a0, a1, a2, a3, desc_b, scale_d)`` — A from four registers of packed
+      16-bit pairs per thread (the fragment table of :mod:`kernels_gpu.wgmma_layout`).
+
+    ``acc`` is a local float32 array whose first N/2 elements are the thread's accumulators, updated in place
+    (D = A·B + D, or D = A·B when ``scale_d`` is 0); ``trans_b``: B is MN-major (V of O = P·V) rather than
+    K-major (K of S = Q·Kᵀ). ``smem`` is the shared array the descriptors point into (the twin reads it; the
+    hardware reads the addresses). The product is asynchronous on the GPU: :func:`wgmma_commit`, then a wait
+    (:func:`make_wgmma_wait`) before ``acc`` is read. N: a multiple of 8 from 8 to 256."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if N % 8 or not 8 <= N <= 256:
+        raise ValueError(f"wgmma's N must be a multiple of 8 from 8 to 256, got {N}")
+    if a not in ("smem", "regs"):
+        raise ValueError(f"a must be 'smem' or 'regs', got {a!r}")
+    return _wgmma_twin(dtype, N, a, bool(trans_b)) if SIMULATED else _wgmma_gpu(dtype, N, a, bool(trans_b))
+
+
+def _tied_gpu(text: str, count: int):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    f32 = ir.FloatType()
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)]) + ",~{memory}"
+
+    @intrinsic
+    def tied(typingctx, acc):
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            ptrs = [builder.gep(data, [ir.Constant(ir.IntType(64), i)]) for i in range(count)]
+            vals = [builder.load(p) for p in ptrs]
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * count), [f32] * count)
+            res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), vals)
+            for i, p in enumerate(ptrs):
+                builder.store(builder.extract_value(res, i), p)
+            return context.get_dummy_value()
+        return types.void(acc), codegen
+    return tied
+
+
+@functools.lru_cache(maxsize=None)
+def make_wgmma_wait(pending: int, count: int):
+    """``wgmma.wait_group.sync.aligned pending`` (PTX ISA 9.7.15.8): wait until at most ``pending`` committed
+    groups of this warpgroup's wgmma are in flight, as ``wait(acc)`` with the first ``count`` accumulators of the
+    local array ``acc`` passed through the instruction — so the compiler cannot move a read of them above the
+    wait (the registers are the wgmma's until then; CUTLASS's ``warpgroup_fence_operand``)."""
+    if not 0 <= pending <= 7:
+        raise ValueError(f"pending must be 0 … 7, got {pending}")
+    return _wgmma_sync_twin if SIMULATED else _tied_gpu(f"wgmma.wait_group.sync.aligned {pending};", count)
+
+
+@functools.lru_cache(maxsize=None)
+def make_wgmma_fence(count: int):
+    """``wgmma.fence.sync.aligned`` (PTX ISA 9.7.15.6) as ``fence(acc)``, the first ``count`` accumulators of
+    ``acc`` tied through it: every ordinary write of them (a rescale of O) stays before the fence, which must stand
+    between such writes and the next wgmma that reads them."""
+    return _wgmma_sync_twin if SIMULATED else _tied_gpu("wgmma.fence.sync.aligned;", count)
+
+
+@functools.lru_cache(maxsize=None)
+def make_register_fence(count: int):
+    """``fence(acc)``: the first ``count`` floats of ``acc`` pass through an empty volatile asm — ordered after the
+    asm before it (a wgmma wait) and before the one after it (the next wgmma), so the compiler keeps every read
+    and write of them in between. No instruction is emitted."""
+    return _wgmma_sync_twin if SIMULATED else _tied_gpu("", count)
+
+
+@functools.lru_cache(maxsize=None)
+def make_setmaxnreg(inc: bool, count: int):
+    """``setmaxnreg.{inc,dec}.sync.aligned.u32 count`` (PTX ISA 9.7.17.1): the warpgroup asks for (inc) or gives
+    back (dec) registers, ``count`` per thread, a multiple of 8 from 24 to 256. ptxas keeps it only in a kernel
+    compiled with ``launch_bounds=(threads, 1)`` (GPU.md)."""
+    if count % 8 or not 24 <= count <= 256:
+        raise ValueError(f"setmaxnreg's count must be a multiple of 8 from 24 to 256, got {count}")
+    if SIMULATED:
+        return _setmaxnreg_twin(inc, count)
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    text = f"setmaxnreg.{'inc' if inc else 'dec'}.sync.aligned.u32 {count};"
+
+    @intrinsic
+    def setmaxnreg(typingctx):
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return setmaxnreg
+
+
+def _descriptor(byte_address, lbo, sbo, mode):
+    """A matrix descriptor (PTX ISA 9.7.15.5.1.2.2; :func:`kernels_gpu.wgmma_layout.encode_descriptor`) from the
+    operand's shared byte address, LBO and SBO in bytes, and the swizzle mode (0 none, 1 128-byte, 2 64-byte)."""
+    return (uint64((byte_address & 0x3FFFF) >> 4) | (uint64((lbo & 0x3FFFF) >> 4) << uint64(16))
+            | (uint64((sbo & 0x3FFFF) >> 4) << uint64(32)) | (uint64(mode) << uint64(62)))
+
+
+def _make_descriptor():
+    from numba import cuda
+    if SIMULATED:
+        return cuda.jit(device=True)(_descriptor)
+    return cuda.jit(device=True, forceinline=True)(_descriptor)
+
+
+#: ``descriptor(byte_address, lbo, sbo, mode)`` — a device function (both worlds)
+descriptor = _make_descriptor()

@@ -1,0 +1,38 @@
+"""FlashAttention-3 in Python: FA2's forward on Hopper's machinery — warpgroup MMA (``wgmma``) reading shared memory,
+the Tensor Memory Accelerator (TMA) with ``mbarrier`` completion, warp specialisation — as numba kernels whose
+instructions are inline PTX (:mod:`kernels_gpu.ptx`, layouts in :mod:`kernels_gpu.wgmma_layout`).
+
+A ladder of forward rungs, each one file whose header gives its prediction (written before its first GPU run),
+its measurement and the reason for any miss::
+
+    h1  one warpgroup per block; S = QKᵀ and O += PV on wgmma (Q, K, V from shared memory, P from registers);
+        tiles copied by cp.async into 128-byte swizzled panels, two stages
+    h2  two consumer warpgroups (B_r = 128) sharing each K/V tile; tiles copied by TMA into a ring of stages,
+        each with an mbarrier the copy engine completes
+    h3  warp specialisation: a producer warpgroup that only issues TMA copies (one elected thread), two consumer
+        warpgroups that only compute, registers moved to them with setmaxnreg, stages released through "empty"
+        mbarriers
+
+``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature)::
+
+    from kernels_gpu import hopper
+    O, L = hopper.flash_forward(Q, K, V, causal=True)     # Q (…, N_q, d), K, V (…, N_k, d): f16 / bf16
+
+Inputs, outputs, head dimensions (multiples of 8 up to 256), GQA, bottom-right causal masking and fully masked rows
+are those of :mod:`kernels_gpu.tensorcore`. On a GPU that is not sm_90 every rung raises
+:class:`~kernels_gpu.hopper.launch.HopperRequired`. In numba's CUDA simulator every rung runs unchanged (the
+twins of :mod:`kernels_gpu.ptx` emulate wgmma, the TMA and the barriers), which is how CI tests them.
+"""
+
+import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
+from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3  # noqa: E402
+from kernels_gpu.hopper.launch import HopperRequired  # noqa: E402
+
+__all__ = ["VERSIONS", "flash_forward", "HopperRequired"]
+
+#: the forward rungs: name → ``flash_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
+VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
+            "h3": flash_forward_h3.flash_forward}
+
+#: the fastest measured rung (to be decided by the committed GPU run; h3 until then is the design's last rung)
+flash_forward = flash_forward_h3.flash_forward
