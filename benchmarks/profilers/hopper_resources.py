@@ -1,0 +1,59 @@
+"""What ptxas made of each Hopper rung: registers, local memory (spills), shared memory, and the SASS counts that
+say whether the intended instructions are there (HGMMA: wgmma; UTMALDG: TMA loads; LDL/STL: local memory).
+
+    python -m benchmarks.profilers.hopper_resources [--d 128] [--dtype bfloat16]
+
+Runs each rung once on a small problem (which compiles it), then reads the dispatcher's resource report and the
+cubin's SASS through ``cuobjdump`` (on the GPU machine's PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from kernels_gpu import hopper
+    from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", default="64,128,256")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    modules = dict(h1=flash_forward_h1, h2=flash_forward_h2, h3=flash_forward_h3)
+    for d in (int(x) for x in args.d.split(",")):
+        q = torch.randn(1, 2, 300, d, device="cuda", dtype=getattr(torch, args.dtype))
+        for name, f in hopper.VERSIONS.items():
+            f(q, q, q, causal=False)
+            torch.cuda.synchronize()
+            mod = modules[name]
+            cfg = mod.config_for(d, args.dtype, False, False)
+            kernel = mod.make_kernel(cfg)
+            for sig, ov in kernel.overloads.items():
+                regs = ov.regs_per_thread
+                local = ov.local_mem_per_thread
+                sass = ""
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "k.cubin"
+                    path.write_bytes(ov.library.get_cubin())
+                    try:
+                        sass = subprocess.run(["cuobjdump", "--dump-sass", str(path)], capture_output=True,
+                                              text=True, timeout=60).stdout
+                    except (OSError, subprocess.TimeoutExpired) as error:
+                        sass = f"cuobjdump failed: {error}"
+                counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL",
+                                                                               "WARPGROUP", "SYNCS", "BAR")}
+                print(f"{name} d={d} B_c={cfg.B_c} threads={cfg.threads}: registers {regs}, local bytes {local}, "
+                      f"SASS {counts}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

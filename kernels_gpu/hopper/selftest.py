@@ -1,0 +1,137 @@
+"""The Hopper instructions against their NumPy specification (:mod:`kernels_gpu.wgmma_layout`), on whatever runs
+the kernel: in numba's simulator the twins of :mod:`kernels_gpu.ptx` answer (CI checks twin = spec), on an H100 or
+H200 the hardware does (the GPU tests check hardware = spec). Each ``check_*`` returns ``(got, expected)``."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from kernels_gpu import ptx
+from kernels_gpu import wgmma_layout as wl
+
+__all__ = ["check_wgmma", "check_named_barrier", "check_elect", "LAYOUTS", "MEMORY_WORDS"]
+
+#: shared memory of the probe kernel, 32-bit words (plus 1024 bytes of alignment slack)
+MEMORY_WORDS = 10240
+
+#: operand geometry by (major, swizzle mode): (LBO, SBO) in bytes of the layouts tested
+LAYOUTS = {
+    ("K", 0): (128, 256),        # core matrices: the two along K adjacent, 8-row groups 256 bytes apart
+    ("K", 2): (16, 512),         # 64-byte rows, 8-row atoms of 512 bytes
+    ("K", 1): (16, 1024),        # 128-byte rows (a TMA box of 64 columns), atoms of 1024 bytes
+    ("MN", 0): (2048, 128),      # core matrices of 8 keys × 8 columns, n-groups adjacent, k-groups 2 KB apart
+    ("MN", 2): (1024, 512),      # 32-column panels of 64-byte rows: next panel 1 KB on, 8 keys 512 bytes on
+    ("MN", 1): (2048, 1024),     # 64-column panels (V as TMA lands it): next panel 2 KB on, 8 keys 1 KB on
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(dtype: str, N: int, a_from: str, trans_b: bool):
+    mma = ptx.make_wgmma(dtype, N, a_from, trans_b)
+    wait = ptx.make_wgmma_wait(0, N // 2)
+    fence = ptx.make_wgmma_fence(N // 2)
+    n_acc, words = N // 2, MEMORY_WORDS
+
+    @cuda.jit
+    def probe(mem, descs, a_regs, acc_in, acc_out):
+        sm = cuda.shared.array(MEMORY_WORDS + 256, uint32)
+        t = cuda.threadIdx.x
+        a = ptx.shared_byte_address(sm, 0)
+        off = ((uint32(1024) - (a & uint32(1023))) & uint32(1023)) >> uint32(2)
+        for e in range(t, words, 128):
+            sm[off + e] = mem[e]
+        ptx.fence_proxy_async()
+        cuda.syncthreads()
+        shift = uint64((a + 4 * off) >> uint32(4))      # descriptors are given relative to the aligned start
+        acc = cuda.local.array(n_acc, float32)
+        for k in range(n_acc):
+            acc[k] = acc_in[t, k]
+        fence(acc)
+        if a_from == "smem":
+            mma(sm, acc, descs[0] + shift, descs[1] + shift, uint32(1))
+        else:
+            mma(sm, acc, a_regs[t, 0], a_regs[t, 1], a_regs[t, 2], a_regs[t, 3], descs[1] + shift, uint32(1))
+        ptx.wgmma_commit()
+        wait(acc)
+        for k in range(n_acc):
+            acc_out[t, k] = acc[k]
+    return probe
+
+
+def _random_halves(rng, n: int, dtype: str) -> np.ndarray:
+    """n 16-bit patterns of random values in [-2, 2) of ``dtype`` (finite, exact in float32)."""
+    return ptx.half_bits(rng.uniform(-2, 2, n).astype(np.float32), dtype)
+
+
+def check_wgmma(dtype: str = "bfloat16", N: int = 64, a_from: str = "smem", trans_b: bool = False,
+                mode_a: int = 1, mode_b: int = 1, seed: int = 0, a_start: int = 0, b_start: int = 8192):
+    """One ``wgmma m64nNk16`` on random shared memory: A (K-major, swizzle ``mode_a``; or random registers) at byte
+    ``a_start``, B (MN-major if ``trans_b``, swizzle ``mode_b``) at byte ``b_start``, random accumulators. Returns
+    (the warpgroup's accumulators after the instruction, the specification's): (128, N/2) float32 each."""
+    rng = np.random.default_rng(seed)
+    memory = _random_halves(rng, 2 * MEMORY_WORDS, dtype).view(np.uint32)
+    lbo_a, sbo_a = LAYOUTS[("K", mode_a)]
+    lbo_b, sbo_b = LAYOUTS[("MN" if trans_b else "K", mode_b)]
+    desc_a = wl.encode_descriptor(a_start, lbo_a, sbo_a, mode_a)
+    desc_b = wl.encode_descriptor(b_start, lbo_b, sbo_b, mode_b)
+    a_regs = _random_halves(rng, 128 * 8, dtype).view(np.uint32).reshape(128, 4)
+    acc_in = rng.standard_normal((128, N // 2)).astype(np.float32)
+    acc_out = np.full((128, N // 2), np.nan, dtype=np.float32)
+    descs = np.array([desc_a, desc_b], dtype=np.uint64)
+    d_out = cuda.to_device(acc_out)
+    _probe(dtype, N, a_from, bool(trans_b))[1, 128](cuda.to_device(memory), cuda.to_device(descs),
+                                                    cuda.to_device(a_regs), cuda.to_device(acc_in), d_out)
+    got = d_out.copy_to_host()
+    if a_from == "smem":
+        A = ptx.half_values(wl.read_operand(memory, desc_a, 64, "K"), dtype)
+    else:
+        A = wl.from_a_fragments(ptx.half_values(a_regs.view(np.uint16), dtype).reshape(128, 8))
+    B = ptx.half_values(wl.read_operand(memory, desc_b, N, "MN" if trans_b else "K"), dtype).T
+    expected = wl.accumulator_fragments(wl.wgmma_reference(A, B, wl.from_accumulator_fragments(acc_in)))
+    return got, expected
+
+
+@functools.lru_cache(maxsize=None)
+def _barrier_kernel():
+    @cuda.jit
+    def kernel(out):
+        t = cuda.threadIdx.x
+        sm = cuda.shared.array(384, uint32)
+        sm[t] = uint32(0)
+        cuda.syncthreads()
+        # warpgroups 1 and 2 meet at barrier 1 (256 threads) after each wrote its word; warpgroup 0 is not part of
+        # it and writes later, after barrier 2 (all 384)
+        if t >= 128:
+            sm[t] = uint32(t + 1)
+            ptx.named_barrier_sync(1, 256)
+            out[t] = sm[(t - 128 + 128) % 256 + 128]       # another consumer's word, written before the barrier
+        else:
+            ptx.named_barrier_arrive(2, 384)
+        if t >= 128:
+            ptx.named_barrier_sync(2, 384)
+        if t < 128:
+            out[t] = uint32(ptx.elect_one())
+    return kernel
+
+
+def check_named_barrier():
+    """``bar.sync 1, 256`` between warpgroups 1 and 2 (each thread then reads another's word, written before the
+    barrier), ``bar.arrive`` / ``bar.sync 2, 384`` with warpgroup 0 arriving only, and ``elect.sync`` in warpgroup 0.
+    Returns (what the threads read, what they must read)."""
+    out = cuda.to_device(np.zeros(384, dtype=np.uint32))
+    _barrier_kernel()[1, 384](out)
+    got = out.copy_to_host()
+    expected = np.zeros(384, dtype=np.uint32)
+    t = np.arange(128, 384)
+    expected[128:] = ((t - 128 + 128) % 256 + 128) + 1
+    expected[:128] = (np.arange(128) % 32 == 0).astype(np.uint32)
+    return got, expected
+
+
+def check_elect():
+    """``elect.sync`` elects exactly one lane per warp (the lowest: lane 0 with every lane active)."""
+    got, expected = check_named_barrier()
+    return got[:128], expected[:128]

@@ -1,0 +1,106 @@
+"""kernels_gpu.hopper on an H100/H200: each Hopper instruction against the NumPy specification its simulator twin
+implements (so twin and hardware agree through one spec), and every forward rung against the float64 oracle with
+flash-attn's rule, outputs poisoned first.
+
+    FA2EDU_GPU=1 python -m pytest -m gpu tests/gpu/test_hopper_gpu.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+if os.environ.get("FA2EDU_GPU") != "1":
+    pytest.skip("GPU tests run with FA2EDU_GPU=1", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+import kernels_gpu.runtime as rt  # noqa: E402
+from kernels_gpu.hopper import VERSIONS, selftest  # noqa: E402
+
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the Hopper kernels need an sm_90 GPU", allow_module_level=True)
+
+from test_tensorcore_gpu import check  # noqa: E402  (the oracle and flash-attn's rule; tests/gpu is on sys.path)
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(rt, "poison_outputs", True)
+
+
+WGMMA_CASES = [  # (N, A from, trans_b, swizzle of A, swizzle of B, A's start byte, B's start byte)
+    (64, "smem", False, 1, 1, 0, 8192), (128, "smem", False, 1, 1, 32, 8192 + 64), (256, "smem", False, 1, 1, 96, 8192),
+    (16, "smem", False, 0, 0, 0, 8192), (32, "smem", False, 2, 2, 0, 8192), (8, "smem", False, 1, 1, 0, 8192),
+    (64, "regs", True, 1, 1, 0, 8192), (128, "regs", True, 1, 1, 0, 8192 + 2048), (256, "regs", True, 1, 1, 0, 0),
+    (48, "regs", True, 1, 1, 0, 8192), (16, "regs", True, 0, 0, 0, 8192), (64, "regs", True, 1, 2, 0, 8192),
+    (64, "regs", False, 1, 1, 0, 8192),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=[f"n{c[0]}-{c[1]}-{'mn' if c[2] else 'k'}-sw{c[3]}{c[4]}"
+                                                    for c in WGMMA_CASES])
+def test_wgmma_instruction(dtype, case):
+    N, a_from, trans_b, mode_a, mode_b, a_start, b_start = case
+    got, expected = selftest.check_wgmma(dtype, N, a_from, trans_b, mode_a, mode_b, seed=N, a_start=a_start,
+                                         b_start=b_start)
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_named_barriers_and_elect():
+    got, expected = selftest.check_named_barrier()
+    np.testing.assert_array_equal(got, expected)
+
+
+SHAPES = [  # (Q shape, K/V shape, causal)
+    ((2, 4, 1000, 64), (2, 2, 1000, 64), False),      # GQA
+    ((1, 8, 777, 128), (1, 8, 1029, 128), True),      # ragged, N_q < N_k, bottom-right causal
+    ((1, 2, 300, 96), (1, 1, 200, 96), True),         # d = 96, N_q > N_k: 100 fully masked rows per head
+    ((1, 2, 513, 256), (1, 2, 513, 256), False),      # the largest head dimension
+    ((4, 1, 129, 8), (4, 1, 65, 8), False),           # the smallest
+    ((1, 3, 200, 40), (1, 1, 333, 40), True),         # MQA, d = 40 (not a multiple of 16)
+    ((1, 2, 260, 200), (1, 2, 260, 200), True),       # d = 200: four panels, the last part zero
+]
+CASES = [(v, shape) for v in VERSIONS for shape in SHAPES]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("version, shape", CASES,
+                         ids=[f"{v}-{s[0]}x{s[1]}-{'causal' if s[2] else 'full'}" for v, s in CASES])
+def test_rung_matches_oracle(version, dtype, shape):
+    shape_q, shape_kv, causal = shape
+    seed = (sorted(VERSIONS).index(version) * 1000 + SHAPES.index(shape) * 10 + (dtype == "bfloat16"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = getattr(torch, dtype)
+    Q = torch.randn(shape_q, device="cuda", generator=g).to(tdt)
+    K = torch.randn(shape_kv, device="cuda", generator=g).to(tdt)
+    V = torch.randn(shape_kv, device="cuda", generator=g).to(tdt)
+    O, L = VERSIONS[version](Q, K, V, causal=causal)
+    torch.cuda.synchronize()
+    assert O.dtype == tdt and O.shape == Q.shape and L.shape == Q.shape[:-1]
+    check(O, L, Q, K, V, causal)
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_extreme_logits(version):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    Q, K, V = (torch.randn(1, 4, 600, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    Q = (Q.float() * 8).bfloat16()          # scores in the hundreds
+    O, L = VERSIONS[version](Q, K, V, causal=True)
+    check(O, L, Q, K, V, True)
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_forward_is_deterministic(version):
+    """Bit-identical over 100 reruns (a result that changes between runs on the same inputs is a race)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    Q, K, V = (torch.randn(2, 8, 1024, 128, device="cuda", generator=g).half() for _ in range(3))
+    O0, L0 = VERSIONS[version](Q, K, V, causal=True)
+    for _ in range(99):
+        O, L = VERSIONS[version](Q, K, V, causal=True)
+        assert torch.equal(O, O0) and torch.equal(L, L0)
