@@ -38,6 +38,7 @@ def wgmma_ceiling(seconds: float = 0.5) -> dict:
 
     from kernels_gpu import ptx
     ITER, N = 512, 256
+    ACC = N // 2
     mma = ptx.make_wgmma("bfloat16", N, "smem", False)
     wait = ptx.make_wgmma_wait(0, N // 2)
 
@@ -48,8 +49,8 @@ def wgmma_ceiling(seconds: float = 0.5) -> dict:
         for e in range(t, 8192, 128):
             sm[e] = uint32(seed + e) & uint32(0x3F803F80)
         cuda.syncthreads()
-        acc = cuda.local.array(N // 2, float32)
-        for k in range(N // 2):
+        acc = cuda.local.array(ACC, float32)
+        for k in range(ACC):
             acc[k] = float32(0.0)
         a = ptx.shared_byte_address(sm, 0)
         desc = ptx.descriptor(a, 16, 1024, 1)
@@ -59,7 +60,7 @@ def wgmma_ceiling(seconds: float = 0.5) -> dict:
             ptx.wgmma_commit()
             wait(acc)
         total = float32(0.0)
-        for k in range(N // 2):
+        for k in range(ACC):
             total += acc[k]
         if total == float32(12345.0):
             out[0] = total

@@ -13,7 +13,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
 has resources && timeout "${T_RES:-120}" python3 -m benchmarks.profilers.hopper_resources --d "${RES_D:-64,128,256}"
 has tests && timeout "${T_TESTS:-240}" python3 -m pytest -m gpu tests/gpu/test_hopper_gpu.py -q --maxfail=${MAXFAIL:-8} -p no:cacheprovider \
-    ${TEST_ARGS:-} 2>&1 | tee "$OUT/hopper_gpu_tests.log" | tail -25
+    ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/hopper_gpu_tests.log" | tail -25
 has bench && timeout "${T_BENCH:-300}" python3 -m benchmarks.hopper --out "$OUT/${BENCH_NAME:-hopper_forward}.json" \
     ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tail -80
 } 2>&1 | tee "$OUT/hopper_device_run.log"

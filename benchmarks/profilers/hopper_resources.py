@@ -42,7 +42,8 @@ def main(argv=None) -> int:
                 sass = ""
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "k.cubin"
-                    path.write_bytes(ov.library.get_cubin())
+                    cubin = ov.library.get_cubin()
+                    path.write_bytes(bytes(getattr(cubin, "code", cubin)))
                     try:
                         sass = subprocess.run(["cuobjdump", "--dump-sass", str(path)], capture_output=True,
                                               text=True, timeout=60).stdout

@@ -16,6 +16,7 @@ __all__ = ["check_wgmma", "check_named_barrier", "check_elect", "LAYOUTS", "MEMO
 
 #: shared memory of the probe kernel, 32-bit words (plus 1024 bytes of alignment slack)
 MEMORY_WORDS = 10240
+_SHARED_WORDS = MEMORY_WORDS + 256
 
 #: operand geometry by (major, swizzle mode): (LBO, SBO) in bytes of the layouts tested
 LAYOUTS = {
@@ -37,7 +38,7 @@ def _probe(dtype: str, N: int, a_from: str, trans_b: bool):
 
     @cuda.jit
     def probe(mem, descs, a_regs, acc_in, acc_out):
-        sm = cuda.shared.array(MEMORY_WORDS + 256, uint32)
+        sm = cuda.shared.array(_SHARED_WORDS, uint32)
         t = cuda.threadIdx.x
         a = ptx.shared_byte_address(sm, 0)
         off = ((uint32(1024) - (a & uint32(1023))) & uint32(1023)) >> uint32(2)
