@@ -58,7 +58,7 @@ from fa2edu.validation import check_score_range
 __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
            "standard_backward", "fast_width", "three_tf32_width", "tensorcore_width", "tensorcore_has_backward",
-           "reads_strided", "tensorcore_layout"]
+           "reads_strided", "tensorcore_layout", "hopper_forward_applies"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
 ALGORITHMS = ("flash2", "flash1", "standard")
@@ -394,13 +394,31 @@ def _in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x if x.stride() == layout_strides(like, x.shape) else tensorcore_layout(like, x.shape).copy_(x)
 
 
+def hopper_forward_applies(device: torch.device, d: int, N_k: int, causal: bool) -> bool:
+    """Whether the forward runs ``kernels_gpu.hopper`` (wgmma, TMA) rather than the mma.sync ladder: on an sm_90
+    GPU, where the Hopper rung measured faster than mma.sync's v11 in both dtypes
+    (``benchmarks/results/nvidia-h200/hopper_forward.json``, 2026-12-02): d > 64 from N_k = 4096 (non-causal) or
+    8192 (causal), d ≤ 64 from 8192 non-causal; below those the mma.sync rung is as fast or faster."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    if d > 64:
+        return N_k >= (8192 if causal else 4096)
+    return not causal and N_k >= 8192
+
+
 def _tensor_core_forward(q, k, v, causal: bool, scale: float):
-    """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`.
-    The kernels take PyTorch tensors themselves — strided ones in place — and launch on PyTorch's current stream;
-    O comes back laid out like q (:func:`tensorcore_layout`)."""
+    """FA2 Alg. 1 on tensor cores (float16/bfloat16 in and out, L float32), padded to :func:`tensorcore_width`:
+    ``kernels_gpu.hopper.flash_forward`` where :func:`hopper_forward_applies`, else
+    ``kernels_gpu.tensorcore.flash2_forward``. The kernels take PyTorch tensors themselves — strided ones in
+    place — and launch on PyTorch's current stream; O comes back laid out like q (:func:`tensorcore_layout`)."""
     d_v = v.shape[-1]
     D = tensorcore_width(q.shape[-1], d_v)
-    O, L = _tensorcore().flash2_forward(*(_pad(x, D) for x in (q, k, v)), causal=causal, scale=scale)
+    if hopper_forward_applies(q.device, D, k.shape[-2], causal):
+        from kernels_gpu import hopper
+        forward = hopper.flash_forward
+    else:
+        forward = _tensorcore().flash2_forward
+    O, L = forward(*(_pad(x, D) for x in (q, k, v)), causal=causal, scale=scale)
     return _in_layout(_unpad(_from_kernel(O, q), d_v), q), _from_kernel(L, q)
 
 

@@ -106,11 +106,11 @@ def test_the_benchmarks_are_layered_harness_drivers_profilers() -> None:
 #: families, each of which may build on the ones before it: the teaching kernels, the fast CUDA-core kernels, the
 #: tensor-core ladder, the inference kernels. Tools (``kernels_gpu.sanitize``) and the package itself sit on top.
 KERNEL_TIERS = [
-    {"runtime", "counting", "driver_launch", "tensor_map", "ptx", "fragments"},
+    {"runtime", "counting", "driver_launch", "tensor_map", "ptx", "fragments", "wgmma_layout"},
     {"standard", "flash1", "flash2"},
     {"fast"},
     {"tensorcore"},
-    {"inference"},
+    {"inference", "hopper"},
 ]
 
 

@@ -34,5 +34,5 @@ __all__ = ["VERSIONS", "flash_forward", "HopperRequired"]
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
             "h3": flash_forward_h3.flash_forward}
 
-#: the fastest measured rung (to be decided by the committed GPU run; h3 until then is the design's last rung)
-flash_forward = flash_forward_h3.flash_forward
+#: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward.json``: h3 measured slower)
+flash_forward = flash_forward_h2.flash_forward
