@@ -1,6 +1,6 @@
 """The Hopper forward ladder on the FA2 paper's grid, beside what a Hopper user gets by default, in one run.
 
-    python -m benchmarks.hopper --out benchmarks/results/<device>/hopper_forward.json
+    python -m benchmarks.hopper --out benchmarks/results/<device>/hopper_forward.json   # → _bf16.json, _fp16.json
 
 For each (dtype, d, causal, N) of the grid (batch × N = 16k tokens, hidden 2048 → heads = 2048 / d) every
 implementation — the rungs ``hopper_h1`` …, ``sdpa_default`` (``F.scaled_dot_product_attention`` with no backend
@@ -15,7 +15,6 @@ paper's model (4·N²·d·batch·heads, halved when causal). The run also measur
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.harness.results_io import utc_now
+from benchmarks.harness.results_io import make_record, utc_now, write_results
 from benchmarks.tensorcore import HIDDEN, TOKENS, forward_flops, reference, sdpa_flash, time_ms
 
 GRID_N = (1024, 2048, 4096, 8192, 16384)
@@ -55,7 +54,7 @@ def wgmma_ceiling(seconds: float = 0.5) -> dict:
         a = ptx.shared_byte_address(sm, 0)
         desc = ptx.descriptor(a, 16, 1024, 1)
         for _ in range(ITER):
-            for c in range(8):
+            for _ in range(8):
                 mma(sm, acc, desc, desc, uint32(1))
             ptx.wgmma_commit()
             wait(acc)
@@ -137,34 +136,36 @@ def main(argv=None) -> int:
         for impl in impls:
             fn = impls_of[impl]
             call = (lambda q, k, v, f=fn, c=causal: f(q, k, v, c))
-            rec = dict(impl=impl, dtype=dtype, causal=causal, d=d, N=N, batch=batch, heads=heads)
-            rec["pass"] = "forward"
+            common = dict(impl=impl, pass_="forward", dtype=dtype, batch=batch, heads=heads, N=N, d=d,
+                          causal=causal, device=header["device"])
             try:
                 out = call(*inputs[0])
                 out = out[0] if isinstance(out, tuple) else out
                 torch.cuda.synchronize()
                 rel = ((out.float() - ref).norm() / ref.norm()).item()
-                rec["rel_error"] = rel
                 if not rel < 1e-2 or out.isnan().any():
-                    rec["status"] = "wrong"
+                    rec = make_record(**common, status="wrong", error=f"relative error {rel:.3g}", rel_error=rel)
                 else:
                     rt.poison_outputs = False
                     ms, reps = time_ms(call, inputs)
                     rt.poison_outputs = True
-                    rec.update(status="ok", ms=ms, repeats=reps,
-                               tflops=forward_flops(batch, heads, N, d, causal) / ms / 1e9)
+                    rec = make_record(**common, ms=ms, tflops=forward_flops(batch, heads, N, d, causal) / ms / 1e9,
+                                      repeats=reps, rel_error=rel)
             except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
-                rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
+                rec = make_record(**common, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
             records.append(rec)
             bar.update(1)
             bar.write(f"{dtype:8s} causal={int(causal)} d={d:3d} N={N:5d} {impl:14s} "
-                      f"{rec.get('tflops', float('nan')):7.1f} TFLOP/s  {rec['status']}")
+                      f"{rec['tflops'] or float('nan'):7.1f} TFLOP/s  {rec['status']}")
         del inputs, ref
         torch.cuda.empty_cache()
     bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(header=header, wgmma_ceiling=ceiling, records=records), indent=1))
-    print(f"wrote {args.out}")
+    for dtype in args.dtypes.split(","):        # one file per dtype (the book keys a file's records without it)
+        tag = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+        path = args.out.with_name(f"{args.out.stem}_{tag}{args.out.suffix}")
+        write_results(path, dict(header, wgmma_ceiling=ceiling), [r for r in records if r["dtype"] == dtype])
+        print(f"wrote {path}")
     return 0
 
 

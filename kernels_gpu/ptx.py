@@ -141,11 +141,10 @@ and ``.aligned`` qualifiers require it).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
-
-import functools
 
 import numpy as np
 from numba import uint64
@@ -162,8 +161,8 @@ __all__ = [
     "griddep_launch_dependents", "bulk_copy", "mbar_init", "mbar_arrive_expect_tx", "mbar_try_wait",
     "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32", "cluster_arrive",
     "cluster_wait", "ld_cluster_f32", "make_wgmma", "wgmma_fence", "wgmma_commit", "make_wgmma_wait",
-    "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive", "make_setmaxnreg", "elect_one",
-    "named_barrier_sync", "named_barrier_arrive", "globaltimer",
+    "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive",
+    "make_setmaxnreg", "elect_one", "named_barrier_sync", "named_barrier_arrive", "globaltimer",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).

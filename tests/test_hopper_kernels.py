@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tolerances import assert_close_to_oracle, baseline_error
 
 import fa2edu
 import kernels_gpu.runtime as rt
 from kernels_gpu import hopper
 from kernels_gpu.hopper import launch as hopper_launch
 from kernels_gpu.hopper import selftest
-
-from tolerances import assert_close_to_oracle, baseline_error
 
 
 @pytest.mark.parametrize("case", [

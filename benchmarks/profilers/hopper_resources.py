@@ -36,7 +36,7 @@ def main(argv=None) -> int:
             mod = modules[name]
             cfg = mod.config_for(d, args.dtype, False, False)
             kernel = mod.make_kernel(cfg)
-            for sig, ov in kernel.overloads.items():
+            for ov in kernel.overloads.values():
                 regs = ov.regs_per_thread
                 local = ov.local_mem_per_thread
                 sass = ""
