@@ -18,6 +18,14 @@ warpgroup waits for its wgmma, then does its softmax while its tensor cores idle
 the same threads. With two blocks per SM, one's softmax can overlap the other's MMAs. Expect about v11's speed
 or a little more — 300-380 TFLOP/s at d = 128, N ≥ 4096, non-causal, bf16 (v11: 290-317 on an H200): wgmma
 removes the ldmatrix and register pressure of mma.sync, but nothing yet overlaps the softmax with the MMAs.
+
+**Measured** (H200, 2026-12-02, ``python -m benchmarks.hopper``, ``benchmarks/results/nvidia-h200/
+hopper_forward_bf16.json``; bf16, non-causal, N = 1024 … 16384): 152-175 TFLOP/s at d = 128 (v11 in the same run:
+264-323), 158-175 at d = 64, 153-182 at d = 256 — flat in N, about half the prediction. 165 registers, no local
+memory, 12 HGMMA in the SASS (``benchmarks.profilers.hopper_resources``). Why it misses, not yet measured with
+Nsight Compute: every wgmma is waited for at once (``wgmma.wait_group 0``), so a warpgroup's tensor cores idle during
+its whole softmax and its cp.async issue, and one 64-row warpgroup per tile halves each tile's reuse against v11's
+128 rows.
 """
 
 from __future__ import annotations

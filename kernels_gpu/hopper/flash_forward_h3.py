@@ -19,6 +19,14 @@ honours ``setmaxnreg`` only then); 24 · 128 + 240 · 256 = 64 512 of the SM's 6
 **Prediction (written before the first GPU run).** The copies run fully under the compute, and the two consumers
 drift apart, so one's softmax overlaps the other's wgmma now and then (not yet by design: that is ping-pong's
 rung). Expect +5-15 % over h2 at d = 128, N ≥ 4096 (400-500 TFLOP/s, bf16, non-causal).
+
+**Measured** (H200, 2026-12-02, ``hopper_forward_bf16.json``, non-causal): slower than h2, not faster — d = 128:
+352 / 371 / 402 TFLOP/s at N = 4096 / 8192 / 16384 (h2: 399 / 438 / 474); d = 64: 233 / 247 / 255 (h2: 265 / 286 /
+289); equal at d = 256 (401 / 474 / 496). The prediction missed, and the reason is not yet measured (the next step
+is Nsight Compute on h2 and h3 side by side before any change). Candidates from what the run shows: ptxas
+allocated the consumers under the 168-register entry cap of ``launch_bounds=(384, 1)`` (the resource report: 168
+registers, against h2's 212 at d = 128), so the 240 that setmaxnreg grants may go unused; and every one of the 256
+consumer threads arrives on a stage's empty barrier where one arrival per warpgroup would do.
 """
 
 from __future__ import annotations
