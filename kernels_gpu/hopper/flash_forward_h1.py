@@ -136,6 +136,3 @@ def flash_forward(Q, K, V, causal=False, scale=None, **options):
     kinds of arrays of :mod:`kernels_gpu.tensorcore.launch`). Returns ``Flash2Forward(O, L)``: O in the input
     dtype, L float32 (+inf on rows that see no key). ``options``: ``B_c``."""
     return launch.run(make_kernel, config_for, Q, K, V, causal=causal, scale=scale, **options)
-
-
-

@@ -212,7 +212,7 @@ def make_steps(cfg: HopperConfig):
 
     return dict(aligned_base=aligned_base, tma_q=make_tma_tile(B_r), tma_kv=make_tma_tile(B_c),
                 wait_phase=wait_phase, copy_q=make_copy_tile(B_r, cfg.threads),
-                copy_kv=make_copy_tile(B_c, cfg.threads), make_copy_tile=make_copy_tile,
+                copy_kv=make_copy_tile(B_c, cfg.threads),
                 s_equals_q_kt=s_equals_q_kt, o_plus_p_v=o_plus_p_v, zero=shared["zero"],
                 init_stats=shared["init_stats"], online_softmax=shared["online_softmax_f32"],
                 finish_rows=shared["finish_rows_exp2"])
