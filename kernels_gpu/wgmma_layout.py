@@ -54,15 +54,15 @@ permutation follows.
 of warp ``w = t // 32``; ``g = l // 4``, ``q = l % 4``. Warp w owns rows 16w … 16w + 15 of A and D, laid out as
 ``mma.sync.m16n8k16``'s fragments (:mod:`kernels_gpu.fragments`):
 
-===========  ==============================  ============================================
-register     row                             column
-===========  ==============================  ============================================
-d[4j + 2h + e]  16w + g + 8h                 8j + 2q + e          (j = 0 … N/8 − 1; N/2 floats)
-a0 (lo, hi)  16w + g                         2q, 2q + 1
-a1           16w + g + 8                     2q, 2q + 1
-a2           16w + g                         2q + 8, 2q + 9
-a3           16w + g + 8                     2q + 8, 2q + 9
-===========  ==============================  ============================================
+================  ================  ============================================
+register          row               column
+================  ================  ============================================
+d[4j + 2h + e]    16w + g + 8h      8j + 2q + e   (j = 0 … N/8 − 1; N/2 floats)
+a0 (lo, hi)       16w + g           2q, 2q + 1
+a1                16w + g + 8       2q, 2q + 1
+a2                16w + g           2q + 8, 2q + 9
+a3                16w + g + 8       2q + 8, 2q + 9
+================  ================  ============================================
 
 So, as with ``mma.sync``, the float32 accumulators of S for keys 16k … 16k + 15, packed in pairs, are the A
 registers of P for the k-th step of O += P·V, and a row's elements live in one group of four lanes.
