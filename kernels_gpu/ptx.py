@@ -115,6 +115,7 @@ layouts are tabulated in :mod:`kernels_gpu.fragments`::
     ``named_barrier_arrive``   n threads of barrier ``id`` meet (arrive: count
                                in without waiting)
     ``globaltimer``            ``mov.u64 %globaltimer``: nanoseconds             10.28 (%globaltimer)
+    ``clock64``                ``mov.u64 %clock64``: the SM's cycle counter       10.14 (%clock64)
     =========================  ===============================================  ==============================
 
 **Simulator twins.** Under ``NUMBA_ENABLE_CUDASIM=1`` (how CI runs kernels) every name above is a Python function
@@ -162,7 +163,7 @@ __all__ = [
     "fence_mbarrier_init", "fence_proxy_async", "tensor_copy_4d", "red_add_v4_f32", "cluster_arrive",
     "cluster_wait", "ld_cluster_f32", "make_wgmma", "wgmma_fence", "wgmma_commit", "make_wgmma_wait",
     "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive",
-    "make_setmaxnreg", "elect_one", "named_barrier_sync", "named_barrier_arrive", "globaltimer",
+    "make_setmaxnreg", "elect_one", "named_barrier_sync", "named_barrier_arrive", "globaltimer", "clock64",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -776,6 +777,12 @@ def _globaltimer_twin():
     return np.uint64(time.monotonic_ns())
 
 
+def _clock64_twin():
+    """Simulator twin of ``%clock64``: the host's performance counter in nanoseconds (a clock that only goes
+    forward, as the SM's cycle counter does)."""
+    return np.uint64(time.perf_counter_ns())
+
+
 # ================================================================================================================
 # The real instructions (built only when a GPU compiles kernels)
 # ================================================================================================================
@@ -1075,6 +1082,12 @@ def _build_gpu() -> dict:
             return asm(builder, i64, [], "mov.u64 $0, %globaltimer;", "=l")
         return types.uint64(), codegen
 
+    @intrinsic
+    def clock64(typingctx):
+        def codegen(context, builder, signature, args):
+            return asm(builder, i64, [], "mov.u64 $0, %clock64;", "=l")
+        return types.uint64(), codegen
+
     return dict(syncwarp=syncwarp, mma_f16=make_mma("f16"), mma_bf16=make_mma("bf16"), ldmatrix_x4=make_ldmatrix(False),
                 ldmatrix_x4_trans=make_ldmatrix(True), cp_async16=make_cp_async16(),
                 cp_async16_l2_128=make_cp_async16(".L2::128B"),
@@ -1100,7 +1113,7 @@ def _build_gpu() -> dict:
                 wgmma_commit=make_simple("wgmma.commit_group.sync.aligned;"),
                 shared_byte_address=shared_byte_address, mbar_arrive=mbar_arrive, elect_one=elect_one,
                 named_barrier_sync=make_bar("bar.sync"), named_barrier_arrive=make_bar("bar.arrive"),
-                globaltimer=globaltimer)
+                globaltimer=globaltimer, clock64=clock64)
 
 
 def _build_twins() -> dict:
@@ -1123,7 +1136,8 @@ def _build_twins() -> dict:
                 ld_cluster_f32=_cluster_twin, wgmma_fence=_wgmma_sync_twin, wgmma_commit=_wgmma_sync_twin,
                 shared_byte_address=_shared_byte_address_twin, mbar_arrive=_mbar_arrive_twin,
                 elect_one=_elect_one_twin, named_barrier_sync=_named_barrier_sync_twin,
-                named_barrier_arrive=_named_barrier_arrive_twin, globaltimer=_globaltimer_twin)
+                named_barrier_arrive=_named_barrier_arrive_twin, globaltimer=_globaltimer_twin,
+                clock64=_clock64_twin)
 
 
 globals().update(_build_twins() if SIMULATED else _build_gpu())

@@ -51,6 +51,7 @@ CASES = {
     "h1": [((1, 2, 70, 40), (1, 1, 45, 40), True, {}), ((1, 1, 64, 64), (1, 1, 150, 64), False, {})],
     "h2": [((1, 2, 70, 40), (1, 1, 45, 40), True, dict(B_c=16))],
     "h3": [((1, 2, 70, 40), (1, 1, 45, 40), True, dict(B_c=16))],
+    "h4": [((1, 2, 70, 40), (1, 1, 45, 40), True, dict(B_c=16))],
 }
 
 
@@ -67,7 +68,7 @@ def test_rung_matches_oracle(version, case, monkeypatch):
 
 
 def test_versions_and_the_fastest_rung():
-    assert list(hopper.VERSIONS) == ["h1", "h2", "h3"]
+    assert list(hopper.VERSIONS) == ["h1", "h2", "h3", "h4"]
     assert hopper.flash_forward is hopper.VERSIONS["h2"]
 
 
@@ -78,3 +79,44 @@ def test_a_gpu_that_is_not_sm90_gets_a_clear_error(monkeypatch):
     monkeypatch.setattr(hopper_launch.cuda, "get_current_device", lambda: Device())
     with pytest.raises(hopper.HopperRequired, match="kernels_gpu.tensorcore"):
         hopper_launch.require_hopper()
+
+
+def _traced(version, tiles=4):
+    """Block 0's trace of one rung on a single block of 128 query rows over ``tiles`` key tiles of 16."""
+    from numba import cuda
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((1, 1, 128, 16)).astype(np.float16)
+    K, V = (rng.standard_normal((1, 1, 16 * tiles, 16)).astype(np.float16) for _ in range(2))
+    T = cuda.to_device(np.zeros((1, 4, tiles, 5), np.uint64))
+    hopper.VERSIONS[version](Q, K, V, B_c=16, trace=("globaltimer", T))
+    return T.copy_to_host()[0].astype(np.int64)
+
+
+@pytest.mark.parametrize("version", ["h3", "h4"])
+def test_trace_stamps_every_step_in_order(version):
+    T = _traced(version)
+    consumers = T[1:3]                       # warpgroups 1 and 2 (0 is the producer)
+    assert (consumers > 0).all() and (T[0, :, :3] > 0).all() and (T[3] == 0).all()
+    steps = consumers.reshape(2, -1)         # wait ≤ ready ≤ S ≤ softmax ≤ PV, tile after tile
+    assert (np.diff(steps, axis=1) >= 0).all()
+    # a stage is refilled only after both consumers released it: the producer's "stage free" of tile j + 2 comes
+    # after both consumers' PV of tile j
+    assert (T[0, 2:, 1] >= consumers[:, :-2, 4].max(axis=0)).all()
+
+
+def test_ping_pong_turns_alternate():
+    """h4's protocol as stamps: consumer 1 starts S_ij only after consumer 0 finished its own, and consumer 0
+    starts S_i,j+1 only after consumer 1 finished S_ij."""
+    T = _traced("h4")
+    c0, c1 = T[1], T[2]
+    assert (c1[:, 1] >= c0[:, 2]).all()
+    assert (c0[1:, 1] >= c1[:-1, 2]).all()
+
+
+def test_trace_array_of_the_wrong_shape_is_refused():
+    from numba import cuda
+    Q = np.zeros((1, 1, 64, 16), np.float16)
+    with pytest.raises(ValueError, match="trace: T must be a uint64 device array"):
+        hopper.VERSIONS["h3"](Q, Q, Q, trace=("clock64", cuda.to_device(np.zeros((1, 3, 1, 5), np.uint64))))
+    with pytest.raises(ValueError, match="only the rungs that copy by TMA"):
+        hopper.VERSIONS["h1"](Q, Q, Q, trace=("clock64", cuda.to_device(np.zeros((1, 4, 1, 5), np.uint64))))

@@ -10,6 +10,7 @@ cubin's SASS through ``cuobjdump`` (on the GPU machine's PATH).
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import subprocess
 import sys
@@ -21,13 +22,12 @@ def main(argv=None) -> int:
     import torch
 
     from kernels_gpu import hopper
-    from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", default="64,128,256")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
-    modules = dict(h1=flash_forward_h1, h2=flash_forward_h2, h3=flash_forward_h3)
+    modules = {name: importlib.import_module(f"kernels_gpu.hopper.flash_forward_{name}") for name in hopper.VERSIONS}
     for d in (int(x) for x in args.d.split(",")):
         q = torch.randn(1, 2, 300, d, device="cuda", dtype=getattr(torch, args.dtype))
         for name, f in hopper.VERSIONS.items():

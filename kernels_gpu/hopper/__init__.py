@@ -12,6 +12,8 @@ its measurement and the reason for any miss::
     h3  warp specialisation: a producer warpgroup that only issues TMA copies (one elected thread), two consumer
         warpgroups that only compute, registers moved to them with setmaxnreg, stages released through "empty"
         mbarriers
+    h4  ping-pong: the two consumers take turns on the tensor cores (two named barriers), one's softmax under the
+        other's S = QKᵀ
 
 ``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature)::
 
@@ -25,14 +27,14 @@ twins of :mod:`kernels_gpu.ptx` emulate wgmma, the TMA and the barriers), which 
 """
 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
-from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3  # noqa: E402
+from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3, flash_forward_h4  # noqa: E402,E501
 from kernels_gpu.hopper.launch import HopperRequired  # noqa: E402
 
 __all__ = ["VERSIONS", "flash_forward", "HopperRequired"]
 
 #: the forward rungs: name → ``flash_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
-            "h3": flash_forward_h3.flash_forward}
+            "h3": flash_forward_h3.flash_forward, "h4": flash_forward_h4.flash_forward}
 
 #: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward.json``: h3 measured slower)
 flash_forward = flash_forward_h2.flash_forward

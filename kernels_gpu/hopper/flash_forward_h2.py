@@ -57,6 +57,7 @@ def make_kernel(cfg: HopperConfig):
     """The h2 kernel for one configuration (compiled on first launch)."""
     st = make_steps(cfg)
     aligned_base, tma_q, tma_kv, wait_phase = st["aligned_base"], st["tma_q"], st["tma_kv"], st["wait_phase"]
+    stamp = st["stamp"]
     s_equals_q_kt, o_plus_p_v = st["s_equals_q_kt"], st["o_plus_p_v"]
     zero, init_stats, online_softmax, finish_rows = st["zero"], st["init_stats"], st["online_softmax"], \
         st["finish_rows"]
@@ -68,7 +69,7 @@ def make_kernel(cfg: HopperConfig):
     causal = cfg.causal
 
     @cuda.jit
-    def flash_forward_h2(Q, K, V, O, L, N_q, N_k, G, scale, q_map, k_map, v_map):
+    def flash_forward_h2(Q, K, V, O, L, N_q, N_k, G, scale, q_map, k_map, v_map, T):
         tid = cuda.threadIdx.x
         wg = tid // 128                       # the consumer warpgroup: rows 64·wg … 64·wg + 63 of the block
         warp = (tid % 128) // 32
@@ -120,14 +121,19 @@ def make_kernel(cfg: HopperConfig):
         for j in range(n_tiles):               # Alg. 1 line 6
             stage = j % STAGES
             k_off = kv_off + stage * STAGE
+            stamp(T, wg, j, 0)
             wait_phase(sm, full + 2 * stage, (j // STAGES) % 2)     # tile j has landed in its stage
+            stamp(T, wg, j, 1)
             # Line 8: S_ij = Q_i K_jᵀ for this warpgroup's 64 rows.
             s_equals_q_kt(sm, s, sm_byte + 4 * q_off + 64 * 128 * wg, sm_byte + 4 * k_off)
+            stamp(T, wg, j, 2)
             # Lines 9-10: the online softmax.
             mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > i * B_r + diag)
             online_softmax(s, o, m, l, row0, j * B_c, N_k, scale_log2, diag, mask_tile)
+            stamp(T, wg, j, 3)
             # Line 10 (second half): Õ_i += P̃_ij V_j.
             o_plus_p_v(sm, o, s, sm_byte + 4 * (k_off + KV_WORDS))
+            stamp(T, wg, j, 4)
             cuda.syncthreads()                # both warpgroups are done with the stage ...
             if tid == 0 and j + STAGES < n_tiles:     # ... which takes tile j + STAGES
                 ptx.mbar_arrive_expect_tx(sm, full + 2 * stage, STAGE_BYTES)

@@ -60,6 +60,7 @@ def make_kernel(cfg: HopperConfig):
     st = make_steps(cfg)
     jit = cuda.jit(device=True) if cfg.simulated else cuda.jit(device=True, forceinline=True)
     aligned_base, tma_q, tma_kv, wait_phase = st["aligned_base"], st["tma_q"], st["tma_kv"], st["wait_phase"]
+    stamp = st["stamp"]
     s_equals_q_kt, o_plus_p_v = st["s_equals_q_kt"], st["o_plus_p_v"]
     zero, init_stats, online_softmax, finish_rows = st["zero"], st["init_stats"], st["online_softmax"], \
         st["finish_rows"]
@@ -74,7 +75,7 @@ def make_kernel(cfg: HopperConfig):
     take_registers = ptx.make_setmaxnreg(True, CONSUMER_REGISTERS)
 
     @jit
-    def producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map, i, h, hk, z, n_tiles):
+    def producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map, i, h, hk, z, n_tiles, T):
         """Warpgroup 0: one elected thread copies Q_i, then each K_j, V_j into stage j mod STAGES once the
         consumers have emptied it (FA2 Alg. 1 lines 4 and 7, by the copy engine)."""
         if cuda.threadIdx.x // 32 == 0 and ptx.elect_one() == 1:
@@ -82,15 +83,18 @@ def make_kernel(cfg: HopperConfig):
             tma_q(sm, q_off, q_map, i * B_r, h, z, q_bar)
             for j in range(n_tiles):
                 stage = j % STAGES
+                stamp(T, 0, j, 0)
                 if j >= STAGES:               # wait until both consumers released tile j − STAGES
                     wait_phase(sm, empty + 2 * stage, (j // STAGES - 1) % 2)
+                stamp(T, 0, j, 1)
                 k_off = kv_off + stage * STAGE
                 ptx.mbar_arrive_expect_tx(sm, full + 2 * stage, STAGE_BYTES)
                 tma_kv(sm, k_off, k_map, j * B_c, hk, z, full + 2 * stage)
                 tma_kv(sm, k_off + KV_WORDS, v_map, j * B_c, hk, z, full + 2 * stage)
+                stamp(T, 0, j, 2)
 
     @jit
-    def consumer(sm, q_off, kv_off, full, empty, q_bar, O, L, i, h, z, n_tiles, N_q, N_k, scale_log2, wg):
+    def consumer(sm, q_off, kv_off, full, empty, q_bar, O, L, i, h, z, n_tiles, N_q, N_k, scale_log2, wg, T):
         """Warpgroups 1 … consumers: 64 query rows each, FA2 Alg. 1 lines 5-15 over the stages the producer
         fills."""
         sm_byte = ptx.shared_byte_address(sm, 0)
@@ -108,14 +112,19 @@ def make_kernel(cfg: HopperConfig):
         for j in range(n_tiles):               # Alg. 1 line 6
             stage = j % STAGES
             k_off = kv_off + stage * STAGE
+            stamp(T, wg + 1, j, 0)
             wait_phase(sm, full + 2 * stage, (j // STAGES) % 2)
+            stamp(T, wg + 1, j, 1)
             # Line 8: S_ij = Q_i K_jᵀ.
             s_equals_q_kt(sm, s, sm_byte + 4 * q_off + 64 * 128 * wg, sm_byte + 4 * k_off)
+            stamp(T, wg + 1, j, 2)
             # Lines 9-10: the online softmax.
             mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > i * B_r + diag)
             online_softmax(s, o, m, l, row0, j * B_c, N_k, scale_log2, diag, mask_tile)
+            stamp(T, wg + 1, j, 3)
             # Line 10 (second half): Õ_i += P̃_ij V_j; then the stage is released to the producer.
             o_plus_p_v(sm, o, s, sm_byte + 4 * (k_off + KV_WORDS))
+            stamp(T, wg + 1, j, 4)
             ptx.mbar_arrive(sm, empty + 2 * stage)
         # Lines 12-15.
         finish_rows(o, m, l, O, L, z, h, row0, N_q, scale_log2)
@@ -123,7 +132,7 @@ def make_kernel(cfg: HopperConfig):
     jit_kernel = cuda.jit if cfg.simulated else cuda.jit(launch_bounds=(cfg.threads, 1))
 
     @jit_kernel
-    def flash_forward_h3(Q, K, V, O, L, N_q, N_k, G, scale, q_map, k_map, v_map):
+    def flash_forward_h3(Q, K, V, O, L, N_q, N_k, G, scale, q_map, k_map, v_map, T):
         tid = cuda.threadIdx.x
         if causal:
             h = cuda.blockIdx.x
@@ -154,11 +163,11 @@ def make_kernel(cfg: HopperConfig):
         wg = tid // 128
         if wg == 0:
             give_registers()
-            producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map, i, h, hk, z, n_tiles)
+            producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map, i, h, hk, z, n_tiles, T)
         else:
             take_registers()
             consumer(sm, q_off, kv_off, full, empty, q_bar, O, L, i, h, z, n_tiles, N_q, N_k,
-                     scale * float32(LOG2E), wg - 1)
+                     scale * float32(LOG2E), wg - 1, T)
 
     return flash_forward_h3
 

@@ -16,6 +16,8 @@ no special case. In numba's simulator the maps are stand-ins (:func:`kernels_gpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from numba import cuda
 
@@ -76,6 +78,15 @@ def tensor_maps(p, cfg) -> tuple:
 
 
 _MAPS = None
+_NO_TRACE = {}
+
+
+def _no_trace():
+    """The trace array of an untraced launch: one uint64 on the current device, never written."""
+    key = "simulator" if rt.simulator_in_use() else cuda.get_current_device().id
+    if key not in _NO_TRACE:
+        _NO_TRACE[key] = cuda.device_array((1, 4, 1, 5), np.uint64)
+    return _NO_TRACE[key]
 
 
 def _device_maps():
@@ -87,13 +98,18 @@ def _device_maps():
     return _MAPS
 
 
-def run(make_kernel, config_for, Q, K, V, *, causal, scale, maps: bool = False, **options):
+def run(make_kernel, config_for, Q, K, V, *, causal, scale, maps: bool = False, trace=None, **options):
     """Check the inputs and the GPU, pick the rung's configuration, launch one block per (row block, head, batch)
     (:func:`longest_first`), return ``Flash2Forward(O, L)`` in the caller's kind. ``maps``: the kernel takes the
-    tensor maps of Q, K, V as three more parameters. Rungs without maps take the mma.sync ladder's short road for
-    repeated calls on PyTorch CUDA tensors (:class:`kernels_gpu.tensorcore.launch.ForwardPlan`)."""
+    tensor maps of Q, K, V as three more parameters, and then a trace array: ``trace`` = (clock, T) with clock
+    ``"globaltimer"`` or ``"clock64"`` and T a device array of uint64, (blocks, 4, tiles, 5), that the kernel
+    stamps (:data:`kernels_gpu.hopper.steps.TRACE_EVENTS`); without it, a one-element array that is never
+    written. Rungs without maps take the mma.sync ladder's short road for repeated calls on PyTorch CUDA tensors
+    (:class:`kernels_gpu.tensorcore.launch.ForwardPlan`)."""
     from kernels_gpu.flash2 import Flash2Forward
 
+    if trace is not None and not maps:
+        raise ValueError("trace: only the rungs that copy by TMA (h2 and later) take a trace array")
     if not maps:
         def checked(d, dtype, causal_, simulated, **opts):
             require_hopper()
@@ -103,12 +119,20 @@ def run(make_kernel, config_for, Q, K, V, *, causal, scale, maps: bool = False, 
     p = tc_launch.prepare(Q, K, V, causal=causal, scale=scale)
     require_hopper()
     cfg = config_for(p.d, p.dtype, p.causal, rt.simulator_in_use(), **options)
+    if trace is not None:
+        clock, T = trace
+        if tuple(T.shape[1:2]) + tuple(T.shape[3:]) != (4, 5) or T.ndim != 4 or T.dtype != np.uint64:
+            raise ValueError(f"trace: T must be a uint64 device array of shape (blocks, 4, tiles, 5), got "
+                             f"{T.dtype} {tuple(T.shape)}")
+        cfg = dataclasses.replace(cfg, trace=clock)
+    else:
+        T = _no_trace()
     kernel = make_kernel(cfg)
     nbytes = shared_bytes(cfg)
     if nbytes > MAX_DYNAMIC_BYTES:
         raise ValueError(f"this tile shape needs {nbytes} bytes of shared memory at d = {p.d}; a block may have "
                          f"{MAX_DYNAMIC_BYTES}")
     args = (p.Q, p.K, p.V, p.O, p.L, np.int32(p.N_q), np.int32(p.N_k), np.int32(p.H_q // p.H_kv),
-            np.float32(p.scale)) + tensor_maps(p, cfg)
+            np.float32(p.scale)) + tensor_maps(p, cfg) + (T,)
     driver_launch.launch(kernel, longest_first(cfg, p), cfg.threads, p.stream, args, nbytes)
     return Flash2Forward(*tc_launch.finish(p))

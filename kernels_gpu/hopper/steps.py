@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from numba import uint32
+from numba import cuda, uint32
 
 from kernels_gpu import ptx
 from kernels_gpu.tensorcore import steps as tc_steps
@@ -56,6 +56,11 @@ SWIZZLE_128B = 1
 SBO = 1024
 #: alignment of every tile (the 128-byte swizzle pattern repeats every 1024 bytes)
 ALIGN_BYTES = 1024
+#: what slot e of a trace row T[block, warpgroup, tile, e] stamps. A consumer warpgroup: when it starts waiting for
+#: tile j, when it may start (the tile has landed — and, with ping-pong, its turn has come), when S_ij is done, when
+#: the softmax is, and when Õ_i += P̃_ij V_j is; a producer warpgroup: when it starts waiting for the stage, when
+#: the stage is free, and when the tile's copies are issued (slots 3 and 4 unused).
+TRACE_EVENTS = ("wait", "ready", "S", "softmax", "PV")
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,9 @@ class HopperConfig:
 
     ``consumers``: warpgroups that compute (64 query rows each: B_r = 64 · consumers); ``producer``: one more
     warpgroup that only copies (warp specialisation); ``B_c``: keys per K/V tile (a multiple of 16, at most 256);
-    ``stages``: K/V tiles in flight (the ring's depth)."""
+    ``stages``: K/V tiles in flight (the ring's depth); ``trace``: ``""`` (no trace), ``"globaltimer"`` or
+    ``"clock64"`` — the rungs that take a trace array stamp each tile's steps with that clock
+    (:data:`TRACE_EVENTS`)."""
 
     d: int
     B_c: int
@@ -74,6 +81,7 @@ class HopperConfig:
     consumers: int = 1
     producer: bool = False
     stages: int = 2
+    trace: str = ""
 
     def __post_init__(self):
         if self.d % 8 or not 8 <= self.d <= 256:
@@ -86,6 +94,8 @@ class HopperConfig:
             raise ValueError(f"consumers must be 1, 2 or 3, got {self.consumers}")
         if self.stages < 1:
             raise ValueError(f"stages must be at least 1, got {self.stages}")
+        if self.trace not in ("", "globaltimer", "clock64"):
+            raise ValueError(f"trace must be '', 'globaltimer' or 'clock64', got {self.trace!r}")
 
     @property
     def B_r(self) -> int:
@@ -204,6 +214,23 @@ def make_steps(cfg: HopperConfig):
                 ptx.tensor_copy_4d(sm, dst + p * (32 * ROWS), tmap, 64 * p, row0, h, z, bar)
         return tma_tile
 
+    if cfg.trace:
+        clock = ptx.globaltimer if cfg.trace == "globaltimer" else ptx.clock64
+
+        @jit
+        def stamp(T, wg, j, event):
+            """Thread 0 of warpgroup ``wg`` writes the clock into T[block, wg, j, event], for the first
+            T.shape[0] blocks (numbered x fastest) and the first T.shape[2] tiles."""
+            if cuda.threadIdx.x % 128 == 0:
+                b = cuda.blockIdx.x + cuda.gridDim.x * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z)
+                if b < T.shape[0] and j < T.shape[2]:
+                    T[b, wg, j, event] = clock()
+    else:
+        @jit
+        def stamp(T, wg, j, event):
+            """No trace: nothing (the call compiles away)."""
+            pass
+
     @jit
     def wait_phase(sm, bar, parity):
         """Spin until the phase of parity ``parity`` of the mbarrier at word ``bar`` has completed."""
@@ -211,7 +238,7 @@ def make_steps(cfg: HopperConfig):
             pass
 
     return dict(aligned_base=aligned_base, tma_q=make_tma_tile(B_r), tma_kv=make_tma_tile(B_c),
-                wait_phase=wait_phase, copy_q=make_copy_tile(B_r, cfg.threads),
+                wait_phase=wait_phase, stamp=stamp, copy_q=make_copy_tile(B_r, cfg.threads),
                 copy_kv=make_copy_tile(B_c, cfg.threads),
                 s_equals_q_kt=s_equals_q_kt, o_plus_p_v=o_plus_p_v, zero=shared["zero"],
                 init_stats=shared["init_stats"], online_softmax=shared["online_softmax_f32"],
