@@ -396,15 +396,17 @@ def _in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def hopper_forward_applies(device: torch.device, d: int, N_k: int, causal: bool) -> bool:
     """Whether the forward runs ``kernels_gpu.hopper`` (wgmma, TMA) rather than the mma.sync ladder: on an sm_90
-    GPU, where the Hopper rung measured at least as fast as mma.sync's v11 in both float16 and bfloat16
-    (``benchmarks/results/nvidia-h200/hopper_forward.json``, 2026-12-02): d > 128 from N_k = 2048 (every N_k
-    when non-causal), 64 < d ≤ 128 from N_k = 4096, d ≤ 64 from 8192 (non-causal) or 16384 (causal)."""
+    GPU, where the Hopper rung measured at least as fast as mma.sync's v11 in both float16 and bfloat16, in every
+    run on record (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json`` and
+    ``hopper_forward_h4_bf16.json``, 2026-12-02): d > 128 from N_k = 2048 (every N_k when non-causal);
+    64 < d ≤ 128 from N_k = 4096 non-causal, 8192 causal (at causal N_k = 4096 one run measured 1.09×, another
+    0.81×); d ≤ 64 from 8192 (non-causal) or 16384 (causal)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     if d > 128:
         return not causal or N_k >= 2048
     if d > 64:
-        return N_k >= 4096
+        return N_k >= (8192 if causal else 4096)
     return N_k >= (16384 if causal else 8192)
 
 

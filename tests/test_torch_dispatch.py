@@ -48,6 +48,18 @@ def test_default_backend_per_device_and_dtype(device, dtype, expected):
     assert device in BACKENDS[expected].devices and dtype in BACKENDS[expected].dtypes
 
 
+@pytest.mark.parametrize("capability, d, N_k, causal, expected", [
+    ((9, 0), 128, 4096, False, True), ((9, 0), 128, 4096, True, False), ((9, 0), 128, 8192, True, True),
+    ((9, 0), 256, 1024, False, True), ((9, 0), 256, 1024, True, False), ((9, 0), 256, 2048, True, True),
+    ((9, 0), 64, 4096, False, False), ((9, 0), 64, 8192, False, True), ((9, 0), 64, 8192, True, False),
+    ((8, 0), 256, 16384, False, False), ((10, 0), 128, 16384, False, False),
+])
+def test_hopper_forward_only_on_sm90_where_it_measured_faster(monkeypatch, capability, d, N_k, causal, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert ops.hopper_forward_applies(torch.device("cuda", 0), d, N_k, causal) is expected
+    assert ops.hopper_forward_applies(torch.device("cpu"), d, N_k, causal) is False
+
+
 def test_teaching_kernels_only_by_name():
     assert "teaching" not in DISPATCH.values()
     assert choose_backend("cuda", F32, backend="teaching") == "teaching"

@@ -10,6 +10,7 @@ cubin's SASS through ``cuobjdump`` (on the GPU machine's PATH).
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import re
 import subprocess
@@ -51,8 +52,12 @@ def main(argv=None) -> int:
                         sass = f"cuobjdump failed: {error}"
                 counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL",
                                                                                "WARPGROUP", "SYNCS", "BAR")}
+                # every instruction of the SASS listing ("/*0a80*/  FFMA R1, …"): how many, and of which kinds
+                opcodes = collections.Counter(m.split(".")[0] for m in re.findall(
+                    r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
                 print(f"{name} d={d} B_c={cfg.B_c} threads={cfg.threads}: registers {regs}, local bytes {local}, "
-                      f"SASS {counts}", flush=True)
+                      f"SASS {counts}; {sum(opcodes.values())} instructions, most common "
+                      f"{dict(opcodes.most_common(14))}", flush=True)
     return 0
 
 
