@@ -22,11 +22,20 @@ rung). Expect +5-15 % over h2 at d = 128, N ≥ 4096 (400-500 TFLOP/s, bf16, non
 
 **Measured** (H200, 2026-12-02, ``hopper_forward_bf16.json``, non-causal): slower than h2, not faster — d = 128:
 352 / 371 / 402 TFLOP/s at N = 4096 / 8192 / 16384 (h2: 399 / 438 / 474); d = 64: 233 / 247 / 255 (h2: 265 / 286 /
-289); equal at d = 256 (401 / 474 / 496). The prediction missed, and the reason is not yet measured (the next step
-is Nsight Compute on h2 and h3 side by side before any change). Candidates from what the run shows: ptxas
-allocated the consumers under the 168-register entry cap of ``launch_bounds=(384, 1)`` (the resource report: 168
-registers, against h2's 212 at d = 128), so the 240 that setmaxnreg grants may go unused; and every one of the 256
-consumer threads arrives on a stage's empty barrier where one arrival per warpgroup would do.
+289); equal at d = 256 (401 / 474 / 496). The prediction missed. Candidates from that run: ptxas allocated the
+consumers under the 168-register entry cap of ``launch_bounds=(384, 1)`` (the resource report: 168 registers,
+against h2's 212 at d = 128), so the 240 that setmaxnreg grants may go unused; and every one of the 256 consumer
+threads arrives on a stage's empty barrier where one arrival per warpgroup would do.
+
+**Why, measured** (H200, 2026-12-02, bf16, d = 128, N = 4096, one launch each). The rungs' clock stamps
+(``benchmarks.hopper_timeline``, ``hopper_timeline.json``, block 0, median over tiles, SM cycles): a consumer's
+tile takes wait 260-460 · S 880-930 · softmax 2580-2800 · PV 770-790, a period of 5050 cycles, against h2's
+230 · 820-1050 · 1700 · 740-910, a period of 4335. The copies are not late (the consumers wait little; the
+producer waits 4400 cycles a tile for a free stage): the loss is the softmax, 1.6× slower than h2's on the same
+source. Nsight Compute (``hopper_ncu.log``) says of what kind: h3 issues about 1.4× h2's instructions (IPC 1.90
+against 1.62, over a 1.37 ms launch against 1.16 ms), and its busiest pipeline is the integer ALU (42 %), where
+h2's is the tensor cores' (49 %): the softmax compiled for 168 registers recomputes what h2's keeps. The next
+change is the consumers' register budget (or a cheaper softmax), not the copies.
 """
 
 from __future__ import annotations

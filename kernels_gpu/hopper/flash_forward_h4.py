@@ -20,6 +20,15 @@ is h3's: the producer warpgroup, setmaxnreg 24/240, full and empty mbarriers.
 **Prediction (written before the first GPU run).** At d = 128 the softmax of a 64 × 128 tile takes roughly as long
 as one of its two GEMMs; hiding it behind the other consumer's S = QKᵀ should lift h3 by 10-25 %, to 400-480
 TFLOP/s bf16 non-causal at N ≥ 4096 — above h2 if the cause of h3's gap to h2 is not what limits both.
+
+**Measured** (H200, 2026-12-02, ``hopper_forward_h4_bf16.json``: h2, h3, h4 in one run): no gain over h3 —
+d = 128 non-causal 281 / 382 TFLOP/s at N = 4096 / 16384 (h3 283 / 385, h2 365 / 455); d = 64 226 / 238 (h3
+198 / 244). The protocol works as written (the stamps of ``hopper_timeline.json`` show consumer 1 starting S_ij
+only after consumer 0 finished it, tile after tile), but it cannot pay here: a consumer's own chain S → softmax →
+PV is the critical path, and the softmax (2600-2800 cycles a tile, inherited from h3) is three times the S = QKᵀ
+it was meant to hide behind. Ordering the two consumers moves their softmaxes apart; it does not shorten either.
+What would: a softmax as fast as h2's (h3's header: the register budget), then the next tile's S = QKᵀ issued
+before this tile's softmax (intra-warpgroup overlap), so that each consumer's own GEMM runs under its softmax.
 """
 
 from __future__ import annotations
