@@ -1024,6 +1024,108 @@ def _solution_step_pairs(N, W, layout, rank, source):
     return pairs
 
 
+# -- 16.1 the 128-byte swizzle -------------------------------------------------------------------------------------
+
+def _swizzle_truth(row: int, col: int) -> int:
+    """Byte offset of 16-bit element (row, col) of a panel of 64 columns stored with the 128-byte swizzle: the
+    row's 16-byte chunk c lands at chunk c XOR (row mod 8) (PTX ISA, the shared-memory matrix layouts)."""
+    return 128 * row + 16 * ((col // 8) ^ (row % 8)) + 2 * (col % 8)
+
+
+def _run_swizzle(fn, case):
+    rows = case["rows"]
+    calls = _Calls(fn, "swizzled_offset")
+    seen: dict[int, tuple] = {}
+    for row in range(rows):
+        for col in range(64):
+            expected = _swizzle_truth(row, col)
+            got = calls(("row", row), ("col", col), where=f"element ({row}, {col})")
+            value = _as_float(got, "a byte offset", expected)
+            if value != expected:
+                raise _Mismatch([f"element ({row}, {col}): expected byte {expected} (row {row} starts at byte "
+                                 f"{128 * row}; its chunk {col // 8} lands at chunk {(col // 8) ^ (row % 8)}), got "
+                                 f"{_fmt(got)}"], expected, got)
+            seen[int(value)] = (row, col)
+    if len(seen) != 64 * rows:              # unreachable when every value matched; kept as the property itself
+        raise _Mismatch([f"{64 * rows - len(seen)} elements share a byte offset with another"])
+
+
+def _solution_swizzle(row, col):
+    chunk = (col // 8) ^ (row % 8)      # the 16-byte chunk, moved by the row's rank
+    return 128 * row + 16 * chunk + 2 * (col % 8)
+
+
+# -- 16.2 a wgmma matrix descriptor ----------------------------------------------------------------------------------
+
+_SWIZZLE_MODE = {"none": 0, "128B": 1, "64B": 2, "32B": 3}
+
+
+def _descriptor_truth(start: int, lbo: int, sbo: int, swizzle: str) -> int:
+    """The 64-bit shared-memory matrix descriptor of wgmma (PTX ISA 9.7.15.5.1.2.2): bits 0-13 the start address
+    >> 4, 16-29 the leading-dimension byte offset >> 4, 32-45 the stride-dimension byte offset >> 4, 49-51 the
+    base offset (0 for tiles aligned to the swizzle's pattern), 62-63 the swizzle mode."""
+    return ((start >> 4) & 0x3FFF) | (((lbo >> 4) & 0x3FFF) << 16) | (((sbo >> 4) & 0x3FFF) << 32) \
+        | (_SWIZZLE_MODE[swizzle] << 62)
+
+
+def _run_descriptor(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    calls = _Calls(fn, "wgmma_descriptor")
+    for k in range(6):
+        start = 16 * int(rng.integers(0, 1 << 14)) if k else 16 * ((1 << 14) - 1)
+        lbo, sbo = 16 * int(rng.integers(0, 1 << 14)), 16 * int(rng.integers(0, 1 << 14))
+        swizzle = case["swizzle"]
+        expected = _descriptor_truth(start, lbo, sbo, swizzle)
+        got = calls(("start", start), ("lbo", lbo), ("sbo", sbo), ("swizzle", swizzle))
+        if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer)):
+            raise _Mismatch([f"expected an integer (the 64 bits of the descriptor), got {type(got).__name__} "
+                             f"{got!r}" + (": a float holds only 53 bits exactly" if isinstance(got, float) else "")],
+                            expected, got)
+        value = int(got)
+        if value != expected:
+            diff = expected ^ value
+            fields = [name for name, lo, hi in (("start", 0, 14), ("LBO", 16, 30), ("SBO", 32, 46),
+                                                ("base offset", 49, 52), ("swizzle", 62, 64))
+                      if diff & (((1 << (hi - lo)) - 1) << lo)]
+            raise _Mismatch([f"expected {expected:#018x}, got {value:#018x}",
+                             f"the fields that differ: {', '.join(fields) or 'bits outside every field'}"],
+                            expected, got)
+
+
+def _solution_descriptor(start, lbo, sbo, swizzle):
+    mode = {"none": 0, "128B": 1, "64B": 2, "32B": 3}[swizzle]
+    return (start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (mode << 62)
+
+
+# -- 16.3 the ring of stages: which stage and which parity ------------------------------------------------------------
+
+def _run_ring(fn, case):
+    stages, tiles = case["stages"], case["tiles"]
+    calls = _Calls(fn, "ring_step")
+    # ground truth by running the protocol: each stage's mbarriers flip their phase every time they complete
+    full_phase = [0] * stages
+    empty_phase = [0] * stages
+    for j in range(tiles):
+        s = j % stages
+        producer_waits = None if j < stages else empty_phase[s]     # the release of tile j - stages
+        if j >= stages:
+            empty_phase[s] ^= 1
+        expected = (s, full_phase[s], producer_waits)
+        full_phase[s] ^= 1
+        got = calls(("j", j), ("stages", stages), where=f"tile {j}")
+        if not isinstance(got, tuple) or len(got) != 3 or tuple(got) != expected:
+            raise _Mismatch([f"tile {j} of a ring of {stages} stages: expected (stage, consumer's parity, "
+                             f"producer's parity) = {expected}, got {got!r}",
+                             "a barrier's phase flips each time it completes: stage s has completed its full "
+                             "phase once for each earlier tile it held"], expected, got)
+
+
+def _solution_ring(j, stages):
+    stage, uses = j % stages, j // stages    # tile j is the stage's (uses + 1)-th tile
+    producer = None if j < stages else (uses - 1) % 2
+    return stage, uses % 2, producer
+
+
 # -- the catalogue -------------------------------------------------------------------------------------------------
 
 _ALL_LOGITS = Kind(("normal", "rising", "large"))
@@ -1420,6 +1522,50 @@ _EXERCISES = [
         edge_cases=({}, {"layout": "zigzag"}, {"W": 2, "c": 2}, {"W": 2, "c": 2, "layout": "zigzag"},
                     {"W": 4, "c": 3}, {"W": 4, "c": 3, "layout": "zigzag"}, {"W": 3, "c": 1, "layout": "zigzag"}),
         n_random=13, run=_run_step_pairs, solution=_solution_step_pairs),
+    Exercise(
+        id="16.1",
+        title="the 128-byte swizzle: where element (row, col) of a TMA box lands in shared memory",
+        signature="swizzled_offset(row, col) -> the byte offset of 16-bit element (row, col), col = 0 … 63, of "
+                  "a panel stored with the 128-byte swizzle (128 bytes a row)",
+        hint="A row is 128 bytes: eight 16-byte chunks of eight elements. Unswizzled, element (row, col) is at "
+             "128·row + 2·col. The swizzle keeps each chunk's eight elements together and moves the chunk: chunk "
+             "c of a row goes to chunk c XOR (row mod 8).",
+        covers="every element of panels of 1 to 24 rows (the 8-row pattern repeated, and cut short), against the "
+               "PTX ISA's 128-byte swizzle",
+        params={"rows": Size(1, 24)},
+        base={"rows": 1},
+        edge_cases=({}, {"rows": 8}, {"rows": 9}, {"rows": 24}),
+        n_random=6, run=_run_swizzle, solution=_solution_swizzle),
+    Exercise(
+        id="16.2",
+        title="a wgmma shared-memory matrix descriptor, bit by bit",
+        signature="wgmma_descriptor(start, lbo, sbo, swizzle) -> int: the 64-bit descriptor of a matrix at byte "
+                  "address start, leading and stride byte offsets lbo, sbo, swizzle 'none', '128B', '64B' or '32B'",
+        hint="Three 14-bit fields hold addresses in units of 16 bytes (shift each right by 4): the start at bit 0, "
+             "LBO at bit 16, SBO at bit 32. The swizzle mode goes in the top two bits: none 0, 128B 1, 64B 2, "
+             "32B 3. The base offset (bits 49-51) is 0 for tiles aligned to 1024 bytes.",
+        covers="start addresses up to the top of shared memory's 256 KiB window, every swizzle mode, random LBO "
+               "and SBO; a wrong answer names the fields that differ",
+        params={"swizzle": Kind(("128B", "none", "64B", "32B"))},
+        base={"swizzle": "128B"},
+        edge_cases=({}, {"swizzle": "none"}, {"swizzle": "64B"}, {"swizzle": "32B"}),
+        n_random=6, run=_run_descriptor, solution=_solution_descriptor),
+    Exercise(
+        id="16.3",
+        title="the ring of stages: which stage holds tile j, and which phase each side waits for",
+        signature="ring_step(j, stages) -> (stage, consumer_parity, producer_parity): the stage of tile j, the "
+                  "parity of the full barrier's phase the consumers wait for, and the parity of the empty "
+                  "barrier's phase the producer waits for before refilling it (None when the stage is fresh)",
+        hint="Tile j goes to stage j mod stages, and it is that stage's (j // stages + 1)-th tile. A barrier's "
+             "phase flips each time it completes, so the consumers of the stage's k-th tile (k from 0) wait for "
+             "parity k mod 2. The producer refills a stage once its previous tile was released: that release "
+             "was the empty barrier's (k − 1)-th completion.",
+        covers="rings of 1 to 4 stages over 1 to 13 tiles, against the protocol itself run step by step",
+        params={"stages": Size(1, 4), "tiles": Size(1, 13)},
+        base={"stages": 1, "tiles": 1},
+        edge_cases=({}, {"stages": 2, "tiles": 5}, {"stages": 3, "tiles": 7}, {"stages": 1, "tiles": 4},
+                    {"stages": 4, "tiles": 13}),
+        n_random=5, run=_run_ring, solution=_solution_ring),
 ]
 
 EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}

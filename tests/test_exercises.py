@@ -308,6 +308,24 @@ def mask_additive(N_q, N_k):
     return np.where(np.arange(N_k)[None, :] <= np.arange(N_q)[:, None] + N_k - N_q, 0.0, -np.inf)
 
 
+# 16.1-16.3 Hopper's layouts and protocol
+def swizzle_forgotten(row, col):
+    return 128 * row + 2 * col
+
+
+def swizzle_by_element(row, col):          # XORs the element index, not the 16-byte chunk
+    return 128 * row + 2 * (col ^ (row % 8))
+
+
+def descriptor_without_units(start, lbo, sbo, swizzle):     # byte addresses, not 16-byte units
+    mode = {"none": 0, "128B": 1, "64B": 2, "32B": 3}[swizzle]
+    return (start & 0x3FFF) | ((lbo & 0x3FFF) << 16) | ((sbo & 0x3FFF) << 32) | (mode << 62)
+
+
+def ring_parity_of_tile(j, stages):        # the tile's parity, not its stage's use count
+    return j % stages, j % 2, None if j < stages else (j - 1) % 2
+
+
 def flat(report: str) -> str:
     """A report with its line wrapping undone, to look for a phrase in it."""
     return " ".join(report.split())
@@ -358,6 +376,10 @@ WRONG_ANSWERS = [
      lambda c: c["logits"] == "large" and c["N_q"] == 1 and 0 < c["split"] < c["N_k"], "side b saw keys"),
     ("13.2", merge_states_averaging, lambda c: 0 < c["split"] < c["N_k"] == 2, "O: max"),
     ("12.4", mask_additive, lambda c: _size(c, "N_q", "N_k") == 1, "boolean mask"),
+    ("16.1", swizzle_forgotten, lambda c: c["rows"] == 2, "lands at chunk 1"),
+    ("16.1", swizzle_by_element, lambda c: c["rows"] == 2, "expected byte"),
+    ("16.2", descriptor_without_units, lambda c: True, "the fields that differ: start"),
+    ("16.3", ring_parity_of_tile, lambda c: c["stages"] == 2 and c["tiles"] <= 3, "(stage, consumer's parity"),
 ]
 
 

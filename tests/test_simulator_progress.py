@@ -93,3 +93,22 @@ def test_off_and_automatic_print_nothing_where_nobody_watches(monkeypatch, capsy
 def test_the_setting_is_a_bool_or_none():
     with pytest.raises(TypeError, match="show must be True, False or None"):
         rt.simulator_progress("yes")
+
+
+def test_a_simulated_block_runs_with_a_short_switch_interval():
+    """The block's threads see the lowered interval; the caller's is restored after the launch."""
+    import sys
+
+    @cuda.jit
+    def record(out):
+        out[cuda.threadIdx.x] = sys.getswitchinterval()
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        out = np.zeros(4)
+        record[1, 4](out)
+        assert (out == rt.SIMULATOR_SWITCH_S).all()
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(before)

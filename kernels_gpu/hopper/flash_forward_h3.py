@@ -84,9 +84,11 @@ def make_kernel(cfg: HopperConfig):
     take_registers = ptx.make_setmaxnreg(True, CONSUMER_REGISTERS)
 
     @jit
-    def producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map, i, h, hk, z, n_tiles, T):
-        """Warpgroup 0: one elected thread copies Q_i, then each K_j, V_j into stage j mod STAGES once the
-        consumers have emptied it (FA2 Alg. 1 lines 4 and 7, by the copy engine)."""
+    def producer(sm, q_off, kv_off, full, empty, q_bar, q_map, k_map, v_map,
+                 i, h, hk, z, n_tiles, T):
+        """Warpgroup 0: one elected thread copies Q_i, then each K_j, V_j
+        into stage j mod STAGES once the consumers have emptied it (FA2 Alg. 1
+        lines 4 and 7, by the copy engine)."""
         if cuda.threadIdx.x // 32 == 0 and ptx.elect_one() == 1:
             ptx.mbar_arrive_expect_tx(sm, q_bar, Q_BYTES)
             tma_q(sm, q_off, q_map, i * B_r, h, z, q_bar)
@@ -103,9 +105,10 @@ def make_kernel(cfg: HopperConfig):
                 stamp(T, 0, j, 2)
 
     @jit
-    def consumer(sm, q_off, kv_off, full, empty, q_bar, O, L, i, h, z, n_tiles, N_q, N_k, scale_log2, wg, T):
-        """Warpgroups 1 … consumers: 64 query rows each, FA2 Alg. 1 lines 5-15 over the stages the producer
-        fills."""
+    def consumer(sm, q_off, kv_off, full, empty, q_bar, O, L, i, h, z, n_tiles,
+                 N_q, N_k, scale_log2, wg, T):
+        """Warpgroups 1 … consumers: 64 query rows each, FA2 Alg. 1 lines 5-15
+        over the stages the producer fills."""
         sm_byte = ptx.shared_byte_address(sm, 0)
         s = cuda.local.array(S_LEN, float32)
         o = cuda.local.array(O_LEN, float32)
