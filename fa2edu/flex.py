@@ -39,6 +39,7 @@ table, ALiBi slopes) are out of scope: only q, k and v get gradients.
 
 from __future__ import annotations
 
+import inspect
 from numbers import Integral, Real
 
 import numpy as np
@@ -84,7 +85,8 @@ def _check_callable(mod, name: str, signature: str):
 
 
 def _scalar_result(value, name: str, kind: str, where: tuple):
-    """One element's answer, checked: a bool from a mask_mod, a real number from a score_mod."""
+    """One element's answer, checked: a bool from a mask_mod, a real number from a score_mod (or its derivative).
+    ``name`` is the role and the function, e.g. "mask_mod causal"."""
     array = np.asarray(value)
     if kind == "mask":
         if array.ndim != 0 or array.dtype != np.bool_:
@@ -92,8 +94,8 @@ def _scalar_result(value, name: str, kind: str, where: tuple):
                             f"{value!r} at (b, h, q_idx, kv_idx) = {where}")
         return bool(array)
     if array.ndim != 0 or array.dtype.kind not in "fiu":
-        raise TypeError(f"{name} must return a real number (the new score), got {type(value).__name__} "
-                        f"{value!r} at (score, b, h, q_idx, kv_idx) = {where}")
+        raise TypeError(f"{name} must return a real number, got {type(value).__name__} {value!r} at "
+                        f"(score, b, h, q_idx, kv_idx) = {where}")
     return float(array)
 
 
@@ -161,7 +163,7 @@ def _mask_tile(mask_mod, B: int, H: int, rows: slice, cols: slice) -> np.ndarray
     q_idx = np.arange(rows.start, rows.stop)[None, None, :, None]
     kv_idx = np.arange(cols.start, cols.stop)[None, None, None, :]
     shape = (B, H, rows.stop - rows.start, cols.stop - cols.start)
-    return _evaluate(mask_mod, _name(mask_mod), [b, h, q_idx, kv_idx], shape, "mask")
+    return _evaluate(mask_mod, f"mask_mod {_name(mask_mod)}", [b, h, q_idx, kv_idx], shape, "mask")
 
 
 # -- composing and binding mods ----------------------------------------------------------------------------------
@@ -214,9 +216,20 @@ def bind(mod, *arrays):
     """
     _check_callable(mod, "mod", "mask_mod or score_mod")
     arrays = tuple(np.asarray(a) if isinstance(a, (list, tuple)) else a for a in arrays)
-
-    def bound(*args):
-        return mod(*args, *arrays)
+    # The bound mod has the signature of a mask_mod or a score_mod, as PyTorch and numba read it.
+    leading = _positional_count(mod) - len(arrays)
+    if leading == 4:
+        def bound(b, h, q_idx, kv_idx):
+            return mod(b, h, q_idx, kv_idx, *arrays)
+    elif leading == 5:
+        def bound(score, b, h, q_idx, kv_idx):
+            return mod(score, b, h, q_idx, kv_idx, *arrays)
+    elif leading < 0 and _positional_count(mod) >= 0:
+        raise TypeError(f"mod {_name(mod)} takes {_positional_count(mod)} positional arguments, fewer than the "
+                        f"{len(arrays)} arrays bound to it")
+    else:                                  # *args, or a signature Python cannot read: pass everything through
+        def bound(*args):
+            return mod(*args, *arrays)
     bound.__name__ = _name(mod)
     bound.__doc__ = mod.__doc__
     bound.mod, bound.arrays = mod, arrays
@@ -224,6 +237,17 @@ def bind(mod, *arrays):
     if grad is not None:
         bound.score_mod_grad = bind(grad, *arrays)
     return bound
+
+
+def _positional_count(mod) -> int:
+    """Positional parameters of ``mod``; −1 when it takes ``*args`` or its signature cannot be read."""
+    try:
+        parameters = inspect.signature(mod).parameters.values()
+    except (TypeError, ValueError):
+        return -1
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return -1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def _combine(mask_mods, combiner: str):
@@ -255,6 +279,7 @@ def or_masks(*mask_mods):
             keep = keep | mod(b, h, q_idx, kv_idx)
         return keep
     any_of.__name__ = f"or_masks({', '.join(_name(m) for m in mods)})"
+    any_of.mods, any_of.combine = mods, or_masks
     if any(hasattr(m, "at_lengths") for m in mods):
         any_of.at_lengths = lambda Q_LEN, KV_LEN: or_masks(*(at_lengths(m, Q_LEN, KV_LEN) for m in mods))
     return any_of
@@ -281,6 +306,7 @@ def and_masks(*mask_mods):
             keep = keep & mod(b, h, q_idx, kv_idx)
         return keep
     all_of.__name__ = f"and_masks({', '.join(_name(m) for m in mods)})"
+    all_of.mods, all_of.combine = mods, and_masks
     if any(hasattr(m, "at_lengths") for m in mods):
         all_of.at_lengths = lambda Q_LEN, KV_LEN: and_masks(*(at_lengths(m, Q_LEN, KV_LEN) for m in mods))
     return all_of
@@ -816,8 +842,8 @@ class _Programs:
     def modified(self, S: np.ndarray, rows: slice, cols: slice, visible: np.ndarray | None) -> np.ndarray:
         """score_mod applied elementwise to the scaled scores S = τQ_iK_jᵀ of a tile; its answer must be a number
         that is not NaN and not +inf wherever the score is kept (−inf is a mask)."""
-        out = _evaluate(self.score_mod, _name(self.score_mod), self._mod_args(S, rows, cols), S.shape, "score",
-                        S.dtype)
+        out = _evaluate(self.score_mod, f"score_mod {_name(self.score_mod)}", self._mod_args(S, rows, cols),
+                        S.shape, "score", S.dtype)
         kept = out if visible is None else out[visible]
         if np.isnan(kept).any() or np.isposinf(kept).any():
             raise ValueError(f"score_mod {_name(self.score_mod)} returned NaN or +inf for a kept score (queries "
@@ -827,7 +853,8 @@ class _Programs:
 
     def derivative(self, grad, S: np.ndarray, rows: slice, cols: slice, visible: np.ndarray | None) -> np.ndarray:
         """score_mod_grad, d score_mod / d score, at the scaled scores S of a tile (finite where kept)."""
-        out = _evaluate(grad, _name(grad), self._mod_args(S, rows, cols), S.shape, "score", S.dtype)
+        out = _evaluate(grad, f"score_mod_grad {_name(grad)}", self._mod_args(S, rows, cols), S.shape, "score",
+                        S.dtype)
         kept = out if visible is None else out[visible]
         if not np.isfinite(kept).all():
             raise ValueError(f"score_mod_grad {_name(grad)} returned a non-finite derivative for a kept score "
