@@ -269,7 +269,8 @@ def or_masks(*mask_mods):
     Returns
     -------
     callable
-        Their union, with an ``at_lengths`` method when any of them has one.
+        Their union, with an ``at_lengths`` method when any of them has one; its parts are kept as ``.mods``
+        and this function as ``.combine`` (to rebuild it from other parts, say the same mods on tensors).
     """
     mods = _combine(mask_mods, "or_masks")
 
@@ -296,7 +297,8 @@ def and_masks(*mask_mods):
     Returns
     -------
     callable
-        Their intersection, with an ``at_lengths`` method when any of them has one.
+        Their intersection, with an ``at_lengths`` method when any of them has one; its parts are kept as ``.mods``
+        and this function as ``.combine`` (to rebuild it from other parts, say the same mods on tensors).
     """
     mods = _combine(mask_mods, "and_masks")
 
@@ -458,8 +460,9 @@ def document(ids, kv_ids=None):
 
 # -- ready score_mods (each with its derivative with respect to score) ---------------------------------------------
 
-def _unit_derivative(score, b, h, q_idx, kv_idx, *arrays):
-    """d/dscore of ``score + bias`` is 1 (``score * 0 + 1`` keeps the score's shape and type)."""
+def _unit_derivative(score, b, h, q_idx, kv_idx, bias_array):
+    """d/dscore of ``score + bias`` is 1 (``score * 0 + 1`` keeps the score's shape and type); ``bias_array`` is the
+    array the score_mod binds (slopes, a table), bound here too so that the two mods take the same arguments."""
     return score * 0.0 + 1.0
 
 

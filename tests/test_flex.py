@@ -361,13 +361,16 @@ def test_a_mod_whose_array_answer_differs_from_its_scalar_answer_is_evaluated_pe
 
 
 def test_block_mask_describes_itself():
-    bm = create_block_mask(flex.sliding_window(5), 2, None, 20, 24, BLOCK_SIZE=(4, 6))
+    bm = create_block_mask(flex.sliding_window(9), 2, None, 20, 24, BLOCK_SIZE=(4, 3))
     text = repr(bm)
-    assert "sliding_window(5)" in text and "BLOCK_SIZE=(4, 6)" in text and "(2, 1, 20, 24)" in text
+    assert "sliding_window(9)" in text and "BLOCK_SIZE=(4, 3)" in text and "(2, 1, 20, 24)" in text
     assert text.splitlines()[-bm.T_r:] == bm.grid().splitlines() and len(bm.grid().splitlines()[0]) == bm.T_c
-    assert bm.shape == (2, 1, 20, 24) and (bm.T_r, bm.T_c) == (5, 4)
-    kinds = {bm.kind(1, 7, i, j) for i in range(bm.T_r) for j in range(bm.T_c)}   # h broadcasts
-    assert kinds == {BlockKind.SKIP, BlockKind.MASK, BlockKind.PLAIN} or kinds <= set(BlockKind)
+    assert bm.shape == (2, 1, 20, 24) and (bm.T_r, bm.T_c) == (5, 8)
+    as_kind = {SKIPPED: BlockKind.SKIP, PARTIAL: BlockKind.MASK, FULL: BlockKind.PLAIN}
+    for i in range(bm.T_r):
+        for j in range(bm.T_c):                                               # head 7 broadcasts to head 0
+            assert bm.kind(1, 7, i, j) is as_kind[int(bm.classes[1, 0, i, j])]
+    assert {bm.kind(0, 0, i, j) for i in range(bm.T_r) for j in range(bm.T_c)} == set(BlockKind)
     assert (bm.skipped | bm.partial | bm.full).all() and not (bm.skipped & bm.full).any()
     dense = create_block_mask(None, None, None, 5, 5)
     assert dense.counts() == {"skipped": 0, "partial": 0, "full": 1, "total": 1} and dense.sparsity() == 0.0
