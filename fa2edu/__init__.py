@@ -12,9 +12,11 @@ simulated memory hierarchy, and proven exact against a float64 oracle::
 Modules, bottom-up (the dependency direction is one-way): ``memory`` ← ``softmax``, ``masks``, ``dropout``,
 ``blocks`` ← ``reference``, ``standard``, ``flash1``, ``flash2`` ← ``io``, ``flops`` ← ``cli``. Inference:
 ``softmax`` ← ``merge`` (the one merge of partial attentions); ``flash2``, ``merge`` ← ``inference`` (KV-cache
-decoding, paged and split-KV; packed variable-length batches). Across devices: ``io`` ← ``context_parallel`` (what
-a ring of W ranks computes, moves and waits for, predicted without running it; ``fa2edu.distributed`` runs the ring
-on ``torch.distributed`` and is imported only on demand).
+decoding, paged and split-KV; packed variable-length batches). Scores and masks as code: ``masks``, ``flash2`` ←
+``flex`` (FlexAttention: a mask_mod classified into a ``BlockMask``, a score_mod, FA2's loops over the blocks) ←
+``io`` (``simulate_flex_io``). Across devices: ``io`` ← ``context_parallel`` (what a ring of W ranks computes,
+moves and waits for, predicted without running it; ``fa2edu.distributed`` runs the ring on ``torch.distributed``
+and is imported only on demand).
 """
 
 from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
@@ -22,6 +24,7 @@ from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer
 from fa2edu.context_parallel import ContextParallelReport, simulate_context_parallel
 from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_block_sparse_forward, flash1_forward
 from fa2edu.flash2 import flash2_backward, flash2_forward
+from fa2edu.flex import BlockMask, create_block_mask, flex_attention, flex_attention_backward
 from fa2edu.flops import count_flops
 from fa2edu.inference import DecodeResult, decode_attention, padded_batch_io, varlen_attention
 from fa2edu.io import IOReport, simulate_io
@@ -38,6 +41,7 @@ __all__ = [
     "standard_attention", "standard_attention_backward",
     "flash1_forward", "flash1_backward", "flash1_block_sparse_forward", "flash1_block_sparse_backward",
     "flash2_forward", "flash2_backward",
+    "flex_attention", "flex_attention_backward", "create_block_mask", "BlockMask",
     "merge_attention_states", "decode_attention", "DecodeResult", "varlen_attention", "padded_batch_io",
     "simulate_io", "IOReport", "count_flops", "simulate_context_parallel", "ContextParallelReport",
     "HBM", "SRAM", "FlopCounter", "SRAMOverflowError", "AttentionOverflowError",

@@ -32,7 +32,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from fa2edu import flash1, flash2, standard
+from fa2edu import flash1, flash2, flex, standard
 from fa2edu.blocks import DEFAULT_M, block_sizes_kv_outer, block_sizes_q_outer, check_M, num_blocks, resolve_block_sizes
 from fa2edu.hardware import itemsize
 from fa2edu.masks import block_sparse_to_mask, check_block_mask, random_block_mask
@@ -41,9 +41,13 @@ from fa2edu.memory import HBM, SRAMOverflowError
 __all__ = [
     "ALGORITHMS", "PASSES", "METHODS", "IORow", "IOReport", "BlockVisits", "simulate_io", "closed_form",
     "visit_form", "block_visits", "block_rule", "execute_io", "peak_sram_form", "standard_bound", "flash_bound",
+    "flex_visit_form", "simulate_flex_io",
 ]
 
 ALGORITHMS = ("standard", "flash1", "flash2")
+#: What a report's rows may name: the three algorithms of :func:`simulate_io`, and FlexAttention's
+#: (:func:`simulate_flex_io`).
+REPORT_ALGORITHMS = ALGORITHMS + ("flex",)
 PASSES = ("forward", "backward")
 METHODS = ("auto", "execute", "closed_form")
 
@@ -516,6 +520,8 @@ class IOReport:
         One row per (algorithm, pass), in elements per (batch, head).
     block_density : float or None
         The requested block sparsity s; default None (dense).
+    mask : str or None
+        The mask_mod a FlexAttention report counts (:func:`simulate_flex_io`); default None (none).
     """
 
     N: int
@@ -525,10 +531,11 @@ class IOReport:
     causal: bool
     rows: list[IORow]
     block_density: float | None = None          # the requested block-sparsity s, if any
+    mask: str | None = None                     # the mask_mod of a FlexAttention report
 
     def row(self, algorithm: str, pass_: str) -> IORow:
         """The row of ``(algorithm, pass_)``, e.g. ``report.row("flash2", "forward")``."""
-        _check_pair(algorithm, pass_)
+        _check_pair(algorithm, pass_, REPORT_ALGORITHMS)
         for r in self.rows:
             if r.algorithm == algorithm and r.pass_ == pass_:
                 return r
@@ -561,6 +568,8 @@ class IOReport:
     def title(self) -> str:
         shape = f"N = {self.N:,}" if self.N_k == self.N else f"N_q = {self.N:,}, N_k = {self.N_k:,}"
         mask = "causal" if self.causal else "no mask"
+        if self.mask is not None:
+            mask = f"mask_mod {self.mask}"
         if self.block_density is not None:
             mask += f", block-sparse s = {self.block_density:g}"
         sram = "unbounded" if self.M is None else f"{self.M:,}"
@@ -620,9 +629,9 @@ class IOReport:
 
 # -- simulate_io --------------------------------------------------------------------------------------------------
 
-def _check_pair(algorithm: str, pass_: str) -> None:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+def _check_pair(algorithm: str, pass_: str, algorithms=ALGORITHMS) -> None:
+    if algorithm not in algorithms:
+        raise ValueError(f"algorithm must be one of {algorithms}, got {algorithm!r}")
     if pass_ not in PASSES:
         raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
 
@@ -769,3 +778,178 @@ def _check_fits(algorithm: str, pass_: str, d: int, M: int, block_sizes, N_q: in
             f"block_sizes (B_r, B_c) = {tuple(block_sizes)} need {need} elements of SRAM for {algorithm} {pass_} "
             f"with d = {d}, but M = {M} gives {capacity}; choose smaller block_sizes or a larger M")
 
+
+
+# -- FlexAttention: the traffic of a block mask ------------------------------------------------------------------
+
+def _flex_rows_streamed(block_mask: flex.BlockMask) -> tuple[float, float, float]:
+    """(RV, CV, blocks) per program: Σ over the blocks it visits of their query rows r_i, of their key rows c_j,
+    and their number, averaged over the BlockMask's (batch, head) programs (a size-1 axis is one program for all)."""
+    visited = block_mask.classes != flex.SKIPPED                               # (B, H, T_r, T_c)
+    r = _sizes(block_mask.Q_LEN, block_mask.BLOCK_SIZE[0])[:, None]
+    c = _sizes(block_mask.KV_LEN, block_mask.BLOCK_SIZE[1])[None, :]
+
+    def per_program(x) -> float:
+        return float((visited * x).sum(axis=(2, 3)).mean())
+    return per_program(r), per_program(c), per_program(1)
+
+
+def flex_visit_form(pass_: str, block_mask, d: int, d_v: int | None = None) -> tuple[int | float, int | float]:
+    """HBM ``(reads, writes)`` per (batch, head) of :func:`fa2edu.flex.flex_attention` (``"forward"``) or
+    :func:`~fa2edu.flex.flex_attention_backward` (``"backward"``) over ``block_mask``, in closed form.
+
+    FA2's lines summed over the blocks the BlockMask visits (partial or full), as :func:`visit_form` sums them for
+    flash2, with d_v apart from d. RV = Σ over visited blocks of their query rows, CV = of their key rows, per
+    program (an average when the classes differ between batch entries or heads):
+
+    * forward (FA2 Alg 1): Q_i once per query block (line 4): N_q·d; K_j, V_j per visited block (line 7):
+      (d + d_v)·CV. Writes O_i, L_i once (lines 14-15): N_q·(d_v + 1).
+    * backward (FA2 Alg 2): line 4 reads dO, O (2N_q·d_v) and writes D (N_q); K_j, V_j in, dK_j, dV_j out once per
+      key block (lines 6, 18): N_k·(d + d_v) each way; per visited block Q_i, dO_i, L_i, D_i (line 9) and dQ_i
+      (line 15) in, dQ_i out: (2d + d_v + 2)·RV reads, d·RV writes.
+
+    Skipped blocks cost nothing, so a sliding window of w keys moves Θ(N·w·d) elements, not Θ(N²·d).
+    :func:`simulate_flex_io` checks this against the executed ledger; so do the tests.
+
+    Parameters
+    ----------
+    pass_ : {"forward", "backward"}
+        Which pass.
+    block_mask : BlockMask
+        The classification the pass runs over (:func:`fa2edu.flex.create_block_mask`).
+    d : int
+        Head dimension of q and k.
+    d_v : int, optional
+        Head dimension of v. Default None: d.
+
+    Returns
+    -------
+    tuple
+        ``(reads, writes)`` in elements per (batch, head): ints, or floats when programs differ.
+    """
+    if pass_ not in PASSES:
+        raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
+    if not isinstance(block_mask, flex.BlockMask):
+        raise TypeError(f"block_mask must be a fa2edu.flex.BlockMask, got {type(block_mask).__name__}")
+    d = _check_positive_int(d, "d")
+    d_v = d if d_v is None else _check_positive_int(d_v, "d_v")
+    N_q, N_k = block_mask.Q_LEN, block_mask.KV_LEN
+    RV, CV, _ = _flex_rows_streamed(block_mask)
+    if pass_ == "forward":
+        # FA2 Alg 1 line 4: Q_i once | line 7: K_j, V_j per visited block | lines 14-15: O_i, L_i once.
+        return _as_count(N_q * d + (d + d_v) * CV), N_q * (d_v + 1)
+    # FA2 Alg 2 line 4: dO, O in, D out | lines 6, 18: K_j, V_j in, dK_j, dV_j out | lines 9, 15 per visited block.
+    reads = 2 * N_q * d_v + N_k * (d + d_v) + (2 * d + d_v + 2) * RV
+    writes = N_q + N_k * (d + d_v) + d * RV
+    return _as_count(reads), _as_count(writes)
+
+
+def _as_count(x: float) -> int | float:
+    return int(round(x)) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else float(x)
+
+
+def _flex_grid_visits(block_mask) -> BlockVisits:
+    """The blocks some program visits, as a :class:`BlockVisits` (for the peak SRAM: the tile shapes loaded)."""
+    grid = (block_mask.classes != flex.SKIPPED).any(axis=(0, 1))
+    B_r, B_c = block_mask.BLOCK_SIZE
+    return BlockVisits(block_mask.Q_LEN, block_mask.KV_LEN, B_r, B_c, _sizes(block_mask.Q_LEN, B_r),
+                       _sizes(block_mask.KV_LEN, B_c), grid.sum(axis=1).astype(np.int64),
+                       grid.sum(axis=0).astype(np.int64), grid)
+
+
+def simulate_flex_io(mask, N: int, d: int, M: int | None = None, *, N_k: int | None = None, B: int | None = None,
+                     H: int | None = None, BLOCK_SIZE=128, method: str = "auto", passes=PASSES,
+                     seed: int = 0) -> IOReport:
+    """HBM reads and writes of FlexAttention (:mod:`fa2edu.flex`) over a mask, forward and backward.
+
+    ``"execute"`` runs :func:`~fa2edu.flex.flex_attention` (and its backward) on random float32 data and reads the
+    ledger, the ground truth: a block the mask skips is never read. ``"closed_form"`` evaluates
+    :func:`flex_visit_form` (equal to it: tests/test_flex_io.py) and the peak SRAM of the tiles loaded. Either way
+    the mask is first classified by :func:`~fa2edu.flex.create_block_mask`, one mask_mod evaluation per score.
+
+    Parameters
+    ----------
+    mask : callable or BlockMask or None
+        A ``mask_mod(b, h, q_idx, kv_idx) -> bool``, classified here with ``B``, ``H`` and ``BLOCK_SIZE``; or a
+        BlockMask, whose own B, H and BLOCK_SIZE are used; None: no mask (dense, every block full).
+    N : int
+        Number of queries, N_q (a BlockMask's Q_LEN).
+    d : int
+        Head dimension (d_v = d).
+    M : int, optional
+        SRAM size in elements: BLOCK_SIZE tiles that need more on-chip memory than M holds (by FA2's block-size
+        rule, as :func:`simulate_io` checks) raise :class:`~fa2edu.memory.SRAMOverflowError`. Default None: an
+        unbounded SRAM whose peak is reported.
+    N_k : int, optional
+        Number of keys. Default None: N_k = N.
+    B : int, optional
+        Batch size for a mask_mod that depends on b. Default None: broadcast (b = 0).
+    H : int, optional
+        Number of heads for a mask_mod that depends on h. Default None: broadcast (h = 0).
+    BLOCK_SIZE : int or tuple of int, default 128
+        Block size (B_r, B_c) for a mask_mod (a BlockMask has its own).
+    method : {"auto", "execute", "closed_form"}, default "auto"
+        Execute, evaluate the closed form, or execute only when the runs are small (as :func:`simulate_io`).
+    passes : collection of str, optional
+        Which of ``"forward"``, ``"backward"`` to count. Default: both.
+    seed : int, default 0
+        Seed of the random inputs of executed runs.
+
+    Returns
+    -------
+    IOReport
+        One :class:`IORow` per pass, algorithm ``"flex"``, in elements per (batch, head); ``blocks_visited`` is the
+        average number of blocks a program visits; ``block_density`` the BlockMask's fraction visited.
+    """
+    N = _check_positive_int(N, "N")
+    d = _check_positive_int(d, "d")
+    N_k = N if N_k is None else _check_positive_int(N_k, "N_k")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(passes, str) or not passes or not set(passes) <= set(PASSES):
+        raise ValueError(f"passes must be a non-empty collection drawn from {PASSES}, got {passes!r}")
+    if isinstance(mask, flex.BlockMask):
+        block_mask = mask
+        if (block_mask.Q_LEN, block_mask.KV_LEN) != (N, N_k):
+            raise ValueError(f"the BlockMask was made for Q_LEN = {block_mask.Q_LEN}, KV_LEN = {block_mask.KV_LEN}, "
+                             f"not N = {N}, N_k = {N_k}")
+    elif mask is None or callable(mask):
+        block_mask = flex.create_block_mask(mask, B, H, N, N_k, BLOCK_SIZE=BLOCK_SIZE)
+    else:
+        raise TypeError(f"mask must be a mask_mod, a fa2edu.flex.BlockMask or None, got {type(mask).__name__}")
+    if M is not None:
+        M = check_M(M, d)
+        for pass_ in passes:
+            _check_fits("flash2", pass_, d, M, block_mask.BLOCK_SIZE, N, N_k)
+    chosen = [p for p in PASSES if p in passes]
+    _, _, blocks = _flex_rows_streamed(block_mask)
+    if method == "auto":
+        visited = int((block_mask.classes != flex.SKIPPED).any(axis=(0, 1)).sum())
+        small = visited * len(chosen) <= EXECUTE_MAX_BLOCKS and N * N_k <= EXECUTE_MAX_SCORES
+        method = "execute" if small else "closed_form"
+    total = block_mask.T_r * block_mask.T_c
+    rows = []
+    if method == "execute":
+        rng = np.random.default_rng(seed)
+        shape = (block_mask.B, block_mask.H)
+        q, k, v, dO = (rng.standard_normal(shape + (n, d), dtype=np.float32) for n in (N, N_k, N_k, N))
+        with threadpool_limits(limits=1, user_api="blas"):
+            hbm = HBM()
+            O, L = flex.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                       hbm=hbm if "forward" in chosen else None)
+            if "forward" in chosen:
+                rows.append(IORow("flex", "forward", hbm.reads, hbm.writes, block_mask.BLOCK_SIZE, hbm.sram.peak,
+                                  "execute", _as_count(blocks), total, hbm.by_line()))
+            if "backward" in chosen:
+                hbm = HBM()
+                flex.flex_attention_backward(q, k, v, O, L, dO, block_mask=block_mask, hbm=hbm)
+                rows.append(IORow("flex", "backward", hbm.reads, hbm.writes, block_mask.BLOCK_SIZE, hbm.sram.peak,
+                                  "execute", _as_count(blocks), total, hbm.by_line()))
+    else:
+        visits = _flex_grid_visits(block_mask)
+        for pass_ in chosen:
+            reads, writes = flex_visit_form(pass_, block_mask, d)
+            rows.append(IORow("flex", pass_, reads, writes, block_mask.BLOCK_SIZE,
+                              peak_sram_form("flash2", pass_, d, visits), "closed_form", _as_count(blocks), total))
+    name = getattr(block_mask.mask_mod, "__name__", "None" if block_mask.mask_mod is None else "mask_mod")
+    return IOReport(N, N_k, d, M, False, rows, block_mask.density(), name)

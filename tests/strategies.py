@@ -6,11 +6,15 @@ common, and masks can leave rows fully masked. ``logit_scale`` stretches the inp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import strategies as st
 
+from fa2edu import flex
+
 __all__ = ["attention_problems", "block_sizes", "AttentionCase", "attention_states", "key_splits",
-           "decode_problems", "packed_batches"]
+           "decode_problems", "packed_batches", "flex_problems", "FLEX_MASKS", "FLEX_SCORES"]
 
 
 class AttentionCase(dict):
@@ -187,3 +191,121 @@ def packed_batches(draw, *, max_len: int = 10, dtypes=(np.float64,)):
     bs = draw(st.one_of(st.none(), block_sizes(5)))
     return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=draw(st.booleans()),
                 block_sizes=bs)
+
+
+# -- FlexAttention: mask_mods and score_mods (fa2edu.flex) -------------------------------------------------------
+
+def _block_table_mask(b, h, q_idx, kv_idx, table, rows_per_cell, cols_per_cell):
+    """A random block-sparse pattern: table[b, h, q // rows_per_cell, kv // cols_per_cell] (vectorises)."""
+    return table[b, h, q_idx // rows_per_cell, kv_idx // cols_per_cell]
+
+
+def _every_third(b, h, q_idx, kv_idx):
+    """A mask_mod that only scalars can run (`if`, `and`): keeps keys j ≡ i (mod 3) up to i + 2."""
+    if (q_idx - kv_idx) % 3 == 0 and kv_idx <= q_idx + 2:
+        return True
+    return False
+
+
+def _wavy(score, b, h, q_idx, kv_idx):
+    """A score_mod in plain Python and math (falls back to per-element calls): a head-dependent stretch and a
+    bounded positional wiggle."""
+    return score * (1.0 + 0.25 * h) + math.sin(0.5 * (q_idx - kv_idx))
+
+
+def _wavy_grad(score, b, h, q_idx, kv_idx):
+    return 1.0 + 0.25 * h
+
+
+_wavy.score_mod_grad = _wavy_grad
+
+
+def _drop_some(score, b, h, q_idx, kv_idx):
+    """A score_mod that masks by returning −inf (as PyTorch allows): every fifth (q, kv) pair."""
+    return -math.inf if (7 * q_idx + kv_idx) % 5 == 0 else score
+
+
+def _drop_some_grad(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+_drop_some.score_mod_grad = _drop_some_grad
+
+
+FLEX_MASKS = ("none", "causal", "window", "prefix", "document", "causal_document", "blocks", "scalar_only",
+              "union")
+FLEX_SCORES = ("none", "alibi", "softcap", "relative_bias", "wavy", "drop")
+
+
+@st.composite
+def flex_problems(draw, *, max_n: int = 18, max_d: int = 6, dtypes=(np.float64,), masks=FLEX_MASKS,
+                  scores=FLEX_SCORES, extreme: bool = True):
+    """A FlexAttention problem: q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d | d_v), a mask_mod, a score_mod.
+
+    Returns an :class:`AttentionCase` with keys q, k, v, mask_mod (None or a mod before alignment), B, H (the
+    create_block_mask arguments: None to broadcast, or q's sizes when the mask depends on b or h), BLOCK_SIZE (an
+    int or a pair, rarely dividing N_q or N_k), score_mod (None or a mod carrying ``score_mod_grad``), scale,
+    enable_gqa and dO. Masks include fully masked rows (causal with N_q > N_k, a window past the keys, a random
+    block pattern with an empty row); with ``extreme``, logits reach about ±1e4.
+    """
+    dtype = draw(st.sampled_from(dtypes))
+    B, H_kv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    H_q = H_kv * G
+    N_q, N_k = draw(st.integers(1, max_n)), draw(st.integers(1, max_n))
+    d = draw(st.integers(1, max_d))
+    d_v = draw(st.sampled_from([d, draw(st.integers(1, max_d))]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.sampled_from([1.0, 1.0, 3.0, 30.0, 100.0])) if extreme else 1.0
+    q = (rng.standard_normal((B, H_q, N_q, d)) * spread).astype(dtype)
+    k = (rng.standard_normal((B, H_kv, N_k, d)) * spread).astype(dtype)
+    v = rng.standard_normal((B, H_kv, N_k, d_v)).astype(dtype)
+    dO = rng.standard_normal((B, H_q, N_q, d_v)).astype(dtype)
+    block = draw(st.one_of(st.integers(1, 7), st.tuples(st.integers(1, 7), st.integers(1, 7))))
+
+    kind = draw(st.sampled_from(masks))
+    per_program = False
+    n = max(N_q, N_k)
+    if kind == "none":
+        mask_mod = None
+    elif kind == "causal":
+        mask_mod = flex.causal
+    elif kind == "window":
+        mask_mod = flex.sliding_window(draw(st.integers(1, N_k + 2)))
+    elif kind == "prefix":
+        mask_mod = flex.prefix_lm(draw(st.integers(0, N_k)))
+    elif kind in ("document", "causal_document"):
+        ids = np.sort(rng.integers(0, draw(st.integers(1, 4)), size=n))
+        mask_mod = flex.document(ids)
+        if kind == "causal_document":
+            mask_mod = flex.and_masks(flex.causal, mask_mod)
+    elif kind == "blocks":
+        cell_r, cell_c = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+        density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+        table = rng.random((B, H_q, -(-N_q // cell_r), -(-N_k // cell_c))) < density
+        if draw(st.booleans()):
+            table[rng.integers(B), rng.integers(H_q), rng.integers(table.shape[2])] = False   # an empty row
+        mask_mod = flex.bind(_block_table_mask, table, cell_r, cell_c)
+        per_program = True
+    elif kind == "scalar_only":
+        mask_mod = _every_third
+    else:
+        mask_mod = flex.or_masks(flex.sliding_window(draw(st.integers(1, 4))), flex.prefix_lm(draw(st.integers(0, 3))))
+    B_arg = B if per_program or draw(st.booleans()) else None
+    H_arg = H_q if per_program or draw(st.booleans()) else None
+
+    score = draw(st.sampled_from(scores))
+    if score == "none":
+        score_mod = None
+    elif score == "alibi":
+        score_mod = flex.alibi(flex.alibi_slopes(H_q) * draw(st.sampled_from([1.0, 10.0])))
+    elif score == "softcap":
+        score_mod = flex.softcap(draw(st.sampled_from([0.5, 5.0, 50.0])))
+    elif score == "relative_bias":
+        score_mod = flex.relative_bias(rng.standard_normal(draw(st.integers(1, 2 * n))) * 3.0)
+    elif score == "wavy":
+        score_mod = _wavy
+    else:
+        score_mod = _drop_some
+    return AttentionCase(q=q, k=k, v=v, dO=dO, mask_mod=mask_mod, B=B_arg, H=H_arg, BLOCK_SIZE=block,
+                         score_mod=score_mod, scale=draw(st.sampled_from([None, None, 0.5])),
+                         enable_gqa=G > 1 or draw(st.booleans()), mask_kind=kind, score_kind=score)

@@ -71,6 +71,27 @@ def test_fa2edu_imports_neither_kernels_gpu_nor_benchmarks() -> None:
         assert not [n for n in names if within(n, "kernels_gpu")], f"{module} imports kernels_gpu at import time"
 
 
+#: fa2edu's tiers that FlexAttention sits between: it builds on these (masks, the FA2 loops, the memory model, the
+#: checks) and nothing it builds on may import it back; above it, only the package, fa2edu.io and the PyTorch
+#: integration may.
+FLEX_BUILDS_ON = {"fa2edu.blocks", "fa2edu.flash2", "fa2edu.masks", "fa2edu.memory", "fa2edu.softmax",
+                  "fa2edu.validation"}
+FLEX_USERS = {"fa2edu", "fa2edu.io", "fa2edu.torch", "fa2edu._torch_ops", "fa2edu.exercises", "fa2edu.cli"}
+
+
+def test_flex_builds_on_the_fa2_algorithm_and_nothing_below_imports_it() -> None:
+    graph = imports("fa2edu")
+    assert "fa2edu.flex" in graph and graph["fa2edu.flex"] <= FLEX_BUILDS_ON, sorted(graph["fa2edu.flex"])
+    below, frontier = set(), set(graph["fa2edu.flex"])
+    while frontier:                                     # everything flex reaches, directly or not
+        module = frontier.pop()
+        below.add(module)
+        frontier |= graph.get(module, set()) - below
+    assert "fa2edu.flex" not in below, "an import cycle through fa2edu.flex"
+    users = {m for m, targets in graph.items() if "fa2edu.flex" in targets}
+    assert users <= FLEX_USERS, sorted(users - FLEX_USERS)
+
+
 def test_kernels_gpu_never_imports_benchmarks() -> None:
     graph = imports("kernels_gpu")
     wrong = {m: sorted(t for t in ts if within(t, "benchmarks")) for m, ts in graph.items()}
