@@ -165,7 +165,8 @@ def _profile_for(name: str):
 #: record layout, read by :mod:`benchmarks.harness.tensorcore_book`), the GPT and op timings of
 #: :mod:`benchmarks.gpt_speed` and the decoding step's (:mod:`benchmarks.decode`,
 #: :mod:`benchmarks.profilers.decode_variants`: schemas of their own)
-OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json", "tensorcore*.json", "gpt_speed*.json", "decode*.json")
+OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json", "tensorcore*.json", "gpt_speed*.json", "decode*.json",
+                   "hopper_timeline*.json")
 
 
 def _timing_files(folder: Path, pattern: str = "*.json") -> list[Path]:
