@@ -17,11 +17,17 @@ Three parts, in the order data flows through them:
                                                         ``flash2_backward`` (mma.sync); a kernels_gpu
                                                         without the backward kernel runs ``fast``'s in
                                                         float32 instead
+   ``3xtf32``      cuda             float32             ``kernels_gpu.tensorcore``'s 3xTF32 kernels: each
+                                                        product as three TF32 products (float32's
+                                                        accuracy), up to d = 128; wider heads on ``fast``
    ``teaching``    cuda             float32             ``kernels_gpu``'s teaching kernels (one thread per
                                                         row, FA2 and standard attention): by name only
    ==============  ===============  ==================  =================================================
 
-   With ``backend=None`` the table :data:`DISPATCH` picks the fastest measured one per (device, dtype); the
+   With ``backend=None`` the table :data:`DISPATCH` picks one per (device, dtype): the fastest measured for 16-bit
+   CUDA tensors; for CUDA float32 the 3xTF32 kernels (DESIGN.md, decided 2026-11-28: what PyTorch's own float32
+   SDPA computes, 0.91-0.92× its speed at d = 128 where the CUDA-core ``fast`` kernels reached 0.83-0.84×), with
+   ``fast`` by name. The
    teaching kernels run only when asked for (``backend="teaching"``, or ``algorithm="standard"`` on CUDA, which
    only they implement). In numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) a CUDA backend named explicitly
    also takes CPU tensors: that is how the tests run the GPU paths on a machine without a GPU.
@@ -104,7 +110,7 @@ BACKENDS = {
 DISPATCH = {
     ("cpu", torch.float32): "numpy",
     ("cpu", torch.float64): "numpy",
-    ("cuda", torch.float32): "fast",
+    ("cuda", torch.float32): "3xtf32",
     ("cuda", torch.float16): "tensorcore",
     ("cuda", torch.bfloat16): "tensorcore",
 }

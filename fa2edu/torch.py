@@ -29,11 +29,12 @@ takes a shorter one to the same code: the ``torch.autograd.Function`` form of th
 without PyTorch's dispatcher, which costs host time on every call (see "the autograd formulas" below).
 
 **Where it runs** (``fa2edu._torch_ops``, one table, :data:`DISPATCH`): CPU float32/float64 → fa2edu's NumPy
-algorithms (the counted textbook code, on the tensors' own memory); CUDA float32 → ``kernels_gpu.fast`` (the
-fastest measured CUDA-core kernels); CUDA float16/bfloat16 → ``kernels_gpu.tensorcore``. The teaching kernels
-(``kernels_gpu.flash2_forward`` …) run only by name: ``backend="teaching"``, or ``algorithm="standard"`` on CUDA.
-CUDA float32 on tensor cores — each product as three TF32 products, float32's accuracy, as PyTorch's own float32
-SDPA computes — runs by name too: ``backend="3xtf32"`` (``kernels_gpu.tensorcore.TF32``, ``TF32_BACKWARD``).
+algorithms (the counted textbook code, on the tensors' own memory); CUDA float32 → tensor cores, each product as
+three TF32 products, float32's accuracy, as PyTorch's own float32 SDPA computes (``backend="3xtf32"``:
+``kernels_gpu.tensorcore.TF32``, ``TF32_BACKWARD``; heads wider than 128 on ``kernels_gpu.fast``); CUDA
+float16/bfloat16 → ``kernels_gpu.hopper``'s forward on sm_90 where it measured faster, ``kernels_gpu.tensorcore``
+otherwise. The CUDA-core float32 kernels run by name (``backend="fast"``), and the teaching kernels
+(``kernels_gpu.flash2_forward`` …) only by name too: ``backend="teaching"``, or ``algorithm="standard"`` on CUDA.
 Every head dimension 1 … 256 runs on every path: the fast kernels need widths that are multiples of their thread
 layout (32 or 64) and the tensor-core kernels multiples of 8, so the op pads Q, K, V (and O, dO) with zero columns
 inside the call and slices the results; τ defaults to 1/√d of the caller's d, not the padded one.

@@ -1,6 +1,6 @@
 """fa2edu.torch's dispatch table, every head dimension, and the GPU paths run in numba's CUDA simulator.
 
-* The chooser (``choose_backend``) is tested directly, without a GPU: CUDA float32 → ``fast``, float16/bfloat16 →
+* The chooser (``choose_backend``) is tested directly, without a GPU: CUDA float32 → ``3xtf32``, float16/bfloat16 →
   ``tensorcore``, CPU → ``numpy``; the teaching kernels only by name; clear errors otherwise.
 * Every head dimension the op accepts (1 … 256, sampled) against PyTorch's SDPA in float64 on the CPU: O, L and the
   three gradients within 1e-10, with GQA, causal and N_q ≠ N_k.
@@ -40,7 +40,7 @@ def one_thread():
 # -- the dispatch table ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, dtype, expected", [
-    ("cuda", F32, "fast"), ("cuda", F16, "tensorcore"), ("cuda", BF16, "tensorcore"),
+    ("cuda", F32, "3xtf32"), ("cuda", F16, "tensorcore"), ("cuda", BF16, "tensorcore"),
     ("cpu", F32, "numpy"), ("cpu", F64, "numpy"),
 ])
 def test_default_backend_per_device_and_dtype(device, dtype, expected):
