@@ -26,8 +26,10 @@ step() {
     sanitize) for tool in memcheck racecheck synccheck; do
             extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
             timeout "${T_SAN:-100}" compute-sanitizer --tool $tool "${extra[@]}" python3 -m benchmarks.profilers.hopper_sanitize \
-                --rungs "${SAN_RUNGS:-h1,h2,h3,h4}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
+                --rungs "${SAN_RUNGS:-h1,h2,h3,h4,b1}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
         done ;;
+    backward) timeout "${T_BWD:-200}" python3 -m benchmarks.tensorcore_backward --out "$OUT/${BWD_NAME:-hopper_backward}.json" \
+        --impls "${BWD_IMPLS:-hopper_b1,v7,sdpa_default,sdpa_flash}" ${BWD_ARGS:-} 2>&1 | grep -v "it/s" | tail -40 ;;
     torch) timeout "${T_TORCH:-200}" python3 -m pytest -m gpu tests/gpu/test_torch_gpu.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/torch_gpu_tests.log" | tail -15 ;;
     *) echo "unknown step $1" ;;

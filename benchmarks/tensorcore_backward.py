@@ -9,8 +9,12 @@ every implementation's backward is timed on the same inputs Q, K, V, dO:
   O, L from ``kernels_gpu.tensorcore.flash2_forward`` computed once, untimed. The timed call is the whole
   backward: the preprocessing launch (D, L·log₂e, dQ zeroed), the main kernel and dQ's conversion, and the host
   work of the call.
+* ``hopper_b1``, … (``kernels_gpu.hopper.BACKWARD_VERSIONS``, sm_90 only): the same call on the Hopper rungs.
 * ``sdpa_flash``: PyTorch's ``scaled_dot_product_attention`` with the flash backend; its forward runs once per
   input set, untimed, and the timed call is ``torch.autograd.grad(out, (q, k, v), dO, retain_graph=True)``.
+  ``sdpa_default``: the same with no backend chosen (cuDNN's on an H100/H200).
+
+    python -m benchmarks.tensorcore_backward --impls hopper_b1,v7,sdpa_default,sdpa_flash --out …   # on Hopper
 
 Before timing, each implementation's dQ, dK, dV are checked against SDPA's memory-efficient backend in float32 on
 the same inputs (relative error in the Frobenius norm below 2e-2 for each gradient, no NaN; a wrong result is
@@ -36,12 +40,16 @@ HIDDEN = 2048
 TOLERANCE = 2e-2
 
 
-def sdpa_flash_state(q, k, v, causal):
-    """SDPA flash's forward (untimed), on leaf copies of q, k, v that require gradients: (out, (q, k, v))."""
+def sdpa_flash_state(q, k, v, causal, backend="flash"):
+    """SDPA's forward (untimed) with the flash backend (``backend="default"``: none chosen), on leaf copies of q, k,
+    v that require gradients: (out, (q, k, v))."""
+    import contextlib
+
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    chosen = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if backend == "flash" else contextlib.nullcontext()
+    with chosen:
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
     return out, leaves
 
@@ -65,7 +73,9 @@ def _resources(version, d, dtype, causal) -> dict:
     """Registers and local memory per thread of a rung's compiled main kernel (what numba reports), if compiled."""
     import importlib
     try:
-        module = importlib.import_module(f"kernels_gpu.tensorcore.flash2_backward_{version}")
+        name = (f"kernels_gpu.hopper.flash_backward_{version[len('hopper_'):]}" if version.startswith("hopper_")
+                else f"kernels_gpu.tensorcore.flash2_backward_{version}")
+        module = importlib.import_module(name)
         cfg = module.config_for(d, dtype, causal, False)
         kernel = module.make_kernel(cfg)
         regs = list(kernel.get_regs_per_thread().values())
@@ -84,7 +94,7 @@ def parse_args(argv=None):
     parser.add_argument("--N", default=",".join(map(str, GRID_N)), help="sequence lengths (batch = 16384 / N)")
     parser.add_argument("--d", default="64,128", help="head dimensions (heads = 2048 / d)")
     parser.add_argument("--impls", default=",".join(sorted(BACKWARD_VERSIONS)) + ",sdpa_flash",
-                        help="backward rungs (v1, v2, …) and/or sdpa_flash")
+                        help="backward rungs (v1, v2, …, hopper_b1, …), sdpa_flash, sdpa_default")
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--causal", default="0,1", help="0 (non-causal), 1 (causal) or both")
     return parser.parse_args(argv)
@@ -100,12 +110,14 @@ def main(argv=None) -> int:
     from benchmarks.harness.flop_model import model_flops, tflops
     from benchmarks.harness.results_io import utc_now
     from benchmarks.tensorcore import time_ms
+    from kernels_gpu import hopper
     from kernels_gpu.tensorcore import BACKWARD_VERSIONS, flash2_forward
 
+    rungs = dict(BACKWARD_VERSIONS, **{f"hopper_{k}": f for k, f in hopper.BACKWARD_VERSIONS.items()})
     impls = args.impls.split(",")
-    unknown = [x for x in impls if x != "sdpa_flash" and x not in BACKWARD_VERSIONS]
+    unknown = [x for x in impls if x not in ("sdpa_flash", "sdpa_default") and x not in rungs]
     if unknown:
-        raise SystemExit(f"unknown implementations {unknown}: {sorted(BACKWARD_VERSIONS)} or sdpa_flash")
+        raise SystemExit(f"unknown implementations {unknown}: {sorted(rungs)}, sdpa_flash or sdpa_default")
     configs = [(dtype, bool(int(c)), int(d), int(N)) for dtype in args.dtypes.split(",")
                for c in args.causal.split(",") for d in args.d.split(",") for N in args.N.split(",")]
     header = dict(device=torch.cuda.get_device_name(0), date=utc_now(), torch=torch.__version__,
@@ -126,13 +138,14 @@ def main(argv=None) -> int:
         for impl in impls:
             rec = dict(impl=impl, pass_="backward", dtype=dtype, causal=causal, d=d, N=N, batch=batch, heads=heads)
             try:
-                if impl == "sdpa_flash":
-                    states = [sdpa_flash_state(q, k, v, causal) + (dO,) for q, k, v, dO in inputs]
+                if impl.startswith("sdpa_"):
+                    states = [sdpa_flash_state(q, k, v, causal, impl[len("sdpa_"):]) + (dO,)
+                              for q, k, v, dO in inputs]
 
                     def call(out, leaves, dO):
                         return torch.autograd.grad(out, leaves, dO, retain_graph=True)
                 else:
-                    backward = BACKWARD_VERSIONS[impl]
+                    backward = rungs[impl]
                     states = [(q, k, v) + tuple(flash2_forward(q, k, v, causal=causal)) + (dO,)
                               for q, k, v, dO in inputs]
 
@@ -149,7 +162,7 @@ def main(argv=None) -> int:
                 else:
                     ms, reps = time_ms(call, states)
                     rec.update(status="ok", ms=ms, repeats=reps, tflops=tflops(flops, ms))
-                if impl != "sdpa_flash":
+                if not impl.startswith("sdpa_"):
                     rec.update(_resources(impl, d, dtype, causal))
                 del states, grads
             except Exception as error:  # noqa: BLE001 (recorded, the run goes on)

@@ -120,3 +120,26 @@ def test_trace_array_of_the_wrong_shape_is_refused():
         hopper.VERSIONS["h3"](Q, Q, Q, trace=("clock64", cuda.to_device(np.zeros((1, 3, 1, 5), np.uint64))))
     with pytest.raises(ValueError, match="only the rungs that copy by TMA"):
         hopper.VERSIONS["h1"](Q, Q, Q, trace=("clock64", cuda.to_device(np.zeros((1, 4, 1, 5), np.uint64))))
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, dtype, scale", [
+    # two key blocks of 128 (the second ragged), GQA, N_q < N_k causal, d = 16
+    ((1, 2, 40, 16), (1, 1, 150, 16), "float16", 1.0),
+    # N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 40 (padded to 48);
+    # scores in the tens; bf16
+    ((1, 2, 70, 40), (1, 1, 45, 40), "bfloat16", 3.0),
+], ids=["two-key-blocks-f16", "masked-rows-d40-bf16"])
+def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkeypatch):
+    pytest.importorskip("torch")
+    from test_tensorcore_backward import _problem, flash_attn_rule
+    monkeypatch.setattr(rt, "poison_outputs", True)
+    Q, K, V, O, L, dO = _problem(shape_q, shape_kv, dtype, True, seed=21, scale=scale)
+    grads = hopper.BACKWARD_VERSIONS["b1"](Q, K, V, O, L, dO, causal=True)
+    flash_attn_rule(grads, Q, K, V, dO, True)
+
+
+def test_backward_refuses_wide_heads():
+    Q = np.zeros((1, 1, 64, 136), np.float16)
+    L = np.zeros((1, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="head dimensions up to 128.*tensorcore.flash2_backward"):
+        hopper.flash_backward(Q, Q, Q, Q, L, Q)

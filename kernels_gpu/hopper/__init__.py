@@ -15,10 +15,17 @@ its measurement and the reason for any miss::
     h4  ping-pong: the two consumers take turns on the tensor cores (two named barriers), one's softmax under the
         other's S = QKᵀ
 
-``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature)::
+and a backward ladder (FA2 Algorithm 2)::
+
+    b1  two consumer warpgroups per key block of 128; Sᵀ, dPᵀ, dV, dK and dQ's share on wgmma (dS transposed
+        through shared memory); dQ by float32 atomic adds; cp.async copies waited for at once; d ≤ 128
+
+``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature);
+``BACKWARD_VERSIONS`` maps "b1" … to the backward rungs and ``flash_backward`` is the newest (not yet measured)::
 
     from kernels_gpu import hopper
     O, L = hopper.flash_forward(Q, K, V, causal=True)     # Q (…, N_q, d), K, V (…, N_k, d): f16 / bf16
+    dQ, dK, dV = hopper.flash_backward(Q, K, V, O, L, dO, causal=True)
 
 Inputs, outputs, head dimensions (multiples of 8 up to 256), GQA, bottom-right causal masking and fully masked rows
 are those of :mod:`kernels_gpu.tensorcore`. On a GPU that is not sm_90 every rung raises
@@ -27,10 +34,16 @@ twins of :mod:`kernels_gpu.ptx` emulate wgmma, the TMA and the barriers), which 
 """
 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
-from kernels_gpu.hopper import flash_forward_h1, flash_forward_h2, flash_forward_h3, flash_forward_h4  # noqa: E402,E501
+from kernels_gpu.hopper import (  # noqa: E402
+    flash_backward_b1,
+    flash_forward_h1,
+    flash_forward_h2,
+    flash_forward_h3,
+    flash_forward_h4,
+)
 from kernels_gpu.hopper.launch import HopperRequired  # noqa: E402
 
-__all__ = ["VERSIONS", "flash_forward", "HopperRequired"]
+__all__ = ["VERSIONS", "flash_forward", "BACKWARD_VERSIONS", "flash_backward", "HopperRequired"]
 
 #: the forward rungs: name → ``flash_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
@@ -38,3 +51,9 @@ VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_f
 
 #: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward.json``: h3 measured slower)
 flash_forward = flash_forward_h2.flash_forward
+
+#: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
+BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward}
+
+#: the backward rung the ladder has reached (b1: not yet measured on a GPU, so the op keeps the mma.sync backward)
+flash_backward = flash_backward_b1.flash_backward

@@ -1,6 +1,6 @@
 """kernels_gpu.hopper on an H100/H200: each Hopper instruction against the NumPy specification its simulator twin
 implements (so twin and hardware agree through one spec), and every forward rung against the float64 oracle with
-flash-attn's rule, outputs poisoned first.
+flash-attn's rule, outputs poisoned first; the backward rungs the same way, gradients against the float64 oracle.
 
     FA2EDU_GPU=1 python -m pytest -m gpu tests/gpu/test_hopper_gpu.py -q -p no:cacheprovider
 """
@@ -20,12 +20,14 @@ if os.environ.get("FA2EDU_GPU") != "1":
 torch = pytest.importorskip("torch")
 
 import kernels_gpu.runtime as rt  # noqa: E402
-from kernels_gpu.hopper import VERSIONS, selftest  # noqa: E402
+from kernels_gpu.hopper import BACKWARD_VERSIONS, VERSIONS, selftest  # noqa: E402
 
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Hopper kernels need an sm_90 GPU", allow_module_level=True)
 
-from test_tensorcore_gpu import check  # noqa: E402  (the oracle and flash-attn's rule; tests/gpu is on sys.path)
+from test_tensorcore_backward_gpu import _inputs  # noqa: E402  (tests/gpu is on sys.path)
+from test_tensorcore_backward_gpu import check as check_gradients  # noqa: E402
+from test_tensorcore_gpu import check  # noqa: E402  (the oracle and flash-attn's rule)
 
 
 @pytest.fixture(autouse=True)
@@ -104,3 +106,50 @@ def test_forward_is_deterministic(version):
     for _ in range(99):
         O, L = VERSIONS[version](Q, K, V, causal=True)
         assert torch.equal(O, O0) and torch.equal(L, L0)
+
+
+# -- the backward ladder --------------------------------------------------------------------------------------------
+
+BACKWARD_SHAPES = [  # (Q shape, K/V shape, causal): every head dimension class the backward takes (d ≤ 128)
+    ((2, 4, 1000, 64), (2, 2, 1000, 64), False),      # GQA
+    ((1, 8, 777, 128), (1, 8, 1029, 128), True),      # ragged, N_q < N_k, bottom-right causal
+    ((1, 2, 300, 96), (1, 1, 200, 96), True),         # d = 96, N_q > N_k: 100 rows per head see no key
+    ((4, 1, 129, 8), (4, 1, 65, 8), False),           # the smallest
+    ((1, 3, 200, 40), (1, 1, 333, 40), True),         # MQA, d = 40 (not a multiple of 16)
+    ((1, 16, 2048, 128), (1, 16, 2048, 128), False),  # benchmark-like: hidden 2048 at d = 128
+]
+BACKWARD_CASES = [(v, s) for v in BACKWARD_VERSIONS for s in BACKWARD_SHAPES]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("version, shape", BACKWARD_CASES,
+                         ids=[f"{v}-{s[0]}x{s[1]}-{'causal' if s[2] else 'full'}" for v, s in BACKWARD_CASES])
+def test_backward_rung_matches_oracle(version, dtype, shape):
+    shape_q, shape_kv, causal = shape
+    Q, K, V, dO = _inputs(shape_q, shape_kv, dtype, seed=hash((version, dtype, shape_q)) % 2**31)
+    O, L = VERSIONS["h2"](Q, K, V, causal=causal)
+    grads = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=causal)
+    torch.cuda.synchronize()
+    check_gradients(grads, Q, K, V, dO, causal)
+
+
+@pytest.mark.parametrize("version", list(BACKWARD_VERSIONS))
+def test_backward_extreme_logits(version):
+    """Scores ×30: P = exp(S − L) recomputed from L as the forward computed it, never from an overflowing exp(S)."""
+    Q, K, V, dO = _inputs((1, 4, 600, 64), (1, 4, 600, 64), "bfloat16", seed=11, scale=30 ** 0.5)
+    O, L = VERSIONS["h2"](Q, K, V, causal=True)
+    check_gradients(BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True), Q, K, V, dO, True)
+
+
+@pytest.mark.parametrize("version", list(BACKWARD_VERSIONS))
+def test_backward_dk_dv_bit_identical_over_reruns(version):
+    """dK, dV are sums inside one block in a fixed order: bit-identical over 20 reruns; dQ, a sum of atomic adds in
+    varying order, within float32 rounding of the first run."""
+    Q, K, V, dO = _inputs((2, 8, 1024, 64), (2, 4, 1024, 64), "float16", seed=12)
+    O, L = VERSIONS["h2"](Q, K, V, causal=True)
+    dQ0, dK0, dV0 = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True)
+    scale = dQ0.float().abs().max().item()
+    for _ in range(19):
+        dQ, dK, dV = BACKWARD_VERSIONS[version](Q, K, V, O, L, dO, causal=True)
+        assert torch.equal(dK, dK0) and torch.equal(dV, dV0)
+        assert (dQ.float() - dQ0.float()).abs().max().item() <= 2e-3 * scale
