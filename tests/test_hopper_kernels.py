@@ -4,6 +4,8 @@ that cross tiles, reuse the ring's stages, mask whole rows and map GQA heads."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from tolerances import assert_close_to_oracle, baseline_error
@@ -81,15 +83,19 @@ def test_a_gpu_that_is_not_sm90_gets_a_clear_error(monkeypatch):
         hopper_launch.require_hopper()
 
 
+@functools.lru_cache(maxsize=None)
 def _traced(version, tiles=4):
-    """Block 0's trace of one rung on a single block of 128 query rows over ``tiles`` key tiles of 16."""
+    """Block 0's trace of one rung on a single block of 128 query rows over ``tiles`` key tiles of 16 (run once
+    per rung and shared by the tests that read it)."""
     from numba import cuda
     rng = np.random.default_rng(3)
     Q = rng.standard_normal((1, 1, 128, 16)).astype(np.float16)
     K, V = (rng.standard_normal((1, 1, 16 * tiles, 16)).astype(np.float16) for _ in range(2))
     T = cuda.to_device(np.zeros((1, 4, tiles, 5), np.uint64))
     hopper.VERSIONS[version](Q, K, V, B_c=16, trace=("globaltimer", T))
-    return T.copy_to_host()[0].astype(np.int64)
+    T = T.copy_to_host()[0].astype(np.int64)
+    T.flags.writeable = False
+    return T
 
 
 @pytest.mark.parametrize("version", ["h3", "h4"])
@@ -123,10 +129,10 @@ def test_trace_array_of_the_wrong_shape_is_refused():
 
 
 @pytest.mark.parametrize("shape_q, shape_kv, dtype, scale", [
-    # two key blocks of 128 (the second ragged), GQA, N_q < N_k causal, d = 16
-    ((1, 2, 40, 16), (1, 1, 150, 16), "float16", 1.0),
-    # N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 40 (padded to 48);
-    # scores in the tens; bf16
+    # two key blocks of 128 (the second ragged), N_q < N_k causal, d = 16
+    ((1, 1, 40, 16), (1, 1, 150, 16), "float16", 1.0),
+    # GQA; N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 40 (padded to
+    # 48); scores in the tens; bf16
     ((1, 2, 70, 40), (1, 1, 45, 40), "bfloat16", 3.0),
 ], ids=["two-key-blocks-f16", "masked-rows-d40-bf16"])
 def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkeypatch):
