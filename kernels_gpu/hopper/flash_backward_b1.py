@@ -183,11 +183,20 @@ def make_kernel(cfg: BackwardConfig):
     return flash_backward_b1
 
 
-def flash_backward(Q, K, V, O, L, dO, causal=False, scale=None):
+def flash_backward(Q, K, V, O, L, dO, causal=False, scale=None, deterministic=False):
     """FA2 backward on wgmma, rung b1: ``Flash2Backward(dQ, dK, dV)`` in the inputs' kind and dtype (float16 or
     bfloat16), from the forward's O and L (natural log, +∞ on rows that see no key) and dO; Q (…, N_q, d), K, V
     (…, N_k, d), d a multiple of 8 up to 128, GQA by head mapping, ``causal`` bottom-right aligned. Cost: the
-    model's 2.5 × the forward's FLOPs, dQ's 2·N_q·d·T_c atomic adds."""
+    model's 2.5 × the forward's FLOPs, dQ's 2·N_q·d·T_c atomic adds.
+
+    dK and dV are summed inside one block in a fixed order, so they are the same bits on every run; dQ is a sum of
+    atomic adds whose order varies. ``deterministic=True`` gives bit-identical gradients every run: it runs
+    :func:`kernels_gpu.tensorcore.flash2_backward`, whose dQ is computed in a pass of its own without atomics (no
+    Hopper rung has that pass yet), at that kernel's speed."""
+    if deterministic:
+        from kernels_gpu import tensorcore
+        hopper_launch.require_hopper()
+        return tensorcore.flash2_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
     hopper_launch.require_hopper()
     return backward_launch.run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, causal=causal,
                                         scale=scale)
