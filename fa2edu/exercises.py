@@ -1126,6 +1126,177 @@ def _solution_ring(j, stages):
     return stage, uses % 2, producer
 
 
+# -- 17.1-17.3 mods: a sliding window, packed causal documents, the soft cap's derivative ----------------------
+
+def _as_keep(got, where: str) -> bool:
+    """A mask_mod's answer for one element: a bool (Python's or NumPy's), as fa2edu.flex and PyTorch require."""
+    if isinstance(got, (bool, np.bool_)) or (isinstance(got, np.ndarray) and got.shape == ()
+                                                and got.dtype == np.bool_):
+        return bool(got)
+    raise _Mismatch([f"{where}: your mask_mod returned {type(got).__name__} {_short_repr(got)}; a mask_mod must "
+                     "return a bool (True = keep the score), as fa2edu.flex.create_block_mask requires"],
+                    got=got, kind="type")
+
+
+def _mod_of(factory_calls: _Calls, named: tuple, role: str, signature: str) -> _Calls:
+    """The mod the reader's factory returns (a ``role``: mask_mod, score_mod_grad), to be called element by
+    element."""
+    mod = factory_calls(*named)
+    if not callable(mod):
+        raise _Mismatch([f"your function returned {type(mod).__name__} {_short_repr(mod)}; expected a function, "
+                         f"{role}{signature}"], got=mod, kind="type")
+    return _Calls(mod, f"the {role} it returned")
+
+
+def _keep_grid(mod_calls: _Calls, N_q: int, N_k: int, b_h: tuple, extra: tuple = ()) -> np.ndarray:
+    """The reader's mask_mod at every (q_idx, kv_idx), with Python ints; b and h are drawn per case (the masks of
+    17.1 and 17.2 ignore them)."""
+    got = np.zeros((N_q, N_k), dtype=bool)
+    b, h = b_h
+    for i in range(N_q):
+        for j in range(N_k):
+            where = f"q_idx = {i}, kv_idx = {j}"
+            value = mod_calls(("b", b), ("h", h), ("q_idx", i), ("kv_idx", j), *extra, where=where)
+            got[i, j] = _as_keep(value, where)
+    return got
+
+
+def _compare_keep(mod_calls: _Calls, got: np.ndarray, expected: np.ndarray, describe: Callable, b_h: tuple,
+                  extra: tuple = ()) -> None:
+    """A mismatch at the first wrong (query, key), with both masks drawn; the failing call is that element's."""
+    wrong = got != expected
+    if not wrong.any():
+        return
+    i, j = (int(v) for v in np.argwhere(wrong)[0])
+    mod_calls(("b", b_h[0]), ("h", b_h[1]), ("q_idx", i), ("kv_idx", j), *extra,
+              where=f"q_idx = {i}, kv_idx = {j}")               # the call the report shows
+    lines = [f"query {i}, key {j}: expected {'kept' if expected[i, j] else 'masked'}, got "
+             f"{'kept' if got[i, j] else 'masked'} (entries wrong: {int(wrong.sum())} of {wrong.size})",
+             *describe(i, j)]
+    if _picture(expected):
+        lines += ["expected (■ kept, · masked):", *_picture(expected), "got:", *_picture(got)]
+    raise _Mismatch(lines, expected, got)
+
+
+def _window_truth(N_q: int, N_k: int, w: int) -> np.ndarray:
+    """Ground truth of 17.1, row by row: query i sits at key position p = i + N_k − N_q and keeps the keys
+    p − w + 1 … p that exist (fa2edu.flex.sliding_window's definition, bottom-right aligned)."""
+    keep = np.zeros((N_q, N_k), dtype=bool)
+    for i in range(N_q):
+        p = i + N_k - N_q
+        keep[i, max(p - w + 1, 0):max(p + 1, 0)] = True
+    return keep
+
+
+def _run_sliding_window(fn, case):
+    N_q, N_k, w = case["N_q"], case["N_k"], case["w"]
+    offset = N_k - N_q
+    rng = np.random.default_rng(case["seed"])
+    mod = _mod_of(_Calls(fn, "sliding_window_mask"), (("w", w), ("offset", offset)), "mask_mod",
+                  "(b, h, q_idx, kv_idx) -> bool")
+    b_h = (int(rng.integers(0, 3)), int(rng.integers(0, 4)))
+    got = _keep_grid(mod, N_q, N_k, b_h)
+
+    def describe(i, j):
+        p = i + offset
+        window = (f"its window is the w = {w} keys p − w + 1 … p = {p - w + 1} … {p}, those that exist" if p >= 0
+                  else "no key sits at or before it: the row is fully masked")
+        return [f"query {i} sits at key position p = i + N_k − N_q = {p}; {window}"]
+    _compare_keep(mod, got, _window_truth(N_q, N_k, w), describe, b_h)
+
+
+def _solution_sliding_window(w, offset):
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = q_idx + offset                  # the query's key position (bottom-right aligned)
+        return (kv_idx <= p) & (kv_idx > p - w)   # the w keys p - w + 1 ... p
+    return mask_mod
+
+
+def _packed_ids(rng: np.random.Generator, N: int, docs: str) -> np.ndarray:
+    """Document ids of N packed positions: one document, single-token documents, random lengths, or random lengths
+    with a padded tail (id −1)."""
+    if docs == "one":
+        return np.zeros(N, dtype=np.int64)
+    if docs == "singles":
+        return np.arange(N, dtype=np.int64)
+    ids = np.concatenate([[0], np.cumsum(rng.random(N - 1) < 0.35)]).astype(np.int64)
+    if docs == "padded":
+        pad = max(1, int(rng.integers(1, N // 3 + 2)))
+        ids[N - min(pad, N):] = -1
+    return ids
+
+
+def _documents_truth(q_ids: np.ndarray, kv_ids: np.ndarray) -> np.ndarray:
+    """Ground truth of 17.2, document by document: the queries and keys of each real document (id ≠ −1) see each
+    other, then the causal mask (fa2edu.masks.causal_mask, bottom-right) removes the future."""
+    keep = np.zeros((len(q_ids), len(kv_ids)), dtype=bool)
+    for doc in set(kv_ids.tolist()) - {-1}:
+        keep[np.ix_(q_ids == doc, kv_ids == doc)] = True
+    return keep & causal_mask(len(q_ids), len(kv_ids))
+
+
+def _run_documents(fn, case):
+    N_q, N_k = case["N_q"], case["N_k"]
+    rng = np.random.default_rng(case["seed"])
+    kv_ids = _packed_ids(rng, N_k, case["docs"])
+    q_ids = kv_ids[N_k - N_q:].copy()                  # the queries are the last N_q positions
+    extra = (("q_ids", q_ids), ("kv_ids", kv_ids))
+    mod = _Calls(fn, "document_causal")
+    b_h = (int(rng.integers(0, 3)), int(rng.integers(0, 4)))
+    got = _keep_grid(mod, N_q, N_k, b_h, extra)
+
+    def describe(i, j):
+        def doc(x):
+            return "padding (id −1, in no document)" if x == -1 else f"document {x}"
+        return [f"query {i} is in {doc(q_ids[i])} and sits at key position p = i + N_k − N_q = "
+                f"{i + N_k - N_q}; key {j} is in {doc(kv_ids[j])}"]
+    _compare_keep(mod, got, _documents_truth(q_ids, kv_ids), describe, b_h, extra)
+
+
+def _solution_documents(b, h, q_idx, kv_idx, q_ids, kv_ids):
+    p = q_idx + len(kv_ids) - len(q_ids)    # the query's key position, bottom-right aligned
+    same = q_ids[q_idx] == kv_ids[kv_idx]
+    return (kv_idx <= p) & same & (q_ids[q_idx] != -1)
+
+
+def _softcap_derivative_truth(score: np.ndarray, c: float) -> np.ndarray:
+    """d/dscore of c·tanh(score/c) = sech²(score/c), written with cosh (1/inf = 0 where cosh overflows)."""
+    with np.errstate(over="ignore"):
+        return 1.0 / np.cosh(score / c) ** 2
+
+
+def _run_softcap_grad(fn, case):
+    rng = np.random.default_rng(case["seed"])
+    c = case["c"]
+    scores = _logits(rng, (case["n"],), case["scores"])
+    expected = _softcap_derivative_truth(scores, c)
+    grad = _mod_of(_Calls(fn, "softcap_grad"), (("c", c),), "score_mod_grad", "(score, b, h, q_idx, kv_idx)")
+    got = np.empty_like(scores)
+    for k, s in enumerate(scores):
+        b, h, i, j = (int(v) for v in rng.integers(0, 8, size=4))
+        value = grad(("score", float(s)), ("b", b), ("h", h), ("q_idx", i), ("kv_idx", j), where=f"score {s:.6g}")
+        got[k] = _as_float(value, "a number (the derivative at score)", expected[k])
+    err = np.abs(got - expected)
+    bad = np.isnan(got) | (err > 1e-9 + 1e-9 * np.abs(expected))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        s, step = float(scores[k]), 1e-5 * max(1.0, abs(float(scores[k])))
+        central = (c * np.tanh((s + step) / c) - c * np.tanh((s - step) / c)) / (2 * step)
+        kind = "nan" if np.isnan(got[k]) else "value"
+        raise _Mismatch([f"score = {s:.6g}, c = {c:g}: expected d/dscore c·tanh(score/c) = {_fmt(expected[k])}, "
+                         f"got {_fmt(got[k])} (scores off: {int(bad.sum())} of {len(scores)}"
+                         + (", NaN" if kind == "nan" else "") + ")",
+                         f"a central difference of c·tanh(score/c) at that score gives {_fmt(central)}"],
+                        expected, got, kind=kind)
+
+
+def _solution_softcap_grad(c):
+    def score_mod_grad(score, b, h, q_idx, kv_idx):
+        t = np.tanh(score / c)        # d/ds c·tanh(s/c) = c · (1/c) · (1 − tanh²(s/c))
+        return 1.0 - t * t            # tanh saturates at ±1: 0 far out, never NaN
+    return score_mod_grad
+
+
 # -- the catalogue -------------------------------------------------------------------------------------------------
 
 _ALL_LOGITS = Kind(("normal", "rising", "large"))
@@ -1566,6 +1737,55 @@ _EXERCISES = [
         edge_cases=({}, {"stages": 2, "tiles": 5}, {"stages": 3, "tiles": 7}, {"stages": 1, "tiles": 4},
                     {"stages": 4, "tiles": 13}),
         n_random=5, run=_run_ring, solution=_solution_ring),
+    Exercise(
+        id="17.1",
+        title="a sliding-window mask_mod: the w most recent keys, bottom-right aligned",
+        signature="sliding_window_mask(w, offset) -> mask_mod(b, h, q_idx, kv_idx) -> bool: query q_idx, at key "
+                  "position p = q_idx + offset, keeps the keys p − w + 1 … p (offset = N_k − N_q)",
+        hint="Name the query's key position first, p = q_idx + offset. Then two comparisons: a key in the future "
+             "(kv_idx > p) is masked, and so is one w or more positions back (kv_idx ≤ p − w). Count the keys "
+             "your window keeps for w = 1: it must be the query's own position alone.",
+        covers="w = 1 (the diagonal), w ≥ N_k (the causal mask), N_q < N_k, N_q > N_k (queries before the first "
+               "key: fully masked rows), every (q_idx, kv_idx) of each case, against a window laid out row by row",
+        params={"N_q": Size(1, 12), "N_k": Size(1, 12), "w": Size(1, 14)},
+        base={"N_q": 1, "N_k": 1, "w": 1},
+        edge_cases=({}, {"N_q": 6, "N_k": 6}, {"N_q": 6, "N_k": 6, "w": 3}, {"N_q": 5, "N_k": 5, "w": 14},
+                    {"N_q": 4, "N_k": 9, "w": 3}, {"N_q": 9, "N_k": 4, "w": 2}, {"N_q": 12, "N_k": 12, "w": 5}),
+        n_random=5, run=_run_sliding_window, solution=_solution_sliding_window),
+    Exercise(
+        id="17.2",
+        title="packed documents: a causal mask inside each document, padding seeing nothing",
+        signature="document_causal(b, h, q_idx, kv_idx, q_ids, kv_ids) -> bool: keep key kv_idx for query q_idx "
+                  "iff both are in the same document (q_ids[q_idx] == kv_ids[kv_idx], id −1 = padding) and "
+                  "kv_idx ≤ q_idx + len(kv_ids) − len(q_ids)",
+        hint="Three conditions, all needed: the same document id, an id that is not −1 (padding is in no "
+             "document), and the causal test at the query's key position p = q_idx + len(kv_ids) − len(q_ids), "
+             "since the queries are the last len(q_ids) positions. Index q_ids with q_idx and kv_ids with kv_idx.",
+        covers="one document, single-token documents, random lengths, a padded tail (fully masked rows), "
+               "N_q < N_k (the queries are the last positions), against the documents' blocks laid out one by one "
+               "and fa2edu.masks.causal_mask",
+        params={"N_q": Size(1, 10), "N_k": Size(1, 12), "docs": Kind(("one", "singles", "random", "padded"))},
+        base={"N_q": 1, "N_k": 1, "docs": "one"},
+        edge_cases=({}, {"N_q": 5, "N_k": 5}, {"N_q": 6, "N_k": 6, "docs": "singles"},
+                    {"N_q": 8, "N_k": 8, "docs": "random"}, {"N_q": 3, "N_k": 10, "docs": "random"},
+                    {"N_q": 7, "N_k": 9, "docs": "padded"}, {"N_q": 10, "N_k": 12, "docs": "padded"},
+                    {"N_q": 1, "N_k": 1, "docs": "padded"}),
+        n_random=5, run=_run_documents, solution=_solution_documents,
+        valid=lambda case: case["N_q"] <= case["N_k"]),
+    Exercise(
+        id="17.3",
+        title="the derivative of the soft cap, d/dscore of c·tanh(score/c), for the backward pass",
+        signature="softcap_grad(c) -> score_mod_grad(score, b, h, q_idx, kv_idx): the derivative with respect to "
+                  "score of c·tanh(score/c)",
+        hint="The chain rule: the outer function is c·tanh(u), the inner u = score/c. tanh′(u) = 1 − tanh²(u). "
+             "Then think about scores of ±10⁴: which way of writing it never divides inf by inf?",
+        covers="caps c = 1, 0.5, 5 and 30; scores N(0, 1), ×20 and ×10⁴ (where tanh saturates and the "
+               "derivative is 0), against sech²(score/c) (and a central difference in the report)",
+        params={"n": Size(1, 16), "c": Kind((1.0, 0.5, 5.0, 30.0)), "scores": Kind(("normal", "spread", "large"))},
+        base={"n": 1, "c": 1.0, "scores": "normal"},
+        edge_cases=({}, {"n": 16}, {"n": 8, "c": 0.5}, {"n": 8, "c": 5.0}, {"n": 8, "c": 30.0, "scores": "spread"},
+                    {"n": 8, "c": 5.0, "scores": "large"}, {"n": 16, "c": 0.5, "scores": "large"}),
+        n_random=5, run=_run_softcap_grad, solution=_solution_softcap_grad),
 ]
 
 EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}

@@ -326,6 +326,60 @@ def ring_parity_of_tile(j, stages):        # the tile's parity, not its stage's 
     return j % stages, j % 2, None if j < stages else (j - 1) % 2
 
 
+# 17.1-17.3 mods: a sliding window, packed documents, the soft cap's derivative
+def window_w_plus_1(w, offset):            # PyTorch's example q_idx - kv_idx <= W: w + 1 keys
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = q_idx + offset
+        return (kv_idx <= p) & (kv_idx >= p - w)
+    return mask_mod
+
+def window_top_left(w, offset):            # ignores the offset: right only when N_q = N_k
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - w)
+    return mask_mod
+
+def window_two_sided(w, offset):           # |p − j| < w: sees w − 1 future keys too
+    def mask_mod(b, h, q_idx, kv_idx):
+        return abs(q_idx + offset - kv_idx) < w
+    return mask_mod
+
+def window_as_int(w, offset):              # True * True is the int 1, not a bool
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = q_idx + offset
+        return (kv_idx <= p) * (kv_idx > p - w)
+    return mask_mod
+
+def documents_bidirectional(b, h, q_idx, kv_idx, q_ids, kv_ids):   # forgets the causal part
+    return (q_ids[q_idx] == kv_ids[kv_idx]) & (q_ids[q_idx] != -1)
+
+def documents_padding_sees_padding(b, h, q_idx, kv_idx, q_ids, kv_ids):
+    p = q_idx + len(kv_ids) - len(q_ids)
+    return (kv_idx <= p) & (q_ids[q_idx] == kv_ids[kv_idx])
+
+def documents_top_left(b, h, q_idx, kv_idx, q_ids, kv_ids):       # kv_idx <= q_idx
+    return (kv_idx <= q_idx) & (q_ids[q_idx] == kv_ids[kv_idx]) & (q_ids[q_idx] != -1)
+
+def documents_one_array(b, h, q_idx, kv_idx, q_ids, kv_ids):      # q_ids for both
+    p = q_idx + len(kv_ids) - len(q_ids)
+    return (kv_idx <= p) & (q_ids[q_idx] == q_ids[kv_idx]) & (q_ids[q_idx] != -1)
+
+def softcap_grad_without_c(c):
+    def score_mod_grad(score, b, h, q_idx, kv_idx):
+        return 1.0 - np.tanh(score) ** 2
+    return score_mod_grad
+
+def softcap_grad_times_c(c):               # forgets the inner derivative 1/c
+    def score_mod_grad(score, b, h, q_idx, kv_idx):
+        return c * (1.0 - np.tanh(score / c) ** 2)
+    return score_mod_grad
+
+def softcap_grad_unstable(c):              # 4e^{−2u}/(1 + e^{−2u})²: inf/inf for u ≪ 0
+    def score_mod_grad(score, b, h, q_idx, kv_idx):
+        e = np.exp(-2.0 * score / c)
+        return 4.0 * e / (1.0 + e) ** 2
+    return score_mod_grad
+
+
 def flat(report: str) -> str:
     """A report with its line wrapping undone, to look for a phrase in it."""
     return " ".join(report.split())
@@ -380,6 +434,18 @@ WRONG_ANSWERS = [
     ("16.1", swizzle_by_element, lambda c: c["rows"] == 2, "expected byte"),
     ("16.2", descriptor_without_units, lambda c: True, "the fields that differ: start"),
     ("16.3", ring_parity_of_tile, lambda c: c["stages"] == 2 and c["tiles"] <= 3, "(stage, consumer's parity"),
+    ("17.1", window_w_plus_1, lambda c: c["w"] == 1 and _size(c, "N_q", "N_k") <= 2, "expected masked, got kept"),
+    ("17.1", window_top_left, lambda c: c["N_q"] != c["N_k"] and _size(c, "N_q", "N_k") <= 2, "p = i + N_k − N_q"),
+    ("17.1", window_two_sided, lambda c: c["w"] == 2 and _size(c, "N_q", "N_k") <= 2, "fully masked"),
+    ("17.1", window_as_int, lambda c: _size(c, "N_q", "N_k", "w") == 1, "must return a bool"),
+    ("17.2", documents_bidirectional, lambda c: c["N_q"] == c["N_k"] == 2, "expected masked, got kept"),
+    ("17.2", documents_padding_sees_padding, lambda c: c["docs"] == "padded" and _size(c, "N_q", "N_k") == 1,
+     "padding (id −1, in no document)"),
+    ("17.2", documents_top_left, lambda c: c["N_q"] < c["N_k"] <= 2, "expected kept, got masked"),
+    ("17.2", documents_one_array, lambda c: c["N_q"] < c["N_k"] <= 2, "raised IndexError"),
+    ("17.3", softcap_grad_without_c, lambda c: c["c"] != 1.0 and c["n"] == 1, "expected d/dscore c·tanh(score/c)"),
+    ("17.3", softcap_grad_times_c, lambda c: c["c"] != 1.0 and c["n"] == 1, "a central difference"),
+    ("17.3", softcap_grad_unstable, lambda c: c["scores"] == "large" and c["n"] <= 2, "got nan"),
 ]
 
 
