@@ -134,13 +134,16 @@ def test_trace_array_of_the_wrong_shape_is_refused():
     # GQA; N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 40 (padded to
     # 48); scores in the tens; bf16
     ((1, 2, 70, 40), (1, 1, 45, 40), "bfloat16", 3.0),
-], ids=["two-key-blocks-f16", "masked-rows-d40-bf16"])
-def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkeypatch):
+    # the deterministic mode (dK, dV kernel + the dQ pass over key tiles of 64) on the first case
+    ((1, 1, 40, 16), (1, 1, 150, 16), "float16", 1.0),
+], ids=["two-key-blocks-f16", "masked-rows-d40-bf16", "deterministic-f16"])
+def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkeypatch, request):
     pytest.importorskip("torch")
     from test_tensorcore_backward import _problem, flash_attn_rule
     monkeypatch.setattr(rt, "poison_outputs", True)
     Q, K, V, O, L, dO = _problem(shape_q, shape_kv, dtype, True, seed=21, scale=scale)
-    grads = hopper.BACKWARD_VERSIONS["b1"](Q, K, V, O, L, dO, causal=True)
+    deterministic = request.node.callspec.id == "deterministic-f16"
+    grads = hopper.BACKWARD_VERSIONS["b1"](Q, K, V, O, L, dO, causal=True, deterministic=deterministic)
     flash_attn_rule(grads, Q, K, V, dO, True)
 
 

@@ -18,7 +18,8 @@ its measurement and the reason for any miss::
 and a backward ladder (FA2 Algorithm 2)::
 
     b1  two consumer warpgroups per key block of 128; Sᵀ, dPᵀ, dV, dK and dQ's share on wgmma (dS transposed
-        through shared memory); dQ by float32 atomic adds; cp.async copies waited for at once; d ≤ 128
+        through shared memory); dQ by float32 atomic adds, or (``deterministic=True``) in a pass of its own over
+        query blocks; cp.async copies waited for at once; d ≤ 128
 
 ``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature);
 ``BACKWARD_VERSIONS`` maps "b1" … to the backward rungs and ``flash_backward`` is the newest (not yet measured)::
