@@ -1,5 +1,6 @@
-"""What ptxas made of each Hopper rung (forward and backward): registers, local memory (spills), shared memory, and the SASS counts that
-say whether the intended instructions are there (HGMMA: wgmma; UTMALDG: TMA loads; LDL/STL: local memory).
+"""What ptxas made of each Hopper rung (forward and backward): registers, local memory (spills), shared memory,
+and the SASS counts that say whether the intended instructions are there (HGMMA: wgmma; UTMALDG: TMA loads;
+LDL/STL: local memory).
 
     python -m benchmarks.profilers.hopper_resources [--d 128] [--dtype bfloat16]
 
