@@ -105,6 +105,7 @@ CASES = [
     ("or_masks-window-prefix", F.or_masks(F.sliding_window(5), F.prefix_lm(8)), None, (1, 1, 1, 40, 40, 16), 16,
      (None, None), 0),
     ("per-b-h-mask", _striped, None, (2, 2, 2, 17, 20, 16), 16, (2, 2), 0),
+    ("d128-causal-bias", F.causal, F.relative_bias(np.arange(5.0)), (1, 1, 1, 17, 21, 128), 16, (None, None), 0),
 ]
 
 
