@@ -27,7 +27,9 @@ for example :func:`~fa2edu.flex.document`'s two id arrays and :func:`~fa2edu.fle
 with :func:`~fa2edu.flex.or_masks` / :func:`~fa2edu.flex.and_masks` are compiled part by part and combined by a
 short-circuiting ``or`` / ``and``. Before a mod reaches the GPU, numba types it on the host for the kernel's
 argument types. A mod numba cannot compile (``math`` it lacks, a Python object, a list) raises a ``TypeError``
-naming the mod, in the simulator too.
+naming the mod, in the simulator too. A kernel is compiled and cached per (tile, mods), keyed by what numba
+compiles: a mod's code and the constants it closes over, not the arrays it binds. So new document ids, or a
+``causal`` specialised again for the same lengths, reuse the compiled kernel (:func:`plan_mods`).
 
 Conventions are fa2edu's, for float16 and bfloat16 inputs of the kinds :mod:`kernels_gpu.tensorcore.launch`
 accepts: q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d); τ = 1/√d by default; ``enable_gqa`` lets query head h read
@@ -77,7 +79,7 @@ from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES
 from kernels_gpu.tensorcore import launch
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
-__all__ = ["flex_forward", "make_kernel", "config_for", "shared_words", "next_visited", "compile_mods",
+__all__ = ["flex_forward", "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods",
            "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
 
 #: Tile (B_r, B_c) used when no block mask is given (v4's).
@@ -127,33 +129,81 @@ def _host_types(kind: str, arrays: tuple) -> tuple:
     return lead + tuple(numba.typeof(np.asarray(a)) for a in arrays)
 
 
+class _Fn:
+    """A mod's function as a cache key: equal when numba would compile the same device function. numba freezes a
+    closure's cells and a function's globals as constants, so two closures of one code object over equal, hashable
+    cells are the same program (``causal.at_lengths`` makes a new closure for each BlockMask, each with the same
+    ``offset``). Any other function is its own key."""
+
+    __slots__ = ("fn", "key")
+
+    def __init__(self, fn):
+        self.fn = fn
+        try:
+            cells = tuple((type(v), v) for v in (c.cell_contents for c in (fn.__closure__ or ())))
+            self.key = (fn.__code__, cells, fn.__defaults__, id(fn.__globals__))
+            hash(self.key)
+        except (AttributeError, TypeError, ValueError):
+            self.key = (id(fn), fn)
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Fn) and self.key == other.key
+
+
 @functools.lru_cache(maxsize=256)
-def _typed_on_host(fn, kind: str, arrays_key: tuple):
+def _typed_on_host(fn: _Fn, kind: str, types: tuple):
     """numba types ``fn`` on the CPU for the kernel's argument types. The simulator runs device functions as
     Python, so without this a mod that cannot compile would first fail on a GPU. It returns numba's error message,
     or None when the mod compiles."""
     import numba
     try:
-        numba.njit(fn).compile(arrays_key)
+        numba.njit(fn.fn).compile(types)
     except Exception as error:          # numba's TypingError, UnsupportedError, … (and errors of the mod itself)
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        text = str(error).strip()
+        return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
     return None
 
 
-def _leaf(mod, role: str, kind: str, slot: int, parts: list, arrays: list):
-    """One mod without composition: the function numba compiles and the arrays bound to it (``bind``)."""
+def _leaf(mod, role: str, kind: str, arrays: list):
+    """One mod without composition, as a plan node ``("leaf", _Fn(fn), slots)``: the function numba compiles, and
+    the kernel's array slots of the arrays bound to it (``bind``), appended to ``arrays``."""
     fn, bound = (mod.mod, tuple(mod.arrays)) if hasattr(mod, "mod") and hasattr(mod, "arrays") else (mod, ())
+    slot = len(arrays)
     if slot + len(bound) > ARRAY_SLOTS:
         raise ValueError(f"the flex kernel takes at most {ARRAY_SLOTS} bound arrays over all mods together; "
                          f"{role} {_name(mod)} would need slot {slot + len(bound) - 1}")
-    message = _typed_on_host(fn, kind, _host_types(kind, bound))
+    key = _Fn(fn)
+    message = _typed_on_host(key, kind, _host_types(kind, bound))
     if message is not None:
         raise TypeError(f"{role} {_name(mod)} cannot be compiled for the GPU by numba (a mod must be a scalar "
                         f"function of plain Python, math and NumPy ufuncs, indexing only the arrays bound to it "
                         f"with fa2edu.flex.bind): {message}")
-    parts.append((fn, tuple(range(slot, slot + len(bound)))))
     arrays.extend(bound)
-    return slot + len(bound)
+    return ("leaf", key, tuple(range(slot, slot + len(bound))))
+
+
+def _mask_plan(mod, arrays: list):
+    """A mask_mod as a plan: or_masks / and_masks become ``("or" | "and", part, part, …)``, recursively."""
+    from fa2edu.flex import and_masks, or_masks
+    combine = getattr(mod, "combine", None)
+    if combine in (or_masks, and_masks) and getattr(mod, "mods", None):
+        word = "or" if combine is or_masks else "and"
+        return (word,) + tuple(_mask_plan(part, arrays) for part in mod.mods)
+    return _leaf(mod, "mask_mod", "mask", arrays)
+
+
+def plan_mods(mask_mod, score_mod):
+    """``(plan, arrays)``: what the kernel compiles for these mods — ``(mask plan, score plan)``, None for a missing
+    mod, hashable, equal for mods numba compiles alike whatever arrays they bind — and the bound arrays in slot
+    order (at most :data:`ARRAY_SLOTS`), which the kernel receives as arguments. Every function is typed by numba
+    on the host first (a clear ``TypeError`` naming the mod if it cannot be compiled)."""
+    arrays: list = []
+    mask_plan = None if mask_mod is None else _mask_plan(mask_mod, arrays)
+    score_plan = None if score_mod is None else _leaf(score_mod, "score_mod", "score", arrays)
+    return (mask_plan, score_plan), tuple(arrays)
 
 
 def _device_call(fn, kind: str, slots: tuple, jit):
@@ -184,50 +234,35 @@ def _combine_calls(first, second, combine: str, jit):
     return jit(both)
 
 
-def _mask_tree(mod, slot: int, arrays: list, jit):
-    """The compiled mask_mod (or_masks / and_masks recursively, part by part) and the next free array slot."""
-    from fa2edu.flex import and_masks, or_masks
-    combine = getattr(mod, "combine", None)
-    if combine in (or_masks, and_masks) and getattr(mod, "mods", None):
-        calls = []
-        for part in mod.mods:
-            call, slot = _mask_tree(part, slot, arrays, jit)
-            calls.append(call)
-        word = "or" if combine is or_masks else "and"
-        call = calls[-1]
-        for earlier in reversed(calls[:-1]):
-            call = _combine_calls(earlier, call, word, jit)
-        return call, slot
-    parts: list = []
-    slot = _leaf(mod, "mask_mod", "mask", slot, parts, arrays)
-    fn, slots = parts[0]
-    return _device_call(fn, "mask", slots, jit), slot
+def _compile_mask(node, jit):
+    if node[0] == "leaf":
+        return _device_call(node[1].fn, "mask", node[2], jit)
+    calls = [_compile_mask(part, jit) for part in node[1:]]
+    call = calls[-1]
+    for earlier in reversed(calls[:-1]):
+        call = _combine_calls(earlier, call, node[0], jit)
+    return call
 
 
-def compile_mods(mask_mod, score_mod, simulated: bool):
-    """``(mask_call, score_call, arrays)``: the mods as device functions of the kernel's fixed arity, and the
-    arrays bound to them, in slot order (at most :data:`ARRAY_SLOTS`). None for a missing mod gives a stand-in
-    that keeps every score (mask) or returns it unchanged (score); the kernel never calls either, because its
-    flags HAS_MASK, HAS_SCORE are compile-time constants."""
+def compile_mods(plan, simulated: bool):
+    """``(mask_call, score_call)``: a :func:`plan_mods` plan as device functions of the kernel's fixed arity. A
+    missing mod gets a stand-in that keeps every score (mask) or returns it unchanged (score). The kernel never
+    calls either, because its flags HAS_MASK, HAS_SCORE are compile-time constants."""
     jit = device(simulated)
-    arrays: list = []
-    slot = 0
-    if mask_mod is None:
+    mask_plan, score_plan = plan
+    if mask_plan is None:
         def keep_all(b, h, q_idx, kv_idx, A0, A1, A2, A3):
             return True
         mask_call = jit(keep_all)
     else:
-        mask_call, slot = _mask_tree(mask_mod, slot, arrays, jit)
-    if score_mod is None:
+        mask_call = _compile_mask(mask_plan, jit)
+    if score_plan is None:
         def unchanged(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
             return score
         score_call = jit(unchanged)
     else:
-        parts: list = []
-        _leaf(score_mod, "score_mod", "score", slot, parts, arrays)
-        fn, slots = parts[0]
-        score_call = _device_call(fn, "score", slots, jit)
-    return mask_call, score_call, arrays
+        score_call = _device_call(score_plan[1].fn, "score", score_plan[2], jit)
+    return mask_call, score_call
 
 
 # -- the kernel -------------------------------------------------------------------------------------------------
@@ -242,11 +277,12 @@ def next_visited(classes: np.ndarray, i: int, j: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def make_kernel(cfg: Config, mask_mod, score_mod):
-    """The flex kernel for one tile shape and one pair of mods (compiled on first launch). Returns ``(kernel,
-    arrays)``: the kernel and the arrays bound to the mods, which are passed as A0 … A3."""
-    mask_call, score_call, arrays = compile_mods(mask_mod, score_mod, cfg.simulated)
-    HAS_MASK, HAS_SCORE = mask_mod is not None, score_mod is not None
+def make_kernel(cfg: Config, plan):
+    """The flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
+    argument types). The arrays bound to the mods are its arguments A0 … A3: new document ids, slopes or tables
+    reuse the kernel."""
+    mask_call, score_call = compile_mods(plan, cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
     st = make_steps(cfg)
     jit = device(cfg.simulated)
     copy_q, copy_kv, zero, init_stats = st["copy_q_async"], st["copy_kv_async"], st["zero"], st["init_stats"]
@@ -369,7 +405,7 @@ def make_kernel(cfg: Config, mask_mod, score_mod):
         # Lines 12-15: O_i = diag(ℓ_i)⁻¹ Õ_i, L_i = m_i + log ℓ_i (O = 0, L = +∞ for a row that kept no score).
         finish_rows(o, m, l, O, L, z, h, row0, N_q, one_log2)
 
-    return flex_forward_tc, tuple(arrays)
+    return flex_forward_tc
 
 
 # -- checks and launch ------------------------------------------------------------------------------------------
@@ -457,7 +493,8 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
     cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
     mask_mod = None if block_mask is None else block_mask.mask_mod
     score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
-    kernel, arrays = make_kernel(cfg, mask_mod, score_mod)
+    plan, arrays = plan_mods(mask_mod, score_mod)
+    kernel = make_kernel(cfg, plan)
     if block_mask is None:
         classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
     else:
@@ -471,7 +508,9 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
     try:
         driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, 4 * shared_words(cfg))
     except Exception as error:
-        if not type(error).__module__.startswith("numba"):
+        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
+            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
+        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
             raise
         raise TypeError(f"numba could not compile the flex kernel with mask_mod "
                         f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "

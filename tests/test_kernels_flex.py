@@ -268,6 +268,25 @@ def test_too_many_bound_arrays():
         kflex.flex_forward(q, k, v, block_mask=bm)
 
 
+def test_a_kernel_is_compiled_once_per_program_not_per_mask_object():
+    """Two BlockMasks of ``causal`` made separately (each with its own closure), and document masks over other ids,
+    reuse the kernel: the cache key is what numba compiles, and bound arrays are kernel arguments."""
+    q, k, v = _small()
+    ids_a, ids_b = np.repeat(np.arange(2), [10, 14]), np.repeat(np.arange(3), [4, 10, 10])
+    runs = [F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=16) for _ in range(2)]
+    runs += [F.create_block_mask(F.document(ids[:20], ids), None, None, 20, 24, BLOCK_SIZE=16)
+             for ids in (ids_a, ids_b)]
+    plans = [kflex.plan_mods(bm.mask_mod, None) for bm in runs]
+    assert plans[0][0] == plans[1][0] and plans[2][0] == plans[3][0] and plans[0][0] != plans[2][0]
+    assert not np.array_equal(plans[2][1][0], plans[3][1][0])        # the ids travel as arguments
+    kflex.flex_forward(q, k, v, block_mask=runs[3])                  # compiled (or found) once ...
+    misses = kflex.make_kernel.cache_info().misses
+    O, L = kflex.flex_forward(q, k, v, block_mask=runs[2])           # ... and reused with other ids
+    assert kflex.make_kernel.cache_info().misses == misses
+    O_ref, _ = dense_oracle(q, k, v, runs[2].mask_mod, None)
+    assert np.abs(O - O_ref).max() < 5e-3
+
+
 def test_host_twin_of_the_walk():
     classes = np.array([[F.SKIPPED, F.PARTIAL, F.SKIPPED, F.FULL]])
     assert [kflex.next_visited(classes, 0, j) for j in range(5)] == [1, 1, 3, 3, 4]
