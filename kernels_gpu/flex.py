@@ -48,7 +48,7 @@ score of a partial block, one ``score_mod`` call per visible score. HBM reads N_
 sum over visited blocks of their key rows (the ledger of :func:`fa2edu.flex.flex_attention`, same tiles), plus one
 byte of block class per (i, j) that a row block's walk inspects, plus whatever the mods read from their bound
 arrays. Those reads go through L1 and L2 by ordinary loads, once per call: a document mask reads 2 ids per score of
-a partial block. Writes: N_q·(d + 2) bytes' worth of O (16-bit) and L (float32).
+a partial block. Writes: N_q·d elements of O (16-bit) and N_q of L (float32).
 
 **Prediction (this kernel has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
 plus a multiply by τ and a compare per score. v4 measured 58 TFLOP/s at d = 64 and 90 at d = 128 on an H100
