@@ -26,7 +26,8 @@ Modules: :mod:`kernels_gpu.runtime` (device checks, layouts, interop), :mod:`ker
 traffic counted in the simulator), :mod:`kernels_gpu.sanitize` (one launch of each kernel, for compute-sanitizer),
 :mod:`kernels_gpu.inference.decode` and :mod:`kernels_gpu.inference.varlen` (inference: split-KV decoding from a paged
 KV cache, packed batches; the decoding program's tiles come by Hopper's copy engine, through the tensor maps of
-:mod:`kernels_gpu.tensor_map`).
+:mod:`kernels_gpu.tensor_map`), :mod:`kernels_gpu.flex` (FlexAttention's forward on tensor cores: a BlockMask's skipped
+blocks never loaded, the user's ``mask_mod`` and ``score_mod`` compiled by numba into the kernel as device functions).
 """
 
 import numpy as _np

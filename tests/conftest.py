@@ -22,7 +22,7 @@ if os.environ.get("FA2EDU_GPU") != "1":
 #: teaching kernels in the simulator, the exercises, the CLI, the formats and the guards, in about a minute on
 #: two cores (a contributor's loop); the full suite runs everything.
 SLOW_FILES = ("test_kernels_fast", "test_kernels_decode", "test_tensorcore", "test_docs_build", "test_distributed",
-              "test_torch_dispatch", "test_book_route", "test_hopper_kernels")
+              "test_torch_dispatch", "test_book_route", "test_hopper_kernels", "test_kernels_flex")
 SLOW_TESTS = ("test_chapters.py::test_chapter_executes",)
 
 

@@ -125,13 +125,14 @@ def test_the_benchmarks_are_layered_harness_drivers_profilers() -> None:
 #: kernels_gpu, bottom first: what every kernel family shares (devices and layouts, the PTX instructions and their
 #: simulator twins, the fragment layouts, launches through the driver, tensor maps, traffic counting), then the
 #: families, each of which may build on the ones before it: the teaching kernels, the fast CUDA-core kernels, the
-#: tensor-core ladder, the inference kernels. Tools (``kernels_gpu.sanitize``) and the package itself sit on top.
+#: tensor-core ladder, the inference kernels and FlexAttention (built on the ladder's steps). Tools
+#: (``kernels_gpu.sanitize``) and the package itself sit on top.
 KERNEL_TIERS = [
     {"runtime", "counting", "driver_launch", "tensor_map", "ptx", "fragments", "wgmma_layout"},
     {"standard", "flash1", "flash2"},
     {"fast"},
     {"tensorcore"},
-    {"inference", "hopper"},
+    {"inference", "hopper", "flex"},
 ]
 
 

@@ -1,0 +1,518 @@
+"""FlexAttention on tensor cores: the user's ``mask_mod`` and ``score_mod`` compiled into an FA2 forward kernel.
+
+:mod:`fa2edu.flex` is FlexAttention in NumPy: a mask written as a Python function ``mask_mod(b, h, q_idx, kv_idx)
+-> bool``, classified ahead of time by :func:`fa2edu.create_block_mask` into skipped, partial and full blocks, and
+a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to each scaled score. This module runs the same mods
+on the GPU. numba compiles each mod, a plain Python scalar function, as a device function
+(``cuda.jit(device=True)(mod)``) and the kernel calls it from inside its loop, where LLVM inlines it. No code is
+generated from the mods' text, and nothing is traced: it is the same function that the NumPy path calls.
+
+The kernel is rung v4 of :mod:`kernels_gpu.tensorcore` (``cp.async`` with K_j, V_j double-buffered, ``ldmatrix``,
+``mma.sync.m16n8k16``, P̃ kept in registers), with the online softmax and the final rescale of
+:mod:`kernels_gpu.tensorcore.steps`, and three changes from the BlockMask (FA1 Algorithm 5 inside FA2's loops):
+
+* **skipped blocks are never loaded.** A row block i walks only the key blocks whose class is not SKIPPED
+  (:func:`next_visited`). The copy of the next visited tile starts while the current one is computed, as in v4. A
+  row block that visits nothing stores O = 0, L = +inf;
+* **partial blocks** call ``mask_mod`` once per score of the tile, and a dropped score becomes −inf before the
+  online softmax (Alg. 1 line 9). **Full blocks** do not call it at all;
+* **score_mod** rewrites every visible score after scaling, ``score_mod(τ·q·k, b, h, q_idx, kv_idx)``, exactly as
+  :func:`fa2edu.flex.flex_attention` does. The softmax then runs on the modified scores (scale 1: τ has already
+  been applied).
+
+Mods that index arrays (document ids, a bias table, ALiBi's slopes), bound with :func:`fa2edu.flex.bind`, take them
+as kernel arguments. The kernel's signature is fixed: four array slots A0 … A3 (dummy 1-element arrays where
+unused), handed out in order to the mask's parts, then to the score_mod. That is up to four bound arrays in all,
+for example :func:`~fa2edu.flex.document`'s two id arrays and :func:`~fa2edu.flex.alibi`'s slopes. Masks composed
+with :func:`~fa2edu.flex.or_masks` / :func:`~fa2edu.flex.and_masks` are compiled part by part and combined by a
+short-circuiting ``or`` / ``and``. Before a mod reaches the GPU, numba types it on the host for the kernel's
+argument types. A mod numba cannot compile (``math`` it lacks, a Python object, a list) raises a ``TypeError``
+naming the mod, in the simulator too. A kernel is compiled and cached per (tile, mods), keyed by what numba
+compiles: a mod's code and the constants it closes over, not the arrays it binds. So new document ids, or a
+``causal`` specialised again for the same lengths, reuse the compiled kernel (:func:`plan_mods`).
+
+Conventions are fa2edu's, for float16 and bfloat16 inputs of the kinds :mod:`kernels_gpu.tensorcore.launch`
+accepts: q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d); τ = 1/√d by default; ``enable_gqa`` lets query head h read
+key/value head h // (H_q / H_kv); d a multiple of 8 up to 256 (up to 128 at the largest tiles); any N_q, N_k.
+A fully masked row gets O = 0, L = +inf (natural log, float32).
+
+**Tiles.** The BlockMask's BLOCK_SIZE = (B_r, B_c) *is* the kernel's tile. B_r = 16·W for W = 1 … 8 warps (one
+16-row MMA tile per warp), and B_c is a multiple of 16 up to 128. PyTorch's default 128 works (8 warps, B_c = 128,
+174 KB of shared memory at d = 128), and so do v4's (64, 64). The simulator tests use (16, 16) (one warp). A
+BLOCK_SIZE the kernel cannot run raises an error that says which sizes it can run. The block mask is not
+re-classified behind the caller's back, because that costs a mask_mod call per score. No block mask means every
+block is full, at (64, 64).
+
+**Costs, per (batch, head).** The MMAs of the visited blocks, 4·d·(their area) FLOPs. One ``mask_mod`` call per
+score of a partial block, one ``score_mod`` call per visible score. HBM reads N_q·d + 2·d·CV elements, CV being the
+sum over visited blocks of their key rows (the ledger of :func:`fa2edu.flex.flex_attention`, same tiles), plus one
+byte of block class per (i, j) that a row block's walk inspects, plus whatever the mods read from their bound
+arrays. Those reads go through L1 and L2 by ordinary loads, once per call: a document mask reads 2 ids per score of
+a partial block. Writes: N_q·d elements of O (16-bit) and N_q of L (float32).
+
+**Prediction (this kernel has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
+plus a multiply by τ and a compare per score. v4 measured 58 TFLOP/s at d = 64 and 90 at d = 128 on an H100
+(non-causal, N = 16k), and this kernel should come within 10 % of that when score_mod is None. With causal as a
+mask_mod, about half of the blocks are skipped, and the diagonal's partial blocks (a fraction B/N of the visited
+ones) pay a mask call per score: a few integer operations, inlined. Expect v4-causal's wall time within 15 %,
+which is 1.7-1.9× faster than non-causal at N ≥ 4096. ``softcap`` (a ``tanh`` per score, in float64 because its
+``c`` is a Python float: FP64 runs at 1/2 the FP32 rate on an H100, 1/64 on consumer parts) should cost 20-40 %
+at d = 64 and less at d = 128, where the MMAs dominate. ALiBi and relative_bias are one global load per score
+(cached) plus an add, ≤ 15 %. Two things could break the prediction. A mod that numba does not inline would put
+``s`` in local memory. And the classes read from global memory sit in the critical path of the next tile's copy.
+The GPU tests should measure all of this against FlexAttention's Triton kernels. Left for later: the backward pass,
+and the Hopper (wgmma) version.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+import kernels_gpu.runtime as rt
+from fa2edu.flex import FULL, PARTIAL, SKIPPED, BlockMask, at_lengths
+from kernels_gpu import driver_launch, ptx
+from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES
+from kernels_gpu.tensorcore import launch
+from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
+
+__all__ = ["flex_forward", "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods",
+           "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
+
+#: Tile (B_r, B_c) used when no block mask is given (v4's).
+DEFAULT_BLOCK_SIZE = (64, 64)
+#: Bound arrays the kernel takes, over all mods together (its arguments A0 … A3).
+ARRAY_SLOTS = 4
+_SLOT_NAMES = ", ".join(f"A{k}" for k in range(ARRAY_SLOTS))
+_MASK_ARGS = "b, h, q_idx, kv_idx"
+_SCORE_ARGS = "score, b, h, q_idx, kv_idx"
+
+
+def _name(mod) -> str:
+    return getattr(mod, "__name__", type(mod).__name__)
+
+
+# -- the tile ---------------------------------------------------------------------------------------------------
+
+def config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
+    """The kernel's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): W = B_r / 16 warps of one 16-row MMA tile
+    each, B_c keys per K/V tile. Raises ValueError naming the sizes it can run."""
+    B_r, B_c = block_size
+    if B_r % 16 or not 16 <= B_r <= 128 or B_c % 16 or not 16 <= B_c <= 128:
+        raise ValueError(f"the flex kernel runs tiles (B_r, B_c) with B_r in 16, 32, …, 128 (16 query rows per "
+                         f"warp) and B_c a multiple of 16 up to 128; the block mask has BLOCK_SIZE = "
+                         f"{(B_r, B_c)}: make it with create_block_mask(..., BLOCK_SIZE=(64, 64)) (or 128, "
+                         f"PyTorch's default, or (16, 16) for small problems)")
+    cfg = Config(d=d, warps=B_r // 16, B_c=B_c, dtype=dtype, causal=False, simulated=simulated)
+    nbytes = 4 * shared_words(cfg)
+    if nbytes > MAX_DYNAMIC_BYTES:
+        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c)} at d = {d} needs {nbytes} bytes of shared memory, a block may "
+                         f"have {MAX_DYNAMIC_BYTES}: make the block mask with a smaller BLOCK_SIZE, e.g. (64, 64)")
+    return cfg
+
+
+def shared_words(cfg: Config) -> int:
+    """32-bit words of shared memory: Q_i, and two stages of K_j, V_j (RS words per row), as v4."""
+    return cfg.B_r * cfg.RS + 4 * cfg.B_c * cfg.RS
+
+
+# -- the mods as device functions -------------------------------------------------------------------------------
+
+def _host_types(kind: str, arrays: tuple) -> tuple:
+    """The numba types a mod is called with in the kernel: a float32 score, int64 indices, the bound arrays."""
+    import numba
+    ints = (numba.int64,) * 4
+    lead = ((numba.float32,) + ints) if kind == "score" else ints
+    return lead + tuple(numba.typeof(np.asarray(a)) for a in arrays)
+
+
+class _Fn:
+    """A mod's function as a cache key: equal when numba would compile the same device function. numba freezes a
+    closure's cells and a function's globals as constants, so two closures of one code object over equal, hashable
+    cells are the same program (``causal.at_lengths`` makes a new closure for each BlockMask, each with the same
+    ``offset``). Any other function is its own key."""
+
+    __slots__ = ("fn", "key")
+
+    def __init__(self, fn):
+        self.fn = fn
+        try:
+            cells = tuple((type(v), v) for v in (c.cell_contents for c in (fn.__closure__ or ())))
+            self.key = (fn.__code__, cells, fn.__defaults__, id(fn.__globals__))
+            hash(self.key)
+        except (AttributeError, TypeError, ValueError):
+            self.key = (id(fn), fn)
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Fn) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=256)
+def _typed_on_host(fn: _Fn, kind: str, types: tuple):
+    """numba types ``fn`` on the CPU for the kernel's argument types. The simulator runs device functions as
+    Python, so without this a mod that cannot compile would first fail on a GPU. It returns numba's error message,
+    or None when the mod compiles."""
+    import numba
+    try:
+        numba.njit(fn.fn).compile(types)
+    except Exception as error:          # numba's TypingError, UnsupportedError, … (and errors of the mod itself)
+        text = str(error).strip()
+        return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    return None
+
+
+def _leaf(mod, role: str, kind: str, arrays: list):
+    """One mod without composition, as a plan node ``("leaf", _Fn(fn), slots)``: the function numba compiles, and
+    the kernel's array slots of the arrays bound to it (``bind``), appended to ``arrays``."""
+    fn, bound = (mod.mod, tuple(mod.arrays)) if hasattr(mod, "mod") and hasattr(mod, "arrays") else (mod, ())
+    slot = len(arrays)
+    if slot + len(bound) > ARRAY_SLOTS:
+        raise ValueError(f"the flex kernel takes at most {ARRAY_SLOTS} bound arrays over all mods together; "
+                         f"{role} {_name(mod)} would need slot {slot + len(bound) - 1}")
+    key = _Fn(fn)
+    message = _typed_on_host(key, kind, _host_types(kind, bound))
+    if message is not None:
+        raise TypeError(f"{role} {_name(mod)} cannot be compiled for the GPU by numba (a mod must be a scalar "
+                        f"function of plain Python, math and NumPy ufuncs, indexing only the arrays bound to it "
+                        f"with fa2edu.flex.bind): {message}")
+    arrays.extend(bound)
+    return ("leaf", key, tuple(range(slot, slot + len(bound))))
+
+
+def _mask_plan(mod, arrays: list):
+    """A mask_mod as a plan: or_masks / and_masks become ``("or" | "and", part, part, …)``, recursively."""
+    from fa2edu.flex import and_masks, or_masks
+    combine = getattr(mod, "combine", None)
+    if combine in (or_masks, and_masks) and getattr(mod, "mods", None):
+        word = "or" if combine is or_masks else "and"
+        return (word,) + tuple(_mask_plan(part, arrays) for part in mod.mods)
+    return _leaf(mod, "mask_mod", "mask", arrays)
+
+
+def plan_mods(mask_mod, score_mod):
+    """``(plan, arrays)``: what the kernel compiles for these mods — ``(mask plan, score plan)``, None for a missing
+    mod, hashable, equal for mods numba compiles alike whatever arrays they bind — and the bound arrays in slot
+    order (at most :data:`ARRAY_SLOTS`), which the kernel receives as arguments. Every function is typed by numba
+    on the host first (a clear ``TypeError`` naming the mod if it cannot be compiled)."""
+    arrays: list = []
+    mask_plan = None if mask_mod is None else _mask_plan(mask_mod, arrays)
+    score_plan = None if score_mod is None else _leaf(score_mod, "score_mod", "score", arrays)
+    return (mask_plan, score_plan), tuple(arrays)
+
+
+def _device_call(fn, kind: str, slots: tuple, jit):
+    """``fn`` as a device function with the kernel's fixed arity: ``call(<mod's args>, A0, …, A3)`` calls
+    ``fn(<mod's args>, A_slot, …)`` with the arrays of its own slots. The wrapper's source is one line, made for
+    the slots (numba needs a fixed argument list, and Python cannot write "pick these slots" otherwise)."""
+    args = _SCORE_ARGS if kind == "score" else _MASK_ARGS
+    extra = "".join(f", A{s}" for s in slots)
+    namespace = {"fn": jit(fn)}
+    exec(f"def call({args}, {_SLOT_NAMES}):\n    return fn({args}{extra})\n", namespace)
+    return jit(namespace["call"])
+
+
+def _combine_calls(first, second, combine: str, jit):
+    """Two compiled masks combined, short-circuiting: ``first or second`` (or_masks), ``first and second``
+    (and_masks). The second is not called when the first decides."""
+    if combine == "or":
+        def either(b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            if first(b, h, q_idx, kv_idx, A0, A1, A2, A3):
+                return True
+            return second(b, h, q_idx, kv_idx, A0, A1, A2, A3)
+        return jit(either)
+
+    def both(b, h, q_idx, kv_idx, A0, A1, A2, A3):
+        if not first(b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            return False
+        return second(b, h, q_idx, kv_idx, A0, A1, A2, A3)
+    return jit(both)
+
+
+def _compile_mask(node, jit):
+    if node[0] == "leaf":
+        return _device_call(node[1].fn, "mask", node[2], jit)
+    calls = [_compile_mask(part, jit) for part in node[1:]]
+    call = calls[-1]
+    for earlier in reversed(calls[:-1]):
+        call = _combine_calls(earlier, call, node[0], jit)
+    return call
+
+
+def compile_mods(plan, simulated: bool):
+    """``(mask_call, score_call)``: a :func:`plan_mods` plan as device functions of the kernel's fixed arity. A
+    missing mod gets a stand-in that keeps every score (mask) or returns it unchanged (score). The kernel never
+    calls either, because its flags HAS_MASK, HAS_SCORE are compile-time constants."""
+    jit = device(simulated)
+    mask_plan, score_plan = plan
+    if mask_plan is None:
+        def keep_all(b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            return True
+        mask_call = jit(keep_all)
+    else:
+        mask_call = _compile_mask(mask_plan, jit)
+    if score_plan is None:
+        def unchanged(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            return score
+        score_call = jit(unchanged)
+    else:
+        score_call = _device_call(score_plan[1].fn, "score", score_plan[2], jit)
+    return mask_call, score_call
+
+
+# -- the kernel -------------------------------------------------------------------------------------------------
+
+def next_visited(classes: np.ndarray, i: int, j: int) -> int:
+    """Host twin of the kernel's walk: the first key block j' ≥ j of row block i that is not skipped (T_c if none).
+    ``classes`` is one (b, h)'s (T_r, T_c) array."""
+    T_c = classes.shape[-1]
+    while j < T_c and classes[i, j] == SKIPPED:
+        j += 1
+    return j
+
+
+@functools.lru_cache(maxsize=64)
+def make_kernel(cfg: Config, plan):
+    """The flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
+    argument types). The arrays bound to the mods are its arguments A0 … A3: new document ids, slopes or tables
+    reuse the kernel."""
+    mask_call, score_call = compile_mods(plan, cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    st = make_steps(cfg)
+    jit = device(cfg.simulated)
+    copy_q, copy_kv, zero, init_stats = st["copy_q_async"], st["copy_kv_async"], st["zero"], st["init_stats"]
+    online_softmax, finish_rows, mma_into = st["online_softmax_f32"], st["finish_rows_exp2"], st["mma_into"]
+    ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
+    pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
+    B_r, B_c, RS, NT, NO = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO
+    KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
+    KV = B_c // 16                           # 16-wide k-steps of O += P V
+    K_OFF = B_r * RS                         # word offsets in the one shared array: Q_i, then
+    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
+    STAGE = 2 * B_c * RS
+    S_LEN, O_LEN = 4 * NT, 4 * NO           # register-array lengths (compile-time constants)
+    neg_inf = float32(-math.inf)
+    one_log2 = float32(LOG2E)                # the scores are already scaled: exp(x) = 2^(x·log₂e)
+    SKIP, PART = np.int8(SKIPPED), np.int8(PARTIAL)
+
+    @jit
+    def next_tile(C, bz, bh, i, j, T_c):
+        """FA1 Alg. 5 line 8: the first key block j' ≥ j of row block i that the BlockMask does not skip."""
+        while j < T_c and C[bz, bh, i, j] == SKIP:
+            j += 1
+        return j
+
+    @jit
+    def modify_row(s, hr, row, col0, N_q, N_k, kind, scale, z, head, A0, A1, A2, A3):
+        """Alg. 1 line 8 for one of the lane's two rows (hr = 0: row g, 1: row g + 8), in place: S ← τ·S, then
+        FlexAttention's MASK(score_mod(S)). mask_mod runs only in partial blocks, and score_mod only on the
+        scores the mask keeps. Keys past N_k and padding rows past N_q (their mods are never called: a mod may
+        index arrays of N_q or N_k entries) get −∞."""
+        for n in range(NT):
+            for e in range(2):
+                k = 4 * n + 2 * hr + e
+                col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                x = s[k] * scale
+                if row >= N_q or col >= N_k:
+                    x = neg_inf
+                elif HAS_MASK and kind == PART and not mask_call(z, head, row, col, A0, A1, A2, A3):
+                    x = neg_inf
+                elif HAS_SCORE:
+                    x = score_call(x, z, head, row, col, A0, A1, A2, A3)
+                s[k] = x
+
+    @cuda.jit
+    def flex_forward_tc(Q, K, V, O, L, C, N_q, N_k, G, scale, A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = lane // 4
+        i = cuda.blockIdx.x                   # row block i (FA2 Alg. 1 line 3: one block per i, in parallel)
+        h = cuda.blockIdx.y                   # query head (score_mod's and mask_mod's h)
+        z = cuda.blockIdx.z                   # batch entry (the mods' b)
+        hk = h // G                           # GQA: query head h reads key/value head h // G
+        bz = z if C.shape[0] > 1 else 0       # a BlockMask of B = 1 or H = 1 broadcasts
+        bh = h if C.shape[1] > 1 else 0
+        T_c = C.shape[3]
+        sm = cuda.shared.array(0, uint32)     # dynamic shared memory, as 32-bit words
+        s = cuda.local.array(S_LEN, float32)
+        o = cuda.local.array(O_LEN, float32)
+        m = cuda.local.array(2, float32)
+        l = cuda.local.array(2, float32)
+        row0 = i * B_r + 16 * warp + g        # this lane's first row; its second is row0 + 8
+
+        # Alg. 1 lines 4 and 7 (first visited j): start the copies of Q_i, K_j, V_j, as one group.
+        j = next_tile(C, bz, bh, i, 0, T_c)
+        copy_q(sm, 0, Q, z, h, i * B_r, N_q, tid)
+        if j < T_c:
+            copy_kv(sm, K_OFF, K, z, hk, j * B_c, N_k, tid)
+            copy_kv(sm, V_OFF, V, z, hk, j * B_c, N_k, tid)
+        ptx.cp_async_commit()
+        # Alg. 1 line 5: O_i = 0, ℓ_i = 0, m_i = −∞ (in registers).
+        zero(o, O_LEN)
+        init_stats(m, l)
+        # Alg. 1 line 6: for j = 1 … T_c, the skipped blocks left out (FA1 Alg. 5 line 8); t counts visits.
+        t = 0
+        while j < T_c:
+            stage = (t % 2) * STAGE
+            kind = C[bz, bh, i, j]
+            # Line 7 for the next visited tile, started now, lands while tile j is computed.
+            j_next = next_tile(C, bz, bh, i, j + 1, T_c)
+            if j_next < T_c:
+                copy_kv(sm, K_OFF + STAGE - stage, K, z, hk, j_next * B_c, N_k, tid)
+                copy_kv(sm, V_OFF + STAGE - stage, V, z, hk, j_next * B_c, N_k, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_one()           # this thread's copies of tile j (and Q_i) have landed ...
+            cuda.syncthreads()                # ... and everyone's
+
+            # Line 8: S_ij = Q_i K_jᵀ, the warp's 16 rows, two 16 × 8 tiles per ldmatrix of K.
+            zero(s, S_LEN)
+            for kk in range(KS):
+                a0, a1, a2, a3 = ldmatrix(sm, (16 * warp + lane % 16) * RS + 8 * kk + 4 * (lane // 16))
+                for p in range(NT // 2):
+                    k_row = K_OFF + stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    b0, b1, b2, b3 = ldmatrix(sm, k_row)
+                    mma_into(s, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(s, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+
+            # Line 8, FlexAttention: S ← MASK(score_mod(τ·S)), mask_mod per score of a partial block only.
+            modify_row(s, 0, row0, j * B_c, N_q, N_k, kind, scale, z, h, A0, A1, A2, A3)
+            modify_row(s, 1, row0 + 8, j * B_c, N_q, N_k, kind, scale, z, h, A0, A1, A2, A3)
+            # Lines 9-10: the online softmax on the final scores (scale 1, no mask of its own: done above).
+            online_softmax(s, o, m, l, row0, j * B_c, N_k, one_log2, 0, False)
+
+            # Line 10 (second half): Õ_i += P̃_ij V_j, 16 keys per k-step; A comes straight from S's accumulators.
+            for kk in range(KV):
+                a0 = pack(s[8 * kk], s[8 * kk + 1])
+                a1 = pack(s[8 * kk + 2], s[8 * kk + 3])
+                a2 = pack(s[8 * kk + 4], s[8 * kk + 5])
+                a3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+                for p in range(NO // 2):
+                    v_row = V_OFF + stage + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p + 4 * (lane // 16)
+                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                    mma_into(o, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(o, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+            cuda.syncthreads()                # this stage is free for the visit after next
+            j = j_next
+            t += 1
+
+        ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)
+        # Lines 12-15: O_i = diag(ℓ_i)⁻¹ Õ_i, L_i = m_i + log ℓ_i (O = 0, L = +∞ for a row that kept no score).
+        finish_rows(o, m, l, O, L, z, h, row0, N_q, one_log2)
+
+    return flex_forward_tc
+
+
+# -- checks and launch ------------------------------------------------------------------------------------------
+
+def _check_mods(score_mod, block_mask, p) -> BlockMask | None:
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) -> score or None, got "
+                        f"{type(score_mod).__name__}")
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a fa2edu.BlockMask (from fa2edu.create_block_mask) or None, got "
+                        f"{type(block_mask).__name__}")
+    if (block_mask.Q_LEN, block_mask.KV_LEN) != (p.N_q, p.N_k):
+        raise ValueError(f"block_mask was made for Q_LEN = {block_mask.Q_LEN}, KV_LEN = {block_mask.KV_LEN}, but q "
+                         f"has N_q = {p.N_q} queries and k has N_k = {p.N_k} keys")
+    if block_mask.B not in (1, p.Z) or block_mask.H not in (1, p.H_q):
+        raise ValueError(f"block_mask covers (B, H) = ({block_mask.B}, {block_mask.H}); q has (B, H) = "
+                         f"({p.Z}, {p.H_q}): each must match or be 1 (broadcast)")
+    return block_mask
+
+
+def _on_device(a):
+    """A bound array as the kernel reads it: numba device arrays and CUDA-array-interface objects in place,
+    anything else (NumPy, lists, CPU tensors) copied to the device, C-contiguous."""
+    if getattr(a, "__cuda_ndarray__", False):
+        return a
+    if hasattr(a, "__cuda_array_interface__") and not rt.simulator_in_use():
+        return cuda.as_cuda_array(a)
+    if hasattr(a, "numpy"):                      # a CPU tensor
+        a = a.detach().numpy()
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+    """FlexAttention forward on tensor cores: FA2 Algorithm 1 over a BlockMask, the mods compiled into the kernel.
+
+    O = softmax(MASK(score_mod(τ·QKᵀ)))·V, the same function as :func:`fa2edu.flex.flex_attention`. Skipped blocks
+    are never loaded, partial blocks call mask_mod per score, full blocks never call it. score_mod rewrites every
+    visible scaled score. Cost per (batch, head): 4·d·(visited area) MMA FLOPs, one mask_mod call per score of a
+    partial block, one score_mod call per visible score; HBM reads N_q·d + 2·d·CV elements (CV: key rows of the
+    visited blocks), writes N_q·d + N_q (see the module docstring).
+
+    Parameters
+    ----------
+    Q : array, shape (B, H_q, N_q, d)
+        Queries: float16 or bfloat16 (a PyTorch tensor, a numba device array or a NumPy float16 array, as
+        :func:`kernels_gpu.tensorcore.flash2_forward`); d a multiple of 8 up to 256.
+    K : array, shape (B, H_kv, N_k, d)
+        Keys, the same kind and dtype as Q; H_kv = H_q unless ``enable_gqa``.
+    V : array, shape (B, H_kv, N_k, d)
+        Values, the same kind and dtype (d_v = d).
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score``, a scalar function numba compiles (``bind`` for arrays
+        it indexes). Default None: the scores unchanged.
+    block_mask : fa2edu.BlockMask, optional
+        From ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)``. Its BLOCK_SIZE is the kernel's
+        tile (see the module docstring for the sizes it runs), its B and H are Q's or 1. Default None: no mask,
+        tile (64, 64).
+    scale : float, optional
+        The softmax scale τ. Default None: 1/√d.
+    enable_gqa : bool, default False
+        Allow H_q ≠ H_kv (a divisor of H_q): query head h reads key/value head h // (H_q / H_kv).
+
+    Returns
+    -------
+    Flash2Forward
+        ``(O, L)``: O (B, H_q, N_q, d) in Q's dtype and kind (0 on a fully masked row), L (B, H_q, N_q) float32
+        natural-log log-sum-exp of the modified, masked scores (+inf on a fully masked row).
+    """
+    from kernels_gpu.flash2 import Flash2Forward
+
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if Q.shape[1] != K.shape[1] and not enable_gqa:
+        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention, or give K and V Q's heads")
+    p = launch.prepare(Q, K, V, causal=False, scale=scale)
+    block_mask = _check_mods(score_mod, block_mask, p)
+    block_size = DEFAULT_BLOCK_SIZE if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
+    plan, arrays = plan_mods(mask_mod, score_mod)
+    kernel = make_kernel(cfg, plan)
+    if block_mask is None:
+        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
+    else:
+        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
+    bound = [_on_device(a) for a in arrays]
+    dummy = cuda.to_device(np.zeros(1, np.float32))
+    bound += [dummy] * (ARRAY_SLOTS - len(bound))
+    args = (p.Q, p.K, p.V, p.O, p.L, cuda.to_device(classes), np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *bound)
+    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
+    try:
+        driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, 4 * shared_words(cfg))
+    except Exception as error:
+        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
+            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
+        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
+            raise
+        raise TypeError(f"numba could not compile the flex kernel with mask_mod "
+                        f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
+                        f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
+    return Flash2Forward(*launch.finish(p))

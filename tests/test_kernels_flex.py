@@ -1,0 +1,293 @@
+"""kernels_gpu.flex in numba's CUDA simulator: the FlexAttention forward with the user's mods compiled in.
+
+Every ready mod of :mod:`fa2edu.flex`, and compositions of them, against a dense float64 oracle written here
+(one Python call of each mod per score), which must agree with :func:`fa2edu.flex.flex_attention` to 1e-10. The
+kernel must be within flash-attn's rule of it: 2× the error of the same computation in float16 (NumPy's
+flex_attention on the float16 inputs), plus a floor. Then the claims of the module: skipped blocks are never
+loaded (the ``cp.async`` copies counted), full blocks never call mask_mod (a mod that records its calls: in the
+simulator a device function runs as Python), and the bad inputs' errors. Tiles are (16, 16), one warp, except
+where a case says otherwise: the simulator runs each CUDA thread as a Python thread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import fa2edu
+import kernels_gpu.flex as kflex
+from fa2edu import flex as F
+from tests.tolerances import assert_close_to_oracle, baseline_error
+
+# -- the dense float64 oracle -----------------------------------------------------------------------------------
+
+
+def dense_oracle(q, k, v, mask_mod, score_mod, scale=None):
+    """softmax(MASK(score_mod(τ·qkᵀ)))·v in float64, one scalar call of each mod per score (aligned to the
+    lengths as create_block_mask does); O = 0, L = +inf on rows that keep no score."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, H, N_q, d = q.shape
+    G = H // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    N_k = k.shape[2]
+    tau = 1.0 / math.sqrt(d) if scale is None else scale
+    S = tau * q @ np.swapaxes(k, -1, -2)
+    mask_mod = None if mask_mod is None else F.at_lengths(mask_mod, N_q, N_k)
+    score_mod = None if score_mod is None else F.at_lengths(score_mod, N_q, N_k)
+    for b, h, i, j in np.ndindex(S.shape):
+        if mask_mod is not None and not mask_mod(b, h, i, j):
+            S[b, h, i, j] = -np.inf
+        elif score_mod is not None:
+            S[b, h, i, j] = score_mod(float(S[b, h, i, j]), b, h, i, j)
+    m = S.max(axis=-1, keepdims=True)
+    masked = np.isneginf(m)
+    P = np.exp(S - np.where(masked, 0.0, m))
+    ell = P.sum(axis=-1, keepdims=True)
+    O = np.where(masked, 0.0, P @ v / np.where(masked, 1.0, ell))
+    with np.errstate(divide="ignore"):
+        L = np.where(masked, np.inf, m + np.log(np.where(masked, 1.0, ell)))[..., 0]
+    return O, L
+
+
+def _inputs(B, H_q, H_kv, N_q, N_k, d, seed, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((B, H_q, N_q, d)) * logit_scale).astype(np.float16)
+    k = (rng.standard_normal((B, H_kv, N_k, d)) * logit_scale).astype(np.float16)
+    v = rng.standard_normal((B, H_kv, N_k, d)).astype(np.float16)
+    return q, k, v
+
+
+def check_against_oracle(q, k, v, mask_mod, score_mod, block_mask, enable_gqa=False, fully_masked_rows=None):
+    O, L = kflex.flex_forward(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+    assert O.dtype == np.float16 and O.shape == q.shape and L.dtype == np.float32 and L.shape == q.shape[:-1]
+    O_ref, L_ref = dense_oracle(q, k, v, mask_mod, score_mod)
+    # the oracle and fa2edu's NumPy FlexAttention agree (float64 in, float64 arithmetic)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    O_np, L_np = F.flex_attention(q64, k64, v64, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
+                                  return_lse=True)
+    assert_close_to_oracle(O_np, O_ref, "NumPy flex O")
+    assert_close_to_oracle(L_np, L_ref, "NumPy flex L")
+    # the kernel within flash-attn's rule: twice the same computation's error in float16, plus a floor
+    O_16 = F.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+    assert_close_to_oracle(O, O_ref, "O", dtype=np.float16, baseline=baseline_error(O_16, O_ref))
+    finite = np.isfinite(L_ref)
+    assert np.array_equal(np.isposinf(L), ~finite), "L = +inf exactly on the fully masked rows"
+    np.testing.assert_allclose(L[finite], L_ref[finite], rtol=1e-4, atol=1e-4)
+    assert (O[~finite] == 0).all(), "O = 0 on fully masked rows"
+    if fully_masked_rows is not None:
+        assert (~finite).sum() >= fully_masked_rows
+    return O, L
+
+
+# -- every ready mod, and compositions --------------------------------------------------------------------------
+
+def _striped(b, h, q_idx, kv_idx):
+    # depends on b and h: the BlockMask's classes differ per (b, h), none broadcast
+    return (kv_idx + 2 * h + b) % 3 != 0
+
+
+Q_DOCS = np.repeat(np.arange(4), [9, 12, 6, 10])            # 37 queries in documents 0-3
+KV_DOCS = np.repeat(np.array([0, 1, 3, 4]), [11, 14, 9, 7])  # 41 keys: document 2 has no key (masked rows)
+
+# (id, mask_mod, score_mod, (B, H_q, H_kv, N_q, N_k, d), BLOCK_SIZE, B and H of the block mask, masked rows)
+CASES = [
+    ("causal", F.causal, None, (1, 2, 2, 40, 29, 16), 16, (None, None), 11),
+    ("sliding_window", F.sliding_window(7), None, (1, 1, 1, 45, 45, 24), 16, (None, None), 0),
+    ("prefix_lm-gqa-32x16", F.prefix_lm(10), None, (1, 2, 1, 33, 47, 16), (32, 16), (None, None), 0),
+    ("document-and-causal", F.and_masks(F.causal, F.document(Q_DOCS, KV_DOCS)), None, (1, 1, 1, 37, 41, 8),
+     16, (None, None), 6),
+    ("alibi-causal", F.causal, F.alibi(F.alibi_slopes(2)), (1, 2, 2, 30, 38, 16), 16, (None, 2), 0),
+    ("softcap-window", F.sliding_window(20), F.softcap(2.0), (1, 1, 1, 35, 35, 16), 16, (None, None), 0),
+    ("relative_bias-prefix", F.prefix_lm(4), F.relative_bias(np.linspace(-1.0, 1.0, 9)), (1, 1, 1, 21, 34, 16),
+     16, (None, None), 0),
+    ("or_masks-window-prefix", F.or_masks(F.sliding_window(5), F.prefix_lm(8)), None, (1, 1, 1, 40, 40, 16), 16,
+     (None, None), 0),
+    ("per-b-h-mask", _striped, None, (2, 2, 2, 17, 20, 16), 16, (2, 2), 0),
+    ("d128-causal-bias", F.causal, F.relative_bias(np.arange(5.0)), (1, 1, 1, 17, 21, 128), 16, (None, None), 0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_ready_mods_match_the_oracle(case):
+    _, mask_mod, score_mod, (B, H_q, H_kv, N_q, N_k, d), block_size, (bB, bH), masked = case
+    q, k, v = _inputs(B, H_q, H_kv, N_q, N_k, d, seed=len(case[0]), logit_scale=1.5)
+    bm = F.create_block_mask(mask_mod, None if bB is None else B, bH, N_q, N_k, BLOCK_SIZE=block_size)
+    check_against_oracle(q, k, v, mask_mod, score_mod, bm, enable_gqa=H_q != H_kv, fully_masked_rows=masked)
+
+
+def test_no_block_mask_runs_the_default_tile_with_a_score_mod():
+    """block_mask=None: every block full at (64, 64), 4 warps; softcap alone (one tile: the simulator is slow)."""
+    q, k, v = _inputs(1, 1, 1, 20, 30, 16, seed=3, logit_scale=2.0)
+    check_against_oracle(q, k, v, None, F.softcap(1.5), None)
+
+
+def test_extreme_logits_and_a_block_mask_that_skips_whole_rows():
+    """Scores in the hundreds (the running maximum keeps exp finite) and row blocks whose every key block is
+    skipped (causal with N_q > N_k: the first row block visits nothing): O = 0, L = +inf, never NaN."""
+    q, k, v = _inputs(1, 1, 1, 40, 12, 16, seed=4, logit_scale=6.0)
+    bm = F.create_block_mask(F.causal, None, None, 40, 12, BLOCK_SIZE=16)
+    assert (bm.classes[0, 0, 0] == F.SKIPPED).all()
+    O, L = check_against_oracle(q, k, v, F.causal, None, bm, fully_masked_rows=28)
+    assert np.isinf(L[..., :28]).all() and np.isfinite(L[..., 28:]).all()
+
+
+def test_torch_bfloat16_in_and_out():
+    torch = pytest.importorskip("torch")
+    q, k, v = _inputs(1, 1, 1, 18, 24, 16, seed=5)
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
+    bm = F.create_block_mask(F.causal, None, None, 18, 24, BLOCK_SIZE=16)
+    O, L = kflex.flex_forward(tq, tk, tv, block_mask=bm)
+    assert O.dtype == torch.bfloat16 and L.dtype == torch.float32
+    O_ref, L_ref = dense_oracle(tq.double().numpy(), tk.double().numpy(), tv.double().numpy(), F.causal, None)
+    assert np.abs(O.double().numpy() - O_ref).max() < 2e-2
+    np.testing.assert_allclose(L.numpy(), L_ref, rtol=1e-3, atol=1e-3)
+
+
+# -- what the kernel loads and calls ----------------------------------------------------------------------------
+
+def test_skipped_blocks_are_never_loaded(ptx_calls):
+    """Every 16-byte ``cp.async`` copy that reads global memory (source size 16), counted: Q_i once per row block,
+    K_j and V_j once per *visited* block — the BlockMask's skipped blocks never — and the rows of K, V read are
+    exactly those of the visited blocks."""
+    B, H, N_q, N_k, d, Bs = 1, 2, 20, 50, 16, 16
+    q, k, v = _inputs(B, H, H, N_q, N_k, d, seed=6)
+    window = F.sliding_window(9)
+    bm = F.create_block_mask(window, None, None, N_q, N_k, BLOCK_SIZE=Bs)
+    assert bm.counts()["skipped"] > 0
+    copies = ptx_calls("cp_async16")
+    kflex.flex_forward(q, k, v, block_mask=bm)
+    chunks = d // 8                                                 # 16-byte chunks of a row
+    rows_q, rows_kv = [], []
+    for _, _, gmem, g_index, src_bytes in copies:
+        if int(src_bytes) == 0:
+            continue                                                # zero fill: nothing read
+        flat_row = int(g_index) // (d // 2)                         # (Z·H·N) row of a contiguous word view
+        (rows_q if gmem.shape[2] == N_q else rows_kv).append(flat_row)
+    T_r = bm.T_r
+    assert len(rows_q) == H * N_q * chunks                          # Q_i: each row once
+    visited = [(h, j) for h in range(H) for i in range(T_r) for j in range(bm.T_c)
+               if bm.classes[0, 0, i, j] != F.SKIPPED]
+    expected = []
+    for h, j in visited:
+        expected += [h * N_k + r for r in range(j * Bs, min((j + 1) * Bs, N_k))] * chunks
+    assert sorted(rows_kv) == sorted(expected * 2)                  # K and V, each visited block's rows
+    skipped_rows = {h * N_k + r for h in range(H) for r in range(N_k)
+                    if all(bm.classes[0, 0, i, r // Bs] == F.SKIPPED for i in range(T_r))}
+    assert skipped_rows and not skipped_rows & set(rows_kv)         # keys only skipped blocks hold: never read
+
+
+def test_mask_mod_runs_only_in_partial_blocks(monkeypatch):
+    """A mask_mod that records its calls (in the simulator a device function is the Python function itself): it is
+    called once per score of each partial block, for the real rows and keys, and never in a full block."""
+    calls = []
+
+    def recorded_causal(b, h, q_idx, kv_idx):
+        if np.ndim(q_idx) == 0:
+            calls.append((int(b), int(h), int(q_idx), int(kv_idx)))
+        return kv_idx <= q_idx + 6
+    # the recording mod appends to a Python list, which numba could not compile: skip the host's typing check
+    monkeypatch.setattr(kflex, "_typed_on_host", lambda *args: None)
+    N_q, N_k, Bs = 34, 40, 16
+    q, k, v = _inputs(1, 1, 1, N_q, N_k, 16, seed=7)
+    bm = F.create_block_mask(recorded_causal, None, None, N_q, N_k, BLOCK_SIZE=Bs)
+    assert bm.counts()["full"] > 0 and bm.counts()["partial"] > 0
+    calls.clear()                                                   # (create_block_mask's own evaluations)
+    kflex.flex_forward(q, k, v, block_mask=bm)
+    expected = [(0, 0, r, c) for i, rows in enumerate(bm.row_tiles()) for j, cols in enumerate(bm.col_tiles())
+                if bm.classes[0, 0, i, j] == F.PARTIAL for r in range(rows.start, rows.stop)
+                for c in range(cols.start, cols.stop)]
+    assert sorted(calls) == sorted(expected)
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+
+def _small():
+    return _inputs(1, 1, 1, 20, 24, 16, seed=8)
+
+
+def test_block_size_the_kernel_cannot_run():
+    q, k, v = _small()
+    bm = F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=(24, 16))
+    with pytest.raises(ValueError, match="BLOCK_SIZE = \\(24, 16\\)"):
+        kflex.flex_forward(q, k, v, block_mask=bm)
+    big = _inputs(1, 1, 1, 20, 24, 256, seed=8)
+    with pytest.raises(ValueError, match="shared memory"):
+        kflex.flex_forward(*big, block_mask=F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=128))
+
+
+def test_block_mask_for_other_lengths_or_programs():
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="Q_LEN = 21"):
+        kflex.flex_forward(q, k, v, block_mask=F.create_block_mask(F.causal, None, None, 21, 24, BLOCK_SIZE=16))
+    with pytest.raises(ValueError, match="block_mask covers"):
+        kflex.flex_forward(q, k, v, block_mask=F.create_block_mask(F.causal, 3, None, 20, 24, BLOCK_SIZE=16))
+    with pytest.raises(TypeError, match="block_mask must be a fa2edu.BlockMask"):
+        kflex.flex_forward(q, k, v, block_mask=np.ones((1, 1, 2, 2)))
+
+
+def test_mods_and_arguments_checked():
+    q, k, v = _small()
+    with pytest.raises(TypeError, match="score_mod must be a callable"):
+        kflex.flex_forward(q, k, v, score_mod=3.0)
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        kflex.flex_forward(q, k, v, enable_gqa=1)
+    q2 = np.concatenate([q, q], axis=1)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        kflex.flex_forward(q2, k, v)
+    with pytest.raises(ValueError, match="4 axes"):
+        kflex.flex_forward(q[0], k[0], v[0])
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        kflex.flex_forward(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+
+
+def test_a_mod_numba_cannot_compile_is_named():
+    q, k, v = _small()
+    names = {0: "a"}
+
+    def uses_a_dict(score, b, h, q_idx, kv_idx):
+        return score + len(names[b])
+    with pytest.raises(TypeError, match="score_mod uses_a_dict cannot be compiled for the GPU"):
+        kflex.flex_forward(q, k, v, score_mod=uses_a_dict)
+
+    def mask_with_a_string(b, h, q_idx, kv_idx):
+        return "yes" if kv_idx <= q_idx else 0
+    bm = F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=16)
+    bm.mask_mod = mask_with_a_string                                 # (create_block_mask would reject it first)
+    with pytest.raises(TypeError, match="mask_mod mask_with_a_string cannot be compiled"):
+        kflex.flex_forward(q, k, v, block_mask=bm)
+
+
+def test_too_many_bound_arrays():
+    q, k, v = _small()
+    ids = np.zeros(24, dtype=np.int64)
+    mask = F.and_masks(F.document(ids[:20], ids), F.document(ids[:20], ids), F.document(ids[:20], ids))
+    bm = F.create_block_mask(mask, None, None, 20, 24, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="at most 4 bound arrays"):
+        kflex.flex_forward(q, k, v, block_mask=bm)
+
+
+def test_a_kernel_is_compiled_once_per_program_not_per_mask_object():
+    """Two BlockMasks of ``causal`` made separately (each with its own closure), and document masks over other ids,
+    reuse the kernel: the cache key is what numba compiles, and bound arrays are kernel arguments."""
+    q, k, v = _small()
+    ids_a, ids_b = np.repeat(np.arange(2), [10, 14]), np.repeat(np.arange(3), [4, 10, 10])
+    runs = [F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=16) for _ in range(2)]
+    runs += [F.create_block_mask(F.document(ids[:20], ids), None, None, 20, 24, BLOCK_SIZE=16)
+             for ids in (ids_a, ids_b)]
+    plans = [kflex.plan_mods(bm.mask_mod, None) for bm in runs]
+    assert plans[0][0] == plans[1][0] and plans[2][0] == plans[3][0] and plans[0][0] != plans[2][0]
+    assert not np.array_equal(plans[2][1][0], plans[3][1][0])        # the ids travel as arguments
+    kflex.flex_forward(q, k, v, block_mask=runs[3])                  # compiled (or found) once ...
+    misses = kflex.make_kernel.cache_info().misses
+    O, L = kflex.flex_forward(q, k, v, block_mask=runs[2])           # ... and reused with other ids
+    assert kflex.make_kernel.cache_info().misses == misses
+    O_ref, _ = dense_oracle(q, k, v, runs[2].mask_mod, None)
+    assert np.abs(O - O_ref).max() < 5e-3
+
+
+def test_host_twin_of_the_walk():
+    classes = np.array([[F.SKIPPED, F.PARTIAL, F.SKIPPED, F.FULL]])
+    assert [kflex.next_visited(classes, 0, j) for j in range(5)] == [1, 1, 3, 3, 4]
+    assert fa2edu.flex.SKIPPED == 0
