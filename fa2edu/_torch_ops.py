@@ -968,7 +968,6 @@ def _check_block_mask_fits(block_mask, q_shape, k_shape) -> None:
 def flex_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa: bool):
     """(O, L) of fa2edu.flex.flex_attention (FA2 Alg. 1 over the BlockMask) on CPU tensors (B, H, N, d); O in q's
     dtype, L (B, H_q, N_q) in the compute dtype, +inf on rows that keep no score."""
-    _check_block_mask_fits(mods.block_mask, q.shape, k.shape)
     O, L = _flex.flex_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), score_mod=mods.score_mod,
                                 block_mask=mods.block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
     return _contiguous(_from_numpy(O), _from_numpy(L))
@@ -1037,8 +1036,10 @@ def _(dO, q, k, v, O, L, mods, scale, enable_gqa):
 
 @lru_cache(maxsize=64)
 def _window_block_mask(left: int, right: int, N_q: int, N_k: int, B_r: int, B_c: int):
-    """The BlockMask of flash-attn's window (left, right) for these lengths and blocks (cached: O(N_q·N_k) to make)."""
-    return _flex.create_block_mask(_flex.local_window(left, right), None, None, N_q, N_k, BLOCK_SIZE=(B_r, B_c))
+    """The BlockMask of flash-attn's window (left, right) for these lengths and blocks, every block full for
+    (−1, −1) (cached: a window costs O(N_q·N_k) mask evaluations to classify)."""
+    mask_mod = None if (left, right) == (-1, -1) else _flex.local_window(left, right)
+    return _flex.create_block_mask(mask_mod, None, None, N_q, N_k, BLOCK_SIZE=(B_r, B_c))
 
 
 def flash_attn_mods(N_q: int, N_k: int, causal: bool, window_left: int, window_right: int, softcap: float,
@@ -1046,19 +1047,19 @@ def flash_attn_mods(N_q: int, N_k: int, causal: bool, window_left: int, window_r
     """flash_attention's flash-attn keywords as FlexAttention's mods, in flash-attn's order (its ``attention_ref``):
     the scaled score is soft-capped, then masked by the window (and causal), then biased by ALiBi.
 
-    * mask: :func:`fa2edu.flex.local_window` (left, right); ``causal`` makes it (left, 0), as flash-attn does;
-      (−1, −1) without causal masks nothing;
+    * mask: :func:`fa2edu.flex.local_window` (left, right); as in flash-attn's kernels (``flash_api.cpp``), a side
+      of N_k or more is unbounded (−1), then ``causal`` makes it (left, 0); (−1, −1) without causal masks nothing.
+      (The normalisation matters only for right ≥ N_k with N_q > N_k + 1, where the docstring's formula
+      i + N_k − N_q + right would still cut off keys of the first queries; the kernels do not);
     * score_mod: :func:`fa2edu.flex.softcap` (c) when c > 0, :func:`fa2edu.flex.symmetric_alibi` (slopes) when
       slopes are given, both chained (:func:`fa2edu.flex.chain_score_mods`) when both are.
 
     ``alibi_slopes`` is a NumPy array (H_q,) or (B, H_q), or None; ``block_sizes`` the pair (B_r, B_c).
     """
-    left, right = window_left, (0 if causal else window_right)
-    block_mask = None
-    if (left, right) != (-1, -1):
-        block_mask = _window_block_mask(left, right, N_q, N_k, *block_sizes)
-    elif tuple(block_sizes) != (128, 128):
-        block_mask = _flex.create_block_mask(None, None, None, N_q, N_k, BLOCK_SIZE=tuple(block_sizes))
+    left, right = (-1 if side >= N_k else side for side in (window_left, window_right))
+    if causal:
+        right = 0
+    block_mask = _window_block_mask(left, right, N_q, N_k, *block_sizes)
     parts = []
     if softcap > 0:
         parts.append(_flex.softcap(softcap))

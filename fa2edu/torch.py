@@ -79,7 +79,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised only where 
                       "(or `pip install 'fa2edu[torch]'`); the rest of fa2edu works without it") from error
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 from fa2edu import _torch_ops as ops
 from fa2edu._torch_ops import ALGORITHMS, BACKENDS, DISPATCH, MAX_HEAD_DIM, choose_backend
@@ -473,8 +473,9 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes.
         window_size (tuple of int, optional): ``(left, right)``, flash-attn's sliding-window (local) attention
             (keyword only): query i sees the keys j with i + N_k − N_q − left ≤ j ≤ i + N_k − N_q + right
-            (bottom-right aligned, as ``causal``); −1 leaves that side unbounded; with ``causal=True`` the window is
-            (left, 0), as in flash-attn. Rows that see no key give O = 0, L = +inf. Default (−1, −1): no window.
+            (bottom-right aligned, as ``causal``); −1 leaves that side unbounded, and so does a side ≥ N_k (as
+            flash-attn's kernels normalise it); with ``causal=True`` the window is (left, 0), as in flash-attn. Rows
+            that see no key give O = 0, L = +inf. Default (−1, −1): no window.
         softcap (float, optional): flash-attn's soft cap (keyword only): each scaled score S becomes
             softcap·tanh(S/softcap), before the mask and the bias; must be ≥ 0. Default 0.0: off.
         alibi_slopes (torch.Tensor, optional): flash-attn's ALiBi (keyword only): float32 of shape (H_q,) or
@@ -551,8 +552,8 @@ def _flex_setup_context(ctx, inputs, output):
     """The traced road: what FlexAttention's forward keeps (Q, K, V, O, L, as FA2) and the mods' key. On real
     tensors (torch.jit.trace, a tracer that runs the op) also the mods themselves, so that they live until this
     graph's backward has run; not while torch.compile traces (fake tensors), whose traced graph would keep them
-    alive for as long as the compiled code exists (the registry then keeps them for the compiled code's forward
-    and backward, see fa2edu._torch_ops)."""
+    alive for as long as the compiled code exists (there the forward operator keeps them alive with L, which the
+    backward saves: fa2edu._torch_ops.flex_attention_fwd_impl)."""
     q, k, v, key, scale, enable_gqa = inputs
     O, L = output
     ctx.save_for_backward(q, k, v, O, L)
@@ -647,7 +648,7 @@ def _check_flex_tensors(q, k, v, enable_gqa):
     if H_q != H_kv and not enable_gqa:
         raise ValueError(f"q has H = {H_q} heads but k and v have {H_kv}: pass enable_gqa=True for grouped-query "
                          "attention (query head h reads key/value head h // (H_q / H_kv)), or give k and v q's heads")
-    if H_q % H_kv:
+    if H_kv == 0 or H_q % H_kv:
         raise ValueError(f"with enable_gqa, q's heads H_q = {H_q} must be a multiple of k's and v's H_kv = {H_kv}")
 
 
@@ -728,7 +729,7 @@ def _check_flash_attn_keywords(window_size, softcap, alibi_slopes):
     """window_size a pair of ints ≥ −1, softcap a real number ≥ 0, alibi_slopes a tensor or None; returns them
     normalised ((left, right), float softcap, slopes) and whether any of them asks for something."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
-            isinstance(w, bool) or not isinstance(w, int) for w in window_size):
+            isinstance(w, bool) or not isinstance(w, Integral) for w in window_size):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound (flash-attn's "
                         f"convention), got {window_size!r}")
     left, right = (int(w) for w in window_size)

@@ -10,7 +10,7 @@ What these tests prove, claim by claim:
 * rows that keep no score give O = 0, L = +inf and zero gradients, never NaN (fa2edu's convention);
 * ``torch.autograd.gradcheck`` (finite differences, float64) passes through soft capping, ALiBi and windows;
 * a user score_mod differentiates with ``score_mod_grad=``, and without one the backward (only) raises an error
-  naming score_mod_grad;
+  naming score_mod_grad; a double backward is refused, as flash_attention's;
 * flash_attention's ``window_size``, ``softcap`` and ``alibi_slopes`` follow flash-attn's definitions (its
   ``attention_ref``: cap, then window mask, then bias −slope·|i + N_k − N_q − j|), and change nothing when unset;
 * the operators pass ``torch.library.opcheck``; ``torch.compile(fullgraph=True)`` (AOT-autograd backend, no code
@@ -262,13 +262,25 @@ def test_a_user_score_mod_needs_its_derivative_for_the_backward_only():
     assert_all_close(got, expected, "user score_mod")
 
 
+@pytest.mark.parametrize("function", ["flex_attention", "flash_attention"])
+def test_double_backward_is_refused(function):
+    q, k, v = make_inputs((1, 2, 4, 3), (1, 2, 5, 3), 3, seed=8, requires_grad=True)
+    attention = (lambda: flex_attention(q, k, v, score_mod=flex.softcap(1.0))) if function == "flex_attention" else (
+        lambda: flash_attention(q, k, v, softcap=1.0))
+    (g,) = torch.autograd.grad(attention().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        (g ** 2).sum().backward()
+
+
 # -- flash_attention's flash-attn keywords ---------------------------------------------------------------------------
 
 def dense_flash_attn(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """flash-attn's definition (its tests' attention_ref): S = τ q kᵀ; S = softcap·tanh(S/softcap); keys outside
-    [p − left, p + right], p = i + N_k − N_q, masked (causal makes right 0); then −slope·|p − j| added."""
-    left, right = window_size[0], 0 if causal else window_size[1]
+    [p − left, p + right], p = i + N_k − N_q, masked (a side ≥ N_k unbounded, as flash_api.cpp normalises it,
+    then causal makes right 0); then −slope·|p − j| added."""
     N_q, N_k = q.shape[-2], k.shape[-2]
+    left, right = (-1 if side >= N_k else side for side in window_size)
+    right = 0 if causal else right
 
     def keep(b, h, i, j):
         p = i + N_k - N_q
@@ -289,6 +301,7 @@ FLASH_ATTN_CASES = {   # name: (N_q, N_k, keywords)
     "window (3, -1) causal": (9, 6, dict(window_size=(3, -1), causal=True)),     # N_q > N_k: empty rows
     "window (-1, 2)": (6, 6, dict(window_size=(-1, 2))),
     "window (0, 0)": (5, 8, dict(window_size=(0, 0))),
+    "window (1, N_k) with N_q > N_k": (9, 4, dict(window_size=(1, 4))),        # right ≥ N_k: unbounded
     "softcap": (7, 9, dict(softcap=2.5)),
     "alibi (H,)": (7, 9, dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
     "alibi (B, H) causal": (8, 8, dict(alibi_slopes=torch.rand(2, 4, generator=torch.Generator().manual_seed(9)),
@@ -313,8 +326,9 @@ def test_flash_attn_keywords_unset_change_nothing_and_compose_with_the_layouts()
     plain = flash_attention(q, k, v, causal=True, block_sizes=(4, 4))
     assert torch.equal(plain, flash_attention(q, k, v, causal=True, block_sizes=(4, 4), window_size=(-1, -1),
                                               softcap=0.0, alibi_slopes=None))
-    # window (-1, 0) is the bottom-right causal mask, through the flex machinery
-    assert_close_to_oracle(flash_attention(q, k, v, window_size=(-1, 0)).numpy(), plain.numpy(), "window (-1, 0)")
+    # window (-1, 0) is the bottom-right causal mask, through the flex machinery (NumPy ints are ints too)
+    assert_close_to_oracle(flash_attention(q, k, v, window_size=(np.int64(-1), 0)).numpy(), plain.numpy(),
+                           "window (-1, 0)")
     # (…, H, N, d) with any leading axes, as flash_attention takes: 3-D, and 5-D with (B1, B2, H) slopes
     O3 = flash_attention(q[0], k[0], v[0], softcap=1.0)
     assert_close_to_oracle(O3.numpy(), flash_attention(q, k, v, softcap=1.0)[0].numpy(), "3-D")
