@@ -45,26 +45,40 @@ Three parts, in the order data flows through them:
    dtypes, which is all ``torch.compile`` needs to trace through an operator it cannot look inside. Their autograd
    formulas are registered in :mod:`fa2edu.torch`, next to the ``autograd.Function`` classes they reuse.
 
+4. **FlexAttention** on the CPU (:mod:`fa2edu.flex`): ``fa2edu::flex_attention_fwd|bwd``, which take their mods
+   as an int key of the registry :data:`MODS` (a function cannot be an operator argument; the section's header
+   says how the mods' lifetime is kept), and ``fa2edu::flash_attention_flex_fwd|bwd``, flash_attention with
+   flash-attn's ``window_size``, ``softcap`` and ``alibi_slopes``, built into mods by :func:`flash_attn_mods`.
+
 This module is private: import :mod:`fa2edu.torch`, which checks that PyTorch is installed first.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
+import types
+import weakref
 from contextlib import contextmanager
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import fa2edu
+from fa2edu import flex as _flex
+from fa2edu.blocks import num_blocks
 from fa2edu.validation import check_score_range
 
 __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "choose_backend", "simulator_enabled",
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
            "standard_backward", "fast_width", "three_tf32_width", "tensorcore_width", "tensorcore_has_backward",
-           "reads_strided", "tensorcore_layout", "hopper_forward_applies"]
+           "reads_strided", "tensorcore_layout", "hopper_forward_applies", "FlexMods", "flex_mods", "MODS",
+           "ModRegistry", "register_mods", "from_torch_block_mask", "flash_attn_mods", "FLEX_CUDA_ERROR"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
 ALGORITHMS = ("flash2", "flash1", "standard")
@@ -716,4 +730,412 @@ def standard_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 @standard_attention_bwd.register_fake
 def _(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
+    return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
+
+
+# =================================================================================================================
+# 4. FlexAttention: mods as code, on the CPU (fa2edu.flex)
+# =================================================================================================================
+#
+# fa2edu.torch.flex_attention computes with fa2edu.flex (NumPy, FA2's loops over a BlockMask) on CPU tensors; there
+# is no CUDA kernel for it yet. Its mods are Python functions, and an operator's arguments are tensors, numbers,
+# strings and lists of them: a function cannot be one. So the mods travel in two ways, one per road of fa2edu.torch:
+#
+# * **eager**: the autograd Function is handed the :class:`FlexMods` object itself and keeps it on its context for
+#   the backward pass; nothing global is touched, and the mods die with the autograd graph;
+# * **traced** (torch.compile and the other tracers): the operators take an ``int``, the key of the mods in
+#   :data:`MODS`, a registry that :func:`register_mods` fills while the caller's code is traced. torch.compile
+#   calls it once per compilation (``torch.compiler.assume_constant_result``) and bakes the key into the graph;
+#   the key's ``id()`` arguments make the compiled code guard on the identity of each mod, so other mods (another
+#   ``softcap(c)`` closure, with the same code) compile again instead of reusing the key.
+#
+# The registry holds the caller's own objects weakly: an entry goes away when its mods are garbage-collected (and
+# torch.compile drops the compiled code that guarded on them), so it does not grow with the number of calls or
+# leak mods. Objects that torch.compile rebuilt while tracing (a functools.partial, a function defined inside the
+# compiled code) are nobody else's and are held strongly: one entry per compilation, as long-lived as the compiled
+# code that uses it. Keys count up and are never reused, so a stale key is a clear error, never someone else's
+# mods. The flash-attn keywords of flash_attention (window_size, softcap, alibi_slopes) need none of this: they are
+# numbers and a tensor, so their operators take them as they are and build the mods inside.
+
+#: what flex_attention on a CUDA tensor says (flash_attention's flash-attn keywords say it with their own names)
+FLEX_CUDA_ERROR = (
+    "{what} runs on CPU tensors only for now (fa2edu.flex, FA2's loops in NumPy): kernels_gpu has no FlexAttention "
+    "kernel yet, and the op does not copy CUDA tensors to the CPU behind your back. Move q, k, v to the CPU "
+    "(.cpu()) to run it there, or use torch.nn.attention.flex_attention on the GPU")
+
+
+@dataclass(frozen=True, eq=False)
+class FlexMods:
+    """What a flex_attention call needs besides its tensors: the score_mod, its derivative and the block mask.
+
+    Attributes:
+        score_mod (callable or None): ``score_mod(score, b, h, q_idx, kv_idx) -> score``, or None.
+        score_mod_grad (callable or None): its derivative with respect to score, or None (then the backward pass
+            uses ``score_mod.score_mod_grad``, and raises when there is none).
+        block_mask (fa2edu.flex.BlockMask or None): the mask, or None (every score kept).
+    """
+
+    score_mod: Callable | None
+    score_mod_grad: Callable | None
+    block_mask: Any
+
+
+#: fa2edu BlockMasks made from PyTorch's, by the PyTorch BlockMask (weakly: one conversion while it lives)
+_CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CONVERTED_LOCK = threading.Lock()
+
+
+def _torch_block_mask_type():
+    """torch.nn.attention.flex_attention.BlockMask, or None where this PyTorch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:                                   # pragma: no cover - PyTorch < 2.5
+        return None
+    return BlockMask
+
+
+def _mask_mod_on_tensors(mask_mod):
+    """A mask_mod written for PyTorch (called on index tensors, as torch's create_block_mask calls it), callable
+    with the NumPy arrays and Python ints that fa2edu.flex evaluates mods on."""
+    def on_tensors(b, h, q_idx, kv_idx):
+        return np.asarray(mask_mod(*(torch.as_tensor(x) for x in (b, h, q_idx, kv_idx))))
+    on_tensors.__name__ = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    return on_tensors
+
+
+def from_torch_block_mask(block_mask):
+    """A PyTorch ``BlockMask`` (``torch.nn.attention.flex_attention.create_block_mask``) as a fa2edu.flex BlockMask.
+
+    The classes are PyTorch's own: a block listed in ``kv_indices`` is partial, one in ``full_kv_indices`` full,
+    the rest skipped; partial blocks evaluate PyTorch's mask_mod, on tensors, as PyTorch does (so a BlockMask made
+    with ``BlockMask.from_kv_blocks`` keeps its meaning too). PyTorch's mask_mods are written as they apply, without
+    fa2edu's bottom-right specialisation (:func:`fa2edu.flex.at_lengths`): the same scores are kept as in
+    torch.nn.attention.flex_attention. Converted once per PyTorch BlockMask (cached while it lives).
+
+    Args:
+        block_mask (torch.nn.attention.flex_attention.BlockMask): the mask, its index tensors on any device.
+
+    Returns:
+        fa2edu.flex.BlockMask: the same blocks and mask_mod, shape (B, H, Q_LEN, KV_LEN) as PyTorch's.
+    """
+    with _CONVERTED_LOCK:
+        converted = _CONVERTED.get(block_mask)
+    if converted is not None:
+        return converted
+    Q_LEN, KV_LEN = (int(n) for n in block_mask.seq_lengths)
+    B_r, B_c = (int(n) for n in block_mask.BLOCK_SIZE)
+    B, H, T_r = block_mask.kv_num_blocks.shape
+    T_c = num_blocks(KV_LEN, B_c)
+    if T_r != num_blocks(Q_LEN, B_r) or block_mask.kv_indices.shape[-1] < T_c:
+        raise ValueError(f"block_mask: this PyTorch BlockMask has {T_r} query blocks and "
+                         f"{block_mask.kv_indices.shape[-1]} key blocks for Q_LEN = {Q_LEN}, KV_LEN = {KV_LEN}, "
+                         f"BLOCK_SIZE = ({B_r}, {B_c}); expected "
+                         f"{num_blocks(Q_LEN, B_r)} and {T_c}: make it with fa2edu.create_block_mask instead")
+    classes = np.full((B, H, T_r, T_c), _flex.SKIPPED, dtype=np.int8)
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, _flex.PARTIAL),
+             (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, _flex.FULL)]
+    for count, indices, kind in lists:
+        if count is None:
+            continue
+        count, indices = count.detach().cpu().numpy(), indices.detach().cpu().numpy()
+        # entries n < count[b, h, i] of row (b, h, i) name the key blocks of that kind
+        b, h, i, n = np.nonzero(np.arange(indices.shape[-1]) < count[..., None])
+        classes[b, h, i, indices[b, h, i, n]] = kind
+    converted = _flex.BlockMask(_mask_mod_on_tensors(block_mask.mask_mod), B, H, Q_LEN, KV_LEN, (B_r, B_c), classes)
+    with _CONVERTED_LOCK:
+        return _CONVERTED.setdefault(block_mask, converted)
+
+
+def flex_mods(score_mod, block_mask, score_mod_grad) -> FlexMods:
+    """The mods of one flex_attention call, checked: callables or None, and a BlockMask of fa2edu's (or PyTorch's,
+    converted by :func:`from_torch_block_mask`) or None. Shapes are checked against q and k where they meet."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) -> score, or None; got "
+                        f"{type(score_mod).__name__}")
+    if score_mod_grad is not None:
+        if not callable(score_mod_grad):
+            raise TypeError(f"score_mod_grad must be a callable score_mod_grad(score, b, h, q_idx, kv_idx) -> "
+                            f"d score_mod / d score, or None; got {type(score_mod_grad).__name__}")
+        if score_mod is None:
+            raise ValueError("score_mod_grad was given without a score_mod")
+    torch_block_mask = _torch_block_mask_type()
+    if torch_block_mask is not None and isinstance(block_mask, torch_block_mask):
+        block_mask = from_torch_block_mask(block_mask)
+    elif block_mask is not None and not isinstance(block_mask, _flex.BlockMask):
+        raise TypeError(f"block_mask must be a fa2edu.flex.BlockMask (fa2edu.create_block_mask), a PyTorch "
+                        f"BlockMask (torch.nn.attention.flex_attention.create_block_mask) or None; got "
+                        f"{type(block_mask).__name__}")
+    return FlexMods(score_mod, score_mod_grad, block_mask)
+
+
+class ModRegistry:
+    """Integer keys for :class:`FlexMods`, so that the traced road's operators can take them (see above).
+
+    Thread-safe: one lock guards the tables. Weakly held objects report their death through weakref callbacks,
+    which may run whenever the garbage collector does — inside this registry's own locked code too — so they only
+    append the dead key to a list that the next call clears under the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple] = {}         # key → (references, identity)
+        self._keys: dict[tuple, int] = {}            # identity (the id()s of the objects held) → key
+        self._counter = itertools.count(1)
+        self._dead: list[int] = []
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._purge()
+            return len(self._entries)
+
+    def _purge(self) -> None:
+        while self._dead:
+            key = self._dead.pop()
+            entry = self._entries.pop(key, None)
+            if entry is not None and self._keys.get(entry[1]) == key:
+                del self._keys[entry[1]]
+
+    def _reference(self, obj, owned: bool, key: int):
+        """A callable giving ``obj`` back: a weak reference when the caller owns it (the entry dies with it), else
+        the object itself, held strongly."""
+        if obj is None:
+            return lambda: None
+        if owned:
+            def died(_, key=key, dead=self._dead):
+                dead.append(key)
+            try:
+                return (weakref.WeakMethod if isinstance(obj, types.MethodType) else weakref.ref)(obj, died)
+            except TypeError:                      # no weak references to it (a class with __slots__): hold it
+                pass
+        return lambda: obj
+
+    def register(self, mods: FlexMods, owned=(True, True, True)) -> int:
+        """The key of ``mods`` (the same key for the same objects while they live). ``owned[i]``: whether the
+        caller holds the i-th object (score_mod, score_mod_grad, block_mask), so it may be held weakly."""
+        objects = (mods.score_mod, mods.score_mod_grad, mods.block_mask)
+        identity = tuple(None if obj is None else id(obj) for obj in objects)
+        with self._lock:
+            self._purge()
+            key = self._keys.get(identity)
+            if key is not None and all(ref() is obj for ref, obj in zip(self._entries[key][0], objects)):
+                return key
+            key = next(self._counter)
+            references = tuple(self._reference(obj, own, key) for obj, own in zip(objects, owned))
+            self._entries[key] = (references, identity)
+            self._keys[identity] = key
+            return key
+
+    def lookup(self, key: int) -> FlexMods:
+        """The mods registered under ``key``; a RuntimeError when they are gone."""
+        with self._lock:
+            self._purge()
+            entry = self._entries.get(key)
+        objects = None if entry is None else tuple(ref() for ref in entry[0])
+        if entry is None or any(obj is None and ident is not None for obj, ident in zip(objects, entry[1])):
+            raise RuntimeError(
+                f"fa2edu.torch.flex_attention: the mods registered under key {key} are gone (garbage-collected, or "
+                "never registered): a traced or compiled flex_attention needs its score_mod, score_mod_grad and "
+                "block_mask alive while its graph runs, its backward pass included; keep a reference to them "
+                "(a module attribute, say) for as long as the graph is used")
+        return FlexMods(*objects)
+
+
+#: the registry of the traced road
+MODS = ModRegistry()
+
+
+@torch.compiler.assume_constant_result
+def register_mods(score_mod, score_mod_grad, block_mask, identities) -> int:
+    """Check the mods (:func:`flex_mods`) and register them in :data:`MODS`; the key. ``identities`` are the
+    ``id()`` of each argument in the caller's code: an argument with another id is an object torch.compile rebuilt
+    while tracing, which only the registry keeps alive. Under torch.compile this runs once per compilation, its
+    answer a constant of the compiled graph."""
+    owned = tuple(obj is None or ident == id(obj) for obj, ident in zip((score_mod, score_mod_grad, block_mask),
+                                                                         identities))
+    return MODS.register(flex_mods(score_mod, block_mask, score_mod_grad), owned)
+
+
+def _check_block_mask_fits(block_mask, q_shape, k_shape) -> None:
+    """The BlockMask must have been made for q's and k's lengths, its (B, H) equal to q's or 1 (fa2edu.flex's rule,
+    checked here on shapes alone, so that torch.compile's fake run reports it)."""
+    if block_mask is None:
+        return
+    B, H_q, N_q = q_shape[0], q_shape[1], q_shape[2]
+    N_k = k_shape[2]
+    if block_mask.Q_LEN != N_q or block_mask.KV_LEN != N_k:
+        raise ValueError(f"block_mask was made for Q_LEN = {block_mask.Q_LEN}, KV_LEN = {block_mask.KV_LEN}, but q "
+                         f"has N_q = {N_q} queries and k has N_k = {N_k} keys: make it with "
+                         f"create_block_mask(mask_mod, B, H, {N_q}, {N_k})")
+    if block_mask.B not in (1, B) or block_mask.H not in (1, H_q):
+        raise ValueError(f"block_mask covers (B, H) = ({block_mask.B}, {block_mask.H}); q has (B, H) = ({B}, {H_q}):"
+                         f" each must match or be 1 (None in create_block_mask: broadcast)")
+
+
+def flex_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa: bool):
+    """(O, L) of fa2edu.flex.flex_attention (FA2 Alg. 1 over the BlockMask) on CPU tensors (B, H, N, d); O in q's
+    dtype, L (B, H_q, N_q) in the compute dtype, +inf on rows that keep no score."""
+    O, L = _flex.flex_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), score_mod=mods.score_mod,
+                                block_mask=mods.block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    return _contiguous(_from_numpy(O), _from_numpy(L))
+
+
+def flex_backward(dO, q, k, v, O, L, mods: FlexMods, scale: float, enable_gqa: bool):
+    """(dQ, dK, dV) of fa2edu.flex.flex_attention_backward (FA2 Alg. 2, through score_mod's derivative)."""
+    grads = _flex.flex_attention_backward(*(_to_numpy(x) for x in (q, k, v, O, L, dO)), score_mod=mods.score_mod,
+                                          block_mask=mods.block_mask, scale=scale, enable_gqa=enable_gqa,
+                                          score_mod_grad=mods.score_mod_grad)
+    return _contiguous(*(_from_numpy(x) for x in grads))
+
+
+def _keep_until_freed(x: torch.Tensor, obj) -> None:
+    """Keep ``obj`` alive as long as the tensor ``x`` lives (a finalizer holds it, and lets go when x is freed)."""
+    weakref.finalize(x, _let_go, obj)
+
+
+def _let_go(obj) -> None:
+    """A finalizer's callback: holding ``obj`` until now was its whole job."""
+
+
+def flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa):
+    """FlexAttention forward: (O, L) of q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v) with the mods
+    registered under the key ``mods``. The mods are kept alive with L, which the backward pass saves: a compiled
+    graph's backward finds them even when the caller let go of them after the forward pass."""
+    found = MODS.lookup(mods)
+    O, L = flex_forward(q, k, v, found, scale, enable_gqa)
+    _keep_until_freed(L, found)
+    return O, L
+
+
+@torch.library.custom_op("fa2edu::flex_attention_fwd", mutates_args=())
+def flex_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: int, scale: float,
+                       enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention forward: (O, L) of q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v) with the mods
+    registered under the key ``mods``."""
+    return flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa)
+
+
+@flex_attention_fwd.register_fake
+def _(q, k, v, mods, scale, enable_gqa):
+    _check_block_mask_fits(MODS.lookup(mods).block_mask, q.shape, k.shape)
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
+
+
+def flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa):
+    """FlexAttention backward: (dQ, dK, dV) from the inputs, O, L and dO, through the registered mods."""
+    return flex_backward(dO, q, k, v, O, L, MODS.lookup(mods), scale, enable_gqa)
+
+
+@torch.library.custom_op("fa2edu::flex_attention_bwd", mutates_args=())
+def flex_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
+                       L: torch.Tensor, mods: int, scale: float, enable_gqa: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlexAttention backward: (dQ, dK, dV) from the inputs, O, L and dO, through the registered mods."""
+    return flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa)
+
+
+@flex_attention_bwd.register_fake
+def _(dO, q, k, v, O, L, mods, scale, enable_gqa):
+    return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
+
+
+# -- flash-attn's keywords: window_size, softcap, alibi_slopes ------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _window_block_mask(left: int, right: int, N_q: int, N_k: int, B_r: int, B_c: int):
+    """The BlockMask of flash-attn's window (left, right) for these lengths and blocks, every block full for
+    (−1, −1) (cached: a window costs O(N_q·N_k) mask evaluations to classify)."""
+    mask_mod = None if (left, right) == (-1, -1) else _flex.local_window(left, right)
+    return _flex.create_block_mask(mask_mod, None, None, N_q, N_k, BLOCK_SIZE=(B_r, B_c))
+
+
+def flash_attn_mods(N_q: int, N_k: int, causal: bool, window_left: int, window_right: int, softcap: float,
+                    alibi_slopes, block_sizes) -> FlexMods:
+    """flash_attention's flash-attn keywords as FlexAttention's mods, in flash-attn's order (its ``attention_ref``):
+    the scaled score is soft-capped, then masked by the window (and causal), then biased by ALiBi.
+
+    * mask: :func:`fa2edu.flex.local_window` (left, right); as in flash-attn's kernels (``flash_api.cpp``), a side
+      of N_k or more is unbounded (−1), then ``causal`` makes it (left, 0); (−1, −1) without causal masks nothing.
+      (The normalisation matters only for right ≥ N_k with N_q > N_k + 1, where the docstring's formula
+      i + N_k − N_q + right would still cut off keys of the first queries; the kernels do not);
+    * score_mod: :func:`fa2edu.flex.softcap` (c) when c > 0, :func:`fa2edu.flex.symmetric_alibi` (slopes) when
+      slopes are given, both chained (:func:`fa2edu.flex.chain_score_mods`) when both are.
+
+    ``alibi_slopes`` is a NumPy array (H_q,) or (B, H_q), or None; ``block_sizes`` the pair (B_r, B_c).
+    """
+    left, right = (-1 if side >= N_k else side for side in (window_left, window_right))
+    if causal:
+        right = 0
+    block_mask = _window_block_mask(left, right, N_q, N_k, *block_sizes)
+    parts = []
+    if softcap > 0:
+        parts.append(_flex.softcap(softcap))
+    if alibi_slopes is not None:
+        parts.append(_flex.symmetric_alibi(alibi_slopes))
+    score_mod = None if not parts else parts[0] if len(parts) == 1 else _flex.chain_score_mods(*parts)
+    return FlexMods(score_mod, None, block_mask)
+
+
+def _as_bhnd(x: torch.Tensor) -> torch.Tensor:
+    """(…, H, N, d) as (B, H, N, d): the leading axes flattened into one batch axis (a 2-D x gets B = H = 1)."""
+    return x[None, None] if x.dim() == 2 else x.reshape(-1, *x.shape[-3:])
+
+
+def _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, block_sizes):
+    """The mods and the 4-D q, k, v of one flash_attention call with flash-attn's keywords."""
+    slopes = None
+    if alibi_slopes is not None:
+        _check_finite(("alibi_slopes", alibi_slopes))
+        slopes = alibi_slopes.detach().double().numpy()
+        if slopes.ndim > 1:
+            slopes = slopes.reshape(-1, slopes.shape[-1])                    # (…, H_q) → (B, H_q), as q
+    mods = flash_attn_mods(q.shape[-2], k.shape[-2], causal, window_left, window_right, softcap, slopes, block_sizes)
+    return mods, _as_bhnd(q), _as_bhnd(k), _as_bhnd(v)
+
+
+def flash_attention_flex_fwd_impl(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale,
+                                  block_sizes):
+    """flash_attention with flash-attn's keywords: (O, L) of q (…, H_q, N_q, d), k, v (…, H_kv, N_k, d | d_v)."""
+    _check_inputs(q, k, v, scale)
+    mods, q4, k4, v4 = _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, softcap,
+                                       block_sizes)
+    O, L = flex_forward(q4, k4, v4, mods, scale, q4.shape[1] != k4.shape[1])
+    return O.reshape(*q.shape[:-1], v.shape[-1]), L.reshape(q.shape[:-1])
+
+
+@torch.library.custom_op("fa2edu::flash_attention_flex_fwd", mutates_args=())
+def flash_attention_flex_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+                             causal: bool, window_left: int, window_right: int, softcap: float, scale: float,
+                             block_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention with flash-attn's keywords: (O, L) of q (…, H_q, N_q, d), k, v (…, H_kv, N_k, d | d_v)."""
+    return flash_attention_flex_fwd_impl(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale,
+                                         block_sizes)
+
+
+@flash_attention_flex_fwd.register_fake
+def _(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes):
+    return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
+
+
+def flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale,
+                                  block_sizes):
+    """flash_attention with flash-attn's keywords, backward: (dQ, dK, dV) shaped like q, k, v."""
+    mods, q4, k4, v4 = _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, softcap,
+                                       block_sizes)
+    dQ, dK, dV = flex_backward(_as_bhnd(dO), q4, k4, v4, _as_bhnd(O), L.reshape(q4.shape[:-1]), mods, scale,
+                               q4.shape[1] != k4.shape[1])
+    return dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape)
+
+
+@torch.library.custom_op("fa2edu::flash_attention_flex_bwd", mutates_args=())
+def flash_attention_flex_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
+                             L: torch.Tensor, alibi_slopes: Optional[torch.Tensor], causal: bool, window_left: int,
+                             window_right: int, softcap: float, scale: float, block_sizes: list[int]
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash_attention with flash-attn's keywords, backward: (dQ, dK, dV) shaped like q, k, v."""
+    return flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap,
+                                         scale, block_sizes)
+
+
+@flash_attention_flex_bwd.register_fake
+def _(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes):
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)

@@ -22,7 +22,9 @@ tile at once. When that call fails (Python's ``and``, ``or``, ``if``, ``math.tan
 disagrees with scalar calls at a few sampled elements, it falls back to one Python call per element: slower, the
 same answer. Mods that index arrays (document ids, a bias table) receive them as trailing arguments bound with
 :func:`bind`. The ready mods below are written with operators and ufuncs only, so they work on Python numbers,
-NumPy arrays and PyTorch tensors alike.
+NumPy arrays and PyTorch tensors alike. flash-attn's keywords have their own mods, as flash-attn defines them:
+:func:`local_window` (``window_size=(left, right)``), :func:`softcap`, :func:`symmetric_alibi` (``alibi_slopes``),
+composed by :func:`chain_score_mods` (``fa2edu.torch.flash_attention`` builds them from its keywords).
 
 Alignment. fa2edu aligns causal masks bottom-right (:func:`fa2edu.masks.causal_offset`): with Q_LEN queries and
 KV_LEN keys, query i sits at key position ``i + KV_LEN − Q_LEN``. A mask_mod cannot know the lengths, so the ready
@@ -59,8 +61,9 @@ from fa2edu.validation import _check_array, cast_output, guard_overflow, prepare
 
 __all__ = [
     "BlockMask", "create_block_mask", "flex_attention", "flex_attention_backward",
-    "SKIPPED", "PARTIAL", "FULL", "at_lengths", "bind", "or_masks", "and_masks",
-    "causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes", "softcap", "relative_bias",
+    "SKIPPED", "PARTIAL", "FULL", "at_lengths", "bind", "or_masks", "and_masks", "chain_score_mods",
+    "causal", "sliding_window", "local_window", "prefix_lm", "document", "alibi", "alibi_slopes", "symmetric_alibi",
+    "softcap", "relative_bias",
 ]
 
 #: Block classes, as stored in :attr:`BlockMask.classes` (ordered by how much work a block costs).
@@ -314,6 +317,57 @@ def and_masks(*mask_mods):
     return all_of
 
 
+def chain_score_mods(*score_mods):
+    """A score_mod that applies ``score_mods`` in turn: ``chain_score_mods(f, g)(s, …) = g(f(s, …), …)``.
+
+    Its derivative is the chain rule, ``d/ds g(f(s)) = g'(f(s)) · f'(s)``: the product of each part's
+    ``score_mod_grad`` at the score that part receives. flash-attn caps the scaled score, then adds its ALiBi bias
+    (``softcap=``, ``alibi_slopes=``): ``chain_score_mods(softcap(c), symmetric_alibi(slopes))``, derivative
+    ``1 − tanh²(s/c)``.
+
+    Parameters
+    ----------
+    *score_mods : callable
+        One or more ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied first to last.
+
+    Returns
+    -------
+    callable
+        Their composition; with ``score_mod_grad`` when every part carries one (else a backward pass through it
+        needs ``score_mod_grad=``), with an ``at_lengths`` method when any part has one; its parts are kept as
+        ``.mods`` and this function as ``.combine``.
+    """
+    if not score_mods:
+        raise ValueError("chain_score_mods needs at least one score_mod")
+    for position, mod in enumerate(score_mods):
+        _check_callable(mod, f"chain_score_mods argument {position}", "score_mod(score, b, h, q_idx, kv_idx) -> score")
+    mods = tuple(score_mods)
+
+    def chained(score, b, h, q_idx, kv_idx):
+        for mod in mods:
+            score = mod(score, b, h, q_idx, kv_idx)
+        return score
+    chained.__name__ = f"chain_score_mods({', '.join(_name(m) for m in mods)})"
+    chained.mods, chained.combine = mods, chain_score_mods
+    grads = [getattr(mod, "score_mod_grad", None) for mod in mods]
+    if all(grad is not None for grad in grads):
+        def chained_derivative(score, b, h, q_idx, kv_idx):
+            slope = 1.0
+            for mod, grad in zip(mods, grads):
+                # the chain rule: each part's derivative at the score it receives, then that part's output
+                slope = slope * grad(score, b, h, q_idx, kv_idx)
+                score = mod(score, b, h, q_idx, kv_idx)
+            return slope
+        chained_derivative.__name__ = f"d {chained.__name__}"
+        chained.score_mod_grad = chained_derivative
+    if any(hasattr(mod, "at_lengths") for mod in mods):
+        chained.at_lengths = lambda Q_LEN, KV_LEN: chain_score_mods(*(at_lengths(m, Q_LEN, KV_LEN) for m in mods))
+        if hasattr(chained, "score_mod_grad"):
+            # the backward specialises the derivative on its own: it is the specialised chain's derivative
+            chained.score_mod_grad.at_lengths = lambda Q_LEN, KV_LEN: chained.at_lengths(Q_LEN, KV_LEN).score_mod_grad
+    return chained
+
+
 # -- ready mask_mods -------------------------------------------------------------------------------------------------
 
 def _positive_int(value, name: str, minimum: int = 1) -> int:
@@ -387,6 +441,59 @@ def sliding_window(w: int):
             return (kv_idx <= p) & (kv_idx > p - w)
         sliding_window_mask_mod.__name__ = f"sliding_window({w})" + (f"[offset={offset}]" if offset else "")
         return sliding_window_mask_mod
+    mod = at(0)
+    mod.at_lengths = lambda Q_LEN, KV_LEN: at(causal_offset(Q_LEN, KV_LEN))
+    return mod
+
+
+def _window_side(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int (-1 for no bound), got {type(value).__name__}")
+    if value < -1:
+        raise ValueError(f"{name} must be -1 (no bound) or at least 0, got {value}")
+    return int(value)
+
+
+def local_window(left: int, right: int):
+    """mask_mod factory: flash-attn's ``window_size=(left, right)``, a band around the (bottom-right) diagonal.
+
+    Query i at key position ``p = i + KV_LEN − Q_LEN`` (bottom-right aligned, as flash-attn) sees exactly the keys j
+    with ``p − left ≤ j ≤ p + right``; −1 leaves that side unbounded. So ``(-1, -1)`` keeps every score,
+    ``(-1, 0)`` is :func:`causal`, ``(w − 1, 0)`` is :func:`sliding_window` (w) and ``(w, w)`` a bidirectional
+    band of 2w + 1 keys. Rows whose band misses ``0 … KV_LEN − 1`` see no key (O = 0, L = +inf). flash-attn's
+    ``causal=True`` with a window is ``(left, 0)``.
+
+    Parameters
+    ----------
+    left : int
+        Keys before the query's position it may see, at least 0; −1: all of them.
+    right : int
+        Keys after the query's position it may see, at least 0; −1: all of them.
+
+    Returns
+    -------
+    callable
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` with an ``at_lengths`` method.
+    """
+    left, right = _window_side(left, "left"), _window_side(right, "right")
+
+    def at(offset: int):
+        # the bounds are decided here, once: the mod itself is one or two comparisons (numba compiles it as is)
+        if left >= 0 and right >= 0:
+            def local_window_mask_mod(b, h, q_idx, kv_idx):
+                p = q_idx + offset
+                return (kv_idx >= p - left) & (kv_idx <= p + right)
+        elif left >= 0:
+            def local_window_mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx >= q_idx + offset - left
+        elif right >= 0:
+            def local_window_mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx + offset + right
+        else:
+            def local_window_mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx >= 0
+        local_window_mask_mod.__name__ = f"local_window({left}, {right})" + (f"[offset={offset}]" if offset else "")
+        return local_window_mask_mod
     mod = at(0)
     mod.at_lengths = lambda Q_LEN, KV_LEN: at(causal_offset(Q_LEN, KV_LEN))
     return mod
@@ -523,6 +630,56 @@ def alibi_slopes(H: int) -> np.ndarray:
     """
     H = _positive_int(H, "H")
     return 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+
+
+def _real_slopes(values) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim not in (1, 2) or array.size == 0 or array.dtype.kind not in "fiu":
+        raise TypeError(f"slopes must be a non-empty array of real numbers of shape (H,) or (B, H), got dtype "
+                        f"{array.dtype} and shape {array.shape}")
+    array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise ValueError("slopes must be finite")
+    return array
+
+
+def symmetric_alibi(slopes):
+    """score_mod factory: ALiBi as flash-attn adds it (``alibi_slopes=``), ``score − slope · |i + KV_LEN − Q_LEN − j|``.
+
+    The distance is measured from the query's key position ``p = i + KV_LEN − Q_LEN`` (bottom-right aligned, as
+    :func:`local_window`) and in both directions, so keys after the query are penalised too when nothing masks
+    them; ``slope`` is ``slopes[h]`` for slopes of shape (H,), ``slopes[b, h]`` for (B, H). Where :func:`alibi`'s
+    ``slopes[h]·(j − i)`` differs: under a causal mask (j ≤ p) the two are equal up to the row constant
+    ``slopes[h]·(KV_LEN − Q_LEN)``, which changes L but not O; without a mask they differ. Derivative with respect
+    to score: 1.
+
+    Parameters
+    ----------
+    slopes : array_like of float, shape (H,) or (B, H)
+        Slope of each query head, or of each (batch entry, query head); positive slopes penalise distance.
+
+    Returns
+    -------
+    callable
+        ``score_mod(score, b, h, q_idx, kv_idx)``, with ``score_mod_grad`` and an ``at_lengths`` method.
+    """
+    slopes = _real_slopes(slopes)
+
+    def at(offset: int):
+        if slopes.ndim == 1:
+            def symmetric_alibi_bias(score, b, h, q_idx, kv_idx, slopes):
+                return score - slopes[h] * abs(q_idx + offset - kv_idx)
+        else:
+            def symmetric_alibi_bias(score, b, h, q_idx, kv_idx, slopes):
+                return score - slopes[b, h] * abs(q_idx + offset - kv_idx)
+        mod = bind(symmetric_alibi_bias, slopes)
+        mod.score_mod_grad = bind(_unit_derivative, slopes)
+        mod.__name__ = (f"symmetric_alibi({'x'.join(map(str, slopes.shape))} slopes)"
+                        + (f"[offset={offset}]" if offset else ""))
+        return mod
+    mod = at(0)
+    mod.at_lengths = lambda Q_LEN, KV_LEN: at(causal_offset(Q_LEN, KV_LEN))
+    return mod
 
 
 def softcap(c: float):

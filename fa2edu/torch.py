@@ -1,4 +1,4 @@
-"""FlashAttention as a PyTorch operator: ``fa2edu.torch.flash_attention``.
+"""FlashAttention as a PyTorch operator: ``fa2edu.torch.flash_attention`` (and ``flex_attention``).
 
 Every anchor a learner meets (flash-attn, the Triton tutorial, course assignments) hands its attention to PyTorch
 the same way: a forward pass that runs the paper's forward algorithm and *saves only what the paper's algorithm
@@ -54,6 +54,16 @@ penalty, ``torch.autograd.grad(out, q, create_graph=True)`` then a backward thro
 ``RuntimeError`` saying so (:data:`DOUBLE_BACKWARD_ERROR`) when it reaches the op, on both roads below, rather
 than silently dropping the second-order term. L (``return_lse=True``) is not differentiable.
 
+**Scores and masks as code** (DESIGN.md's FlexAttention contract): :func:`flex_attention` is
+``torch.nn.attention.flex_attention``'s signature (plus ``score_mod_grad``) on :mod:`fa2edu.flex`: FA2 Alg. 1/2 over
+a BlockMask's blocks, through the score_mod and its derivative, as the operators ``torch.ops.fa2edu.
+flex_attention_fwd|bwd``. Python mods cannot be operator arguments: the eager road hands them to its Function, the
+traced road registers them and passes an int key (``fa2edu._torch_ops``, section 4). flash-attn's keywords of
+:func:`flash_attention` — ``window_size``, ``softcap``, ``alibi_slopes`` — run on the same machinery
+(``torch.ops.fa2edu.flash_attention_flex_fwd|bwd``, which take them as numbers and a tensor). Both run on CPU
+tensors only for now: there is no FlexAttention kernel in kernels_gpu yet, and CUDA tensors get a clear error,
+never a silent copy.
+
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
 this module, so fa2edu works without PyTorch.
@@ -70,13 +80,15 @@ except ModuleNotFoundError as error:  # pragma: no cover - exercised only where 
                       "(or `pip install 'fa2edu[torch]'`); the rest of fa2edu works without it") from error
 
 import math
+from numbers import Integral, Real
 
 from fa2edu import _torch_ops as ops
 from fa2edu._torch_ops import ALGORITHMS, BACKENDS, DISPATCH, MAX_HEAD_DIM, choose_backend
+from fa2edu.blocks import block_sizes_q_outer, resolve_block_sizes
 from fa2edu.validation import check_block_sizes, check_M, check_scale
 
-__all__ = ["flash_attention", "ALGORITHMS", "BACKENDS", "DISPATCH", "MAX_HEAD_DIM", "choose_backend",
-           "Flash2Attention", "Flash1Attention", "StandardAttention", "DOUBLE_BACKWARD_ERROR"]
+__all__ = ["flash_attention", "flex_attention", "ALGORITHMS", "BACKENDS", "DISPATCH", "MAX_HEAD_DIM",
+           "choose_backend", "Flash2Attention", "Flash1Attention", "StandardAttention", "DOUBLE_BACKWARD_ERROR"]
 
 
 # -- checking and resolving the arguments ----------------------------------------------------------------------------
@@ -211,7 +223,7 @@ def _differentiable_once(ctx, dO, grads):
     """The backward's ``grads``; when the backward itself is being recorded (``create_graph=True``, so grad mode
     is on inside it) and something it read needs gradients, wrapped so that differentiating them raises."""
     if torch.is_grad_enabled():
-        needs_grad = [t for t in (dO, *ctx.saved_tensors) if t.requires_grad]
+        needs_grad = [t for t in (dO, *ctx.saved_tensors) if t is not None and t.requires_grad]
         if needs_grad:
             return _DoubleBackwardRefused.apply(needs_grad[0], *grads)
     return grads
@@ -427,8 +439,15 @@ def _lse_of_scores(q, k, causal: bool, scale: float):
 # -- the public op -----------------------------------------------------------------------------------------------------
 
 def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = "flash2", return_lse: bool = False,
-                    *, backend: str | None = None, block_sizes=None, M=None):
+                    *, backend: str | None = None, block_sizes=None, M=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
     """softmax(τ·q kᵀ [+ causal mask]) v, differentiable, computed by one of the papers' algorithms.
+
+    flash-attn's keywords ``window_size``, ``softcap`` and ``alibi_slopes`` (``flash_attn_func``'s, same meaning)
+    run on FlexAttention's machinery (:mod:`fa2edu.flex`: FA2 Alg. 1/2 over the blocks the window leaves, the soft
+    cap and the bias as a score_mod, :func:`fa2edu._torch_ops.flash_attn_mods`), on CPU tensors only for now, in
+    flash-attn's order: S = τ·q kᵀ, capped ``softcap·tanh(S/softcap)``, masked by the window (and causal), biased
+    by ALiBi. With none of them set, flash_attention runs exactly as without them.
 
     Args:
         q (torch.Tensor): queries, shape (…, H_q, N_q, d), 1 ≤ d ≤ 256. CPU: float32 or float64, finite.
@@ -451,7 +470,18 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             ``"teaching"`` backends (keyword only; None with ``"standard"``). Default None: from ``M`` by the
             conventions' rules on the CPU, :func:`kernels_gpu.runtime.default_block_sizes` on the teaching kernels.
         M (int, optional): SRAM size in elements, for the tiled algorithms on the ``"numpy"`` backend only
-            (keyword only). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`.
+            (keyword only). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`. With flash-attn's
+            keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes.
+        window_size (tuple of int, optional): ``(left, right)``, flash-attn's sliding-window (local) attention
+            (keyword only): query i sees the keys j with i + N_k − N_q − left ≤ j ≤ i + N_k − N_q + right
+            (bottom-right aligned, as ``causal``); −1 leaves that side unbounded, and so does a side ≥ N_k (as
+            flash-attn's kernels normalise it); with ``causal=True`` the window is (left, 0), as in flash-attn. Rows
+            that see no key give O = 0, L = +inf. Default (−1, −1): no window.
+        softcap (float, optional): flash-attn's soft cap (keyword only): each scaled score S becomes
+            softcap·tanh(S/softcap), before the mask and the bias; must be ≥ 0. Default 0.0: off.
+        alibi_slopes (torch.Tensor, optional): flash-attn's ALiBi (keyword only): float32 of shape (H_q,) or
+            (B, H_q) (q's leading axes (…, H_q) in general), on q's device; adds ``−slope·|i + N_k − N_q − j|`` to the
+            score of query i and key j (:func:`fa2edu.flex.symmetric_alibi`); no gradient. Default None: no bias.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
@@ -469,7 +499,17 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             would read them once more and synchronise with the GPU on every call): like SDPA, the kernels return
             what their arithmetic gives.
         RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
+
+    With flash-attn's keywords, also: a TypeError for a ``window_size`` that is not a pair of ints, a ``softcap``
+    that is not a real number, ``alibi_slopes`` that are not a float32 tensor; a ValueError for window sizes below
+    −1, a negative softcap, slopes of the wrong shape, an ``algorithm`` other than ``"flash2"``, a backend other
+    than ``"numpy"``, and CUDA tensors (no FlexAttention kernel yet: move them to the CPU).
     """
+    window, softcap, alibi_slopes, flash_attn_keywords = _check_flash_attn_keywords(window_size, softcap,
+                                                                                     alibi_slopes)
+    if flash_attn_keywords:
+        return _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M,
+                                     window, softcap, alibi_slopes)
     (q, k, v), args = _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M)
     # the eager road (the Function, no dispatcher) or the traced one (the registered operator): the same outputs
     outputs = (_EAGER[algorithm].apply if _eager(q, k, v) else _OPERATORS[algorithm])(q, k, v, *args)
@@ -481,4 +521,273 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
     else:
         O, _ = outputs
         L = _lse_of_scores(q.detach(), k.detach(), causal, args[1]) if return_lse else None
+    return (O, L) if return_lse else O
+
+
+# -- FlexAttention: score_mod and mask_mod as code ---------------------------------------------------------------------
+#
+# The same two roads as flash_attention's. The mods are Python functions, which an operator cannot take: the eager
+# road hands the Function the checked mods (fa2edu._torch_ops.FlexMods) itself; the traced road registers them and
+# hands the operators their key, an int (fa2edu._torch_ops, section 4, says how their lifetime is kept).
+
+class _Flex(torch.autograd.Function):
+    """The eager road of flex_attention: FlexMods in hand; returns (O, L)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mods, scale, enable_gqa):
+        O, L = ops.flex_forward(q, k, v, mods, scale, enable_gqa)
+        ctx.save_for_backward(q, k, v, O, L)
+        ctx.mods, ctx.options = mods, (scale, enable_gqa)
+        ctx.mark_non_differentiable(L)
+        return O, L
+
+    @staticmethod
+    def backward(ctx, dO, dL):
+        q, k, v, O, L = ctx.saved_tensors
+        # FA2 Alg. 2 over the BlockMask, through score_mod's derivative (an error naming score_mod_grad without one)
+        grads = ops.flex_backward(dO, q, k, v, O, L, ctx.mods, *ctx.options)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None)
+
+
+def _flex_setup_context(ctx, inputs, output):
+    """The traced road: what FlexAttention's forward keeps (Q, K, V, O, L, as FA2) and the mods' key. On real
+    tensors (torch.jit.trace, a tracer that runs the op) also the mods themselves, so that they live until this
+    graph's backward has run; not while torch.compile traces (fake tensors), whose traced graph would keep them
+    alive for as long as the compiled code exists (there the forward operator keeps them alive with L, which the
+    backward saves: fa2edu._torch_ops.flex_attention_fwd_impl)."""
+    q, k, v, key, scale, enable_gqa = inputs
+    O, L = output
+    ctx.save_for_backward(q, k, v, O, L)
+    ctx.key, ctx.options = key, (scale, enable_gqa)
+    if type(q) is torch.Tensor:
+        ctx.mods = ops.MODS.lookup(key)
+    ctx.mark_non_differentiable(L)
+
+
+def _flex_formula(ctx, dO, dL):
+    q, k, v, O, L = ctx.saved_tensors
+    dQ, dK, dV = torch.ops.fa2edu.flex_attention_bwd(dO, q, k, v, O, L, ctx.key, *ctx.options)
+    return dQ, dK, dV, None, None, None
+
+
+class _FlashFlex(torch.autograd.Function):
+    """The eager road of flash_attention with flash-attn's keywords; returns (O, L)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, *args):
+        O, L = ops.flash_attention_flex_fwd_impl(q, k, v, alibi_slopes, *args)
+        _flash_flex_setup_context(ctx, (q, k, v, alibi_slopes, *args), (O, L))
+        return O, L
+
+    @staticmethod
+    def backward(ctx, dO, dL):
+        q, k, v, O, L, alibi_slopes = ctx.saved_tensors
+        grads = ops.flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None, None, None, None, None)
+
+
+def _flash_flex_setup_context(ctx, inputs, output):
+    """FA2's saved tensors, and the slopes (no gradient: flash-attn gives none either)."""
+    q, k, v, alibi_slopes, *args = inputs
+    O, L = output
+    ctx.save_for_backward(q, k, v, O, L, alibi_slopes)
+    ctx.options = tuple(args)
+    ctx.mark_non_differentiable(L)
+
+
+def _flash_flex_formula(ctx, dO, dL):
+    q, k, v, O, L, alibi_slopes = ctx.saved_tensors
+    dQ, dK, dV = torch.ops.fa2edu.flash_attention_flex_bwd(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
+    return dQ, dK, dV, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fa2edu::flex_attention_fwd", _flex_formula, setup_context=_flex_setup_context)
+torch.library.register_autograd("fa2edu::flash_attention_flex_fwd", _flash_flex_formula,
+                                setup_context=_flash_flex_setup_context)
+for _name in ("flex_attention_bwd", "flash_attention_flex_bwd"):
+    torch.library.register_autograd(f"fa2edu::{_name}", _refuse_double_backward, setup_context=_nothing_to_save)
+
+
+def _on_the_cpu(q, what: str) -> None:
+    """CPU tensors only: a clear error on CUDA (no FlexAttention kernel yet; never a silent copy)."""
+    if q.device.type == "cuda":
+        raise ValueError(ops.FLEX_CUDA_ERROR.format(what=what))
+    if q.device.type != "cpu":
+        raise ValueError(f"q, k, v are on device {q.device.type!r}; {what} runs on 'cpu'")
+    if q.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"q has dtype {q.dtype}; on the CPU {what} takes float32 or float64"
+                        f"{ops._dtype_hint('cpu', q.dtype)}")
+
+
+def _check_flex_tensors(q, k, v, enable_gqa):
+    """q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v), CPU, one dtype; GQA only on request
+    (metadata only, as torch.compile needs)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
+                            "(for NumPy arrays call fa2edu.flex_attention)")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
+    _on_the_cpu(q, "fa2edu.torch.flex_attention")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
+    for name, x, axes in (("q", q, "(B, H, N_q, d)"), ("k", k, "(B, H_kv, N_k, d)"), ("v", v, "(B, H_kv, N_k, d_v)")):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 axes {axes}, as torch's flex_attention, got shape {tuple(x.shape)}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v must have the same batch size B, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k and v must have the same heads and keys (B, H_kv, N_k), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k's head dimension must equal q's: q has d = {q.shape[3]}, k has {k.shape[3]}")
+    H_q, H_kv = q.shape[1], k.shape[1]
+    if H_q != H_kv and not enable_gqa:
+        raise ValueError(f"q has H = {H_q} heads but k and v have {H_kv}: pass enable_gqa=True for grouped-query "
+                         "attention (query head h reads key/value head h // (H_q / H_kv)), or give k and v q's heads")
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"with enable_gqa, q's heads H_q = {H_q} must be a multiple of k's and v's H_kv = {H_kv}")
+
+
+def _identity(x):
+    """``id(x)``, None for None: read in the caller's code, so that torch.compile guards on each mod's identity."""
+    return None if x is None else id(x)
+
+
+def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
+                   score_mod_grad=None):
+    """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, computed by fa2edu.flex on the CPU.
+
+    PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad``. The forward pass is FA2
+    Alg. 1 over the BlockMask's blocks (:func:`fa2edu.flex.flex_attention`: skipped blocks never loaded, partial
+    ones masked per element, full ones not masked at all), the backward FA2 Alg. 2
+    (:func:`fa2edu.flex.flex_attention_backward`), which differentiates through score_mod with its derivative
+    ``d score_mod / d score``; both in NumPy, in float64 for float64 tensors and float32 for float32 ones. Cost:
+    :func:`fa2edu.flex.flex_attention`'s, per (batch, head).
+
+    It is a ``torch.library.custom_op`` (``torch.ops.fa2edu.flex_attention_fwd`` / ``_bwd``) with fake
+    implementations and ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces through it. The mods reach
+    the operator as an int key (``fa2edu._torch_ops``, section 4): under torch.compile, keep them alive while the
+    compiled code runs, its backward pass included (module attributes, say); other mods objects compile again.
+    Mods are written as fa2edu.flex takes them: for scalars, with operators, ``math`` or NumPy ufuncs (the ready mods
+    of :mod:`fa2edu.flex` are). No CUDA kernel yet: CUDA tensors are refused, never copied.
+
+    Args:
+        q (torch.Tensor): queries, shape (B, H_q, N_q, d), CPU, float32 or float64, finite.
+        k (torch.Tensor): keys, shape (B, H_kv, N_k, d), on q's device in q's dtype; H_kv = H_q unless
+            ``enable_gqa``.
+        v (torch.Tensor): values, shape (B, H_kv, N_k, d_v), on q's device in q's dtype.
+        score_mod (callable, optional): ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to each scaled
+            score τ·q·k (h is the query head). Default None: the scores unchanged.
+        block_mask (BlockMask, optional): ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)`` (its B
+            and H equal to q's or 1), or a PyTorch BlockMask from ``torch.nn.attention.flex_attention.
+            create_block_mask``, converted (its blocks, and its mask_mod evaluated on tensors, as PyTorch does).
+            Default None: no mask, every block full (BLOCK_SIZE 128).
+        scale (float, optional): the softmax scale τ. Default None: 1/√d.
+        enable_gqa (bool, optional): allow H_q ≠ H_kv (a multiple): query head h reads key/value head
+            h // (H_q / H_kv), never copied; dK, dV summed over each group. Default False.
+        return_lse (bool, optional): also return L, the natural-log log-sum-exp of each row of the modified, masked
+            scores, float32 (float64 for float64 inputs); +inf on a row that keeps no score (PyTorch gives −inf
+            there); not differentiable. Default False.
+        score_mod_grad (callable, optional): ``score_mod_grad(score, b, h, q_idx, kv_idx) -> d score_mod / d score``
+            at the scaled score, for the backward pass. Default None: ``score_mod.score_mod_grad`` (every ready
+            score_mod carries one); a backward pass through a score_mod with neither raises a ValueError naming
+            score_mod_grad. Gradients with respect to arrays a mod binds are not computed.
+
+    Returns:
+        O of shape (B, H_q, N_q, d_v) in q's dtype (0 on a row that keeps no score, with zero gradients), with a
+        ``grad_fn``; ``(O, L)`` with ``return_lse``, L of shape (B, H_q, N_q).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes, mods that are not callable, a block_mask that is not
+            a BlockMask, non-bool ``enable_gqa`` or ``return_lse``.
+        ValueError: CUDA tensors (no FlexAttention kernel yet: move them to the CPU), shapes that do not fit (4
+            axes, GQA, a block_mask made for other lengths), a score_mod returning NaN or +inf for a kept score,
+            NaN or inf in q, k or v, ``score_mod_grad`` without ``score_mod``, and, in the backward pass, a
+            score_mod without a derivative.
+        RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
+    """
+    _check_flex_tensors(q, k, v, enable_gqa)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = float(check_scale(scale, q.shape[-1]))
+    if _eager(q, k, v):
+        O, L = _Flex.apply(q, k, v, ops.flex_mods(score_mod, block_mask, score_mod_grad), scale, enable_gqa)
+    else:
+        identities = (_identity(score_mod), _identity(score_mod_grad), _identity(block_mask))
+        key = ops.register_mods(score_mod, score_mod_grad, block_mask, identities)
+        O, L = torch.ops.fa2edu.flex_attention_fwd(q, k, v, key, scale, enable_gqa)
+    return (O, L) if return_lse else O
+
+
+# -- flash-attn's keywords on flash_attention -------------------------------------------------------------------------
+
+def _check_flash_attn_keywords(window_size, softcap, alibi_slopes):
+    """window_size a pair of ints ≥ −1, softcap a real number ≥ 0, alibi_slopes a tensor or None; returns them
+    normalised ((left, right), float softcap, slopes) and whether any of them asks for something."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
+            isinstance(w, bool) or not isinstance(w, Integral) for w in window_size):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound (flash-attn's "
+                        f"convention), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must hold -1 (no bound) or sizes >= 0, got {tuple(window_size)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"softcap must be a real number (0 = off), got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), or None; got "
+                        f"{type(alibi_slopes).__name__}")
+    wanted = (left, right) != (-1, -1) or softcap > 0 or alibi_slopes is not None
+    return (left, right), float(softcap), alibi_slopes, wanted
+
+
+def _check_alibi_slopes(alibi_slopes, q) -> None:
+    """flash-attn's rule: float32, shape (H_q,) or (B, H_q) — here (H_q,) or q's leading axes (…, H_q) — on q's
+    device."""
+    H_q = q.shape[-3] if q.dim() >= 3 else 1
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must have dtype torch.float32 (as flash-attn's), got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+    shapes = {(H_q,), tuple(q.shape[:-2])}
+    if tuple(alibi_slopes.shape) not in shapes:
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({H_q},) or (B, H) = {tuple(q.shape[:-2])} (one slope "
+                         f"per query head, or per batch entry and head), got {tuple(alibi_slopes.shape)}")
+
+
+def _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M, window, softcap,
+                          alibi_slopes):
+    """flash_attention with flash-attn's keywords, on FlexAttention's machinery (fa2edu.flex, CPU)."""
+    what = "flash_attention with window_size, softcap or alibi_slopes"
+    if algorithm != "flash2":
+        raise ValueError(f"window_size, softcap and alibi_slopes run on FlexAttention's FA2 loops (fa2edu.flex): "
+                         f"algorithm must be 'flash2', got {algorithm!r}")
+    if backend not in (None, "numpy"):
+        raise ValueError(f"{what} runs on the 'numpy' backend (fa2edu.flex), got backend={backend!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    q, k, v = _check_tensors(q, k, v, algorithm)
+    _on_the_cpu(q, what)
+    _check_shapes(q, k, v)
+    if alibi_slopes is not None:
+        _check_alibi_slopes(alibi_slopes, q)
+    scale = float(check_scale(scale, q.shape[-1]))
+    if M is not None:
+        M = check_M(M, q.shape[-1])
+    if block_sizes is not None:
+        block_sizes = check_block_sizes(block_sizes)
+    # one BLOCK_SIZE for both passes: the FA2 forward's rule (docs/conventions.md) unless given
+    sizes = list(resolve_block_sizes(M, block_sizes, q.shape[-1], block_sizes_q_outer))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    args = (alibi_slopes, causal, window[0], window[1], softcap, scale, sizes)
+    if _eager(q, k, v):
+        O, L = _FlashFlex.apply(q, k, v, *args)
+    else:
+        O, L = torch.ops.fa2edu.flash_attention_flex_fwd(q, k, v, *args)
     return (O, L) if return_lse else O

@@ -5,9 +5,9 @@ in the docstring's *Parameters* section (NumPy style, ``name : type`` then an in
 section (Google style, ``name (type): description``). Prose that happens to mention ``Q`` does not count.
 
 Public means: everything in ``fa2edu.__all__`` and ``kernels_gpu.__all__`` that can be called, and
-``fa2edu.torch.flash_attention``. A class documents its constructor's parameters (the fields of a NamedTuple or a
-dataclass) in its own docstring, under *Parameters* or *Attributes*. Each entry needs a description, and a
-parameter with a default value says what the default is (the word "default" in its entry).
+``fa2edu.torch.flash_attention`` and ``flex_attention``. A class documents its constructor's parameters (the fields
+of a NamedTuple or a dataclass) in its own docstring, under *Parameters* or *Attributes*. Each entry needs a
+description, and a parameter with a default value says what the default is (the word "default" in its entry).
 """
 
 from __future__ import annotations
@@ -139,11 +139,12 @@ def test_public_function_documents_every_parameter(name):
     assert not found, f"{name}: " + "; ".join(found)
 
 
-def test_torch_op_documents_every_parameter():
+@pytest.mark.parametrize("name", ["flash_attention", "flex_attention"])
+def test_torch_op_documents_every_parameter(name):
     pytest.importorskip("torch")
-    from fa2edu.torch import flash_attention
-    found = problems(flash_attention)
-    assert not found, "fa2edu.torch.flash_attention: " + "; ".join(found)
+    import fa2edu.torch
+    found = problems(getattr(fa2edu.torch, name))
+    assert not found, f"fa2edu.torch.{name}: " + "; ".join(found)
 
 
 # -- the parser itself: it must see a missing parameter that the prose mentions, in both styles ------------------

@@ -413,6 +413,48 @@ def test_prefix_lm_document_and_combinations():
     assert keys_seen(flex.document([5, 5, 6], kv_ids=[6, 5]), 3, 2) == [{1}, {1}, {0}]
 
 
+@pytest.mark.parametrize("N_q, N_k", [(7, 7), (3, 9), (9, 3)])
+@pytest.mark.parametrize("left, right", [(-1, -1), (-1, 0), (2, 0), (1, 2), (0, 0), (-1, 3), (4, -1)])
+def test_local_window_keeps_flash_attns_band(left, right, N_q, N_k):
+    """flash-attn's window_size: keys p − left … p + right (−1: unbounded), p = i + N_k − N_q."""
+    for i, seen in enumerate(keys_seen(flex.local_window(left, right), N_q, N_k)):
+        p = i + N_k - N_q
+        low, high = (0 if left < 0 else p - left), (N_k - 1 if right < 0 else p + right)
+        assert seen == set(range(max(low, 0), min(high, N_k - 1) + 1))
+    if (left, right) == (-1, 0):
+        assert keys_seen(flex.local_window(-1, 0), N_q, N_k) == keys_seen(flex.causal, N_q, N_k)
+    if right == 0 and left >= 0:
+        assert keys_seen(flex.local_window(left, 0), N_q, N_k) == keys_seen(flex.sliding_window(left + 1), N_q, N_k)
+
+
+def test_symmetric_alibi_and_chained_score_mods():
+    slopes, per_batch = np.array([0.25, 0.5]), np.array([[0.25, 0.5], [1.0, 2.0]])
+    # −slope·|i + KV_LEN − Q_LEN − j|: symmetric, bottom-right aligned, per head or per (batch entry, head)
+    mod = at_lengths(flex.symmetric_alibi(slopes), 3, 5)                       # offset 2
+    assert [mod(1.0, 0, 1, 0, j) for j in (0, 2, 4)] == [1.0 - 0.5 * 2, 1.0, 1.0 - 0.5 * 2]
+    assert at_lengths(flex.symmetric_alibi(per_batch), 3, 5)(0.0, 1, 1, 0, 0) == -2.0 * 2
+    assert flex.symmetric_alibi(slopes).score_mod_grad(3.0, 0, 0, 0, 0) == 1.0
+    # a causal mask: alibi and symmetric_alibi differ by a row constant, so O is the same (L is not)
+    q, k, v = (np.random.default_rng(3).standard_normal((1, 2, 5, 4)) for _ in range(3))
+    bm = create_block_mask(flex.causal, None, None, 5, 5, BLOCK_SIZE=2)
+    np.testing.assert_allclose(flex_attention(q, k, v, score_mod=flex.alibi(slopes), block_mask=bm),
+                               flex_attention(q, k, v, score_mod=flex.symmetric_alibi(slopes), block_mask=bm),
+                               rtol=1e-12, atol=1e-12)
+    # chain: applied first to last; its derivative is the chain rule, checked against finite differences
+    chain = flex.chain_score_mods(flex.softcap(2.0), flex.symmetric_alibi(slopes))
+    s = np.linspace(-6.0, 6.0, 13)
+    np.testing.assert_allclose(chain(s, 0, 1, 3, 1), 2.0 * np.tanh(s / 2.0) - 0.5 * 2)
+    h = 1e-6
+    numeric = (chain(s + h, 0, 1, 3, 1) - chain(s - h, 0, 1, 3, 1)) / (2 * h)
+    np.testing.assert_allclose(chain.score_mod_grad(s, 0, 1, 3, 1), numeric, rtol=1e-8, atol=1e-9)
+    # the diagonal of its parts reaches the chain and its derivative (the backward specialises the derivative)
+    shifted = at_lengths(chain, 3, 5)
+    assert shifted(0.0, 0, 1, 0, 0) == -0.5 * 2 and at_lengths(chain.score_mod_grad, 3, 5)(0.0, 0, 1, 0, 0) == 1.0
+    assert chain.mods[0].__name__ == "softcap(2)" and chain.combine is flex.chain_score_mods
+    # a part without a derivative: the chain has none either (the backward then asks for score_mod_grad)
+    assert not hasattr(flex.chain_score_mods(flex.softcap(1.0), lambda s, b, h, q_idx, kv_idx: s), "score_mod_grad")
+
+
 def test_score_mods_and_their_derivatives():
     slopes = np.array([0.25, 0.5])
     alibi, cap, bias = flex.alibi(slopes), flex.softcap(3.0), flex.relative_bias([10.0, 20.0, 30.0, 40.0, 50.0])
@@ -614,6 +656,13 @@ def _bad_calls():
     yield "softcap", lambda: flex.softcap(-1.0), ValueError, "c must be positive"
     yield "table", lambda: flex.relative_bias([np.inf]), ValueError, "table must be finite"
     yield "offset", lambda: flex.relative_bias([1.0, 2.0], offset=2), ValueError, "offset must index table"
+    yield "local_window side", lambda: flex.local_window(-2, 0), ValueError, "left must be -1 \\(no bound\\)"
+    yield "local_window type", lambda: flex.local_window(1, 1.5), TypeError, "right must be an int"
+    yield "symmetric slopes", lambda: flex.symmetric_alibi(np.ones((1, 1, 2))), TypeError, \
+        r"slopes must be a non-empty array of real numbers of shape \(H,\) or \(B, H\)"
+    yield "chain empty", lambda: flex.chain_score_mods(), ValueError, "chain_score_mods needs at least one"
+    yield "chain item", lambda: flex.chain_score_mods(flex.softcap(1.0), 2), TypeError, \
+        "chain_score_mods argument 1 must be a callable"
 
 
 BAD = {name: (call, error, match) for name, call, error, match in _bad_calls()}
