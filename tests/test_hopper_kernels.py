@@ -131,12 +131,12 @@ def test_trace_array_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("shape_q, shape_kv, dtype, scale", [
     # two key blocks of 128 (the second ragged), N_q < N_k causal, d = 16
     ((1, 1, 40, 16), (1, 1, 150, 16), "float16", 1.0),
-    # GQA; N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 40 (padded to
-    # 48); scores in the tens; bf16
-    ((1, 2, 70, 40), (1, 1, 45, 40), "bfloat16", 3.0),
+    # GQA; N_q > N_k causal: 25 rows see no key; two row blocks of 64 (the second ragged); d = 24 (padded to
+    # 32); scores in the tens; bf16
+    ((1, 2, 70, 24), (1, 1, 45, 24), "bfloat16", 3.0),
     # the deterministic mode (dK, dV kernel + the dQ pass over key tiles of 64) on the first case
     ((1, 1, 40, 16), (1, 1, 150, 16), "float16", 1.0),
-], ids=["two-key-blocks-f16", "masked-rows-d40-bf16", "deterministic-f16"])
+], ids=["two-key-blocks-f16", "masked-rows-d24-bf16", "deterministic-f16"])
 def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkeypatch, request):
     pytest.importorskip("torch")
     from test_tensorcore_backward import _problem, flash_attn_rule

@@ -5,15 +5,15 @@ block K_j, V_j of B_c = 64 · consumers keys, each consumer warpgroup 64 of them
 as a mma.sync warp), and loops over the query heads of its GQA group and the row blocks Q_i of B_r queries.
 Every product a warpgroup accumulates has its keys as rows — the *transposed* products — except dQ:
 
-===========================  ==================  ===============================  ===============================
-Alg. 2 step                  wgmma (per WG)      A                                B
-===========================  ==================  ===============================  ===============================
-line 11  Sᵀ = K_j Q_iᵀ       m64n{B_r}k16 × D/16  K_j's 64 rows, smem, K-major     Q_i, smem, K-major
-line 16  dV_j += Pᵀ dO_i     m64n{D}k16 × B_r/16  Pᵀ, registers (packed)           dO_i, smem, MN-major
-line 17  dPᵀ = V_j dO_iᵀ     m64n{B_r}k16 × D/16  V_j's 64 rows, smem, K-major     dO_i, smem, K-major
-line 21  dK_j += dSᵀ Q_i     m64n{D}k16 × B_r/16  dSᵀ, registers (packed)          Q_i, smem, MN-major
-line 20  dQ_i += dS K_j      m64n{D}k16 × 4       dS, smem, K-major (stored)       K_j's 64 rows, smem, MN-major
-===========================  ==================  ===============================  ===============================
+=========================  =====================  ==============================  ==============================
+Alg. 2 step                wgmma (per WG)         A                               B
+=========================  =====================  ==============================  ==============================
+line 11  Sᵀ = K_j Q_iᵀ     m64n{B_r}k16 × D/16    K_j's 64 rows, smem, K-major    Q_i, smem, K-major
+line 16  dV_j += Pᵀ dO_i   m64n{D}k16 × B_r/16    Pᵀ, registers (packed)          dO_i, smem, MN-major
+line 17  dPᵀ = V_j dO_iᵀ   m64n{B_r}k16 × D/16    V_j's 64 rows, smem, K-major    dO_i, smem, K-major
+line 21  dK_j += dSᵀ Q_i   m64n{D}k16 × B_r/16    dSᵀ, registers (packed)         Q_i, smem, MN-major
+line 20  dQ_i += dS K_j    m64n{D}k16 × 4         dS, smem, K-major (stored)      K_j's 64 rows, smem, MN-major
+=========================  =====================  ==============================  ==============================
 
 A wgmma accumulator is laid out warp by warp as mma.sync's (:mod:`kernels_gpu.wgmma_layout`), so the element-wise
 steps — Pᵀ = 2^(Sᵀ·τlog₂e − L·log₂e) with the causal mask, dSᵀ = Pᵀ ∘ (dPᵀ − D), the stores of dK_j, dV_j — are
