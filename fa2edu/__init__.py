@@ -16,7 +16,8 @@ decoding, paged and split-KV; packed variable-length batches). Scores and masks 
 ``flex`` (FlexAttention: a mask_mod classified into a ``BlockMask``, a score_mod, FA2's loops over the blocks) ←
 ``io`` (``simulate_flex_io``). Across devices: ``io`` ← ``context_parallel`` (what a ring of W ranks computes,
 moves and waits for, predicted without running it; ``fa2edu.distributed`` runs the ring on ``torch.distributed``
-and is imported only on demand).
+and is imported only on demand). Low precision: ``flash2``, ``reference`` ← ``fp8`` (FlashAttention-3's FP8: exact
+float8 rounding, per-head, per-block and incoherent quantisation, FA2 Alg. 1 on 1-byte inputs, an error study).
 """
 
 from fa2edu import exercises  # noqa: F401,I001  (the chapters' exercise checkers, last: it uses the rest)
@@ -26,6 +27,7 @@ from fa2edu.flash1 import flash1_backward, flash1_block_sparse_backward, flash1_
 from fa2edu.flash2 import flash2_backward, flash2_forward
 from fa2edu.flex import BlockMask, create_block_mask, flex_attention, flex_attention_backward
 from fa2edu.flops import count_flops
+from fa2edu.fp8 import Fp8Tensor, flash2_forward_fp8, fp8_attention, fp8_error_study, quantize_fp8, round_to_fp8
 from fa2edu.inference import DecodeResult, decode_attention, padded_batch_io, varlen_attention
 from fa2edu.io import IOReport, simulate_io
 from fa2edu.memory import HBM, SRAM, FlopCounter, SRAMOverflowError
@@ -42,6 +44,7 @@ __all__ = [
     "flash1_forward", "flash1_backward", "flash1_block_sparse_forward", "flash1_block_sparse_backward",
     "flash2_forward", "flash2_backward",
     "flex_attention", "flex_attention_backward", "create_block_mask", "BlockMask",
+    "quantize_fp8", "round_to_fp8", "Fp8Tensor", "fp8_attention", "flash2_forward_fp8", "fp8_error_study",
     "merge_attention_states", "decode_attention", "DecodeResult", "varlen_attention", "padded_batch_io",
     "simulate_io", "IOReport", "count_flops", "simulate_context_parallel", "ContextParallelReport",
     "HBM", "SRAM", "FlopCounter", "SRAMOverflowError", "AttentionOverflowError",

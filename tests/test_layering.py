@@ -92,6 +92,27 @@ def test_flex_builds_on_the_fa2_algorithm_and_nothing_below_imports_it() -> None
     assert users <= FLEX_USERS, sorted(users - FLEX_USERS)
 
 
+#: FP8 attention (fa2edu.fp8) builds on FA2's Algorithm 1, the oracle (its error study), the memory model and the
+#: checks; nothing it builds on imports it back, and above it only the package and the PyTorch integration may
+#: (DESIGN.md's ``fa2edu.torch.quantize_fp8`` and the Hopper FP8 kernel's inputs).
+FP8_BUILDS_ON = {"fa2edu.blocks", "fa2edu.flash2", "fa2edu.masks", "fa2edu.memory", "fa2edu.reference",
+                 "fa2edu.softmax", "fa2edu.validation"}
+FP8_USERS = {"fa2edu", "fa2edu.torch", "fa2edu._torch_ops", "fa2edu.exercises", "fa2edu.cli"}
+
+
+def test_fp8_builds_on_the_fa2_algorithm_and_nothing_below_imports_it() -> None:
+    graph = imports("fa2edu")
+    assert "fa2edu.fp8" in graph and graph["fa2edu.fp8"] <= FP8_BUILDS_ON, sorted(graph["fa2edu.fp8"])
+    below, frontier = set(), set(graph["fa2edu.fp8"])
+    while frontier:                                     # everything fp8 reaches, directly or not
+        module = frontier.pop()
+        below.add(module)
+        frontier |= graph.get(module, set()) - below
+    assert "fa2edu.fp8" not in below, "an import cycle through fa2edu.fp8"
+    users = {m for m, targets in graph.items() if "fa2edu.fp8" in targets}
+    assert users <= FP8_USERS, sorted(users - FP8_USERS)
+
+
 def test_kernels_gpu_never_imports_benchmarks() -> None:
     graph = imports("kernels_gpu")
     wrong = {m: sorted(t for t in ts if within(t, "benchmarks")) for m, ts in graph.items()}
