@@ -88,7 +88,8 @@ from fa2edu.blocks import block_sizes_q_outer, resolve_block_sizes
 from fa2edu.validation import check_block_sizes, check_M, check_scale
 
 __all__ = ["flash_attention", "flex_attention", "ALGORITHMS", "BACKENDS", "DISPATCH", "MAX_HEAD_DIM",
-           "choose_backend", "Flash2Attention", "Flash1Attention", "StandardAttention", "DOUBLE_BACKWARD_ERROR"]
+           "choose_backend", "Flash2Attention", "Flash1Attention", "StandardAttention", "DOUBLE_BACKWARD_ERROR",
+           "quantize_fp8"]
 
 
 # -- checking and resolving the arguments ----------------------------------------------------------------------------
@@ -791,3 +792,75 @@ def _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend
     else:
         O, L = torch.ops.fa2edu.flash_attention_flex_fwd(q, k, v, *args)
     return (O, L) if return_lse else O
+
+
+# -- FP8 inputs (FA3 Section 3.3) -----------------------------------------------------------------------------------
+
+def quantize_fp8(x, incoherent: bool = True, block=None, seed: int = 0):
+    """FA3's FP8 quantisation of a PyTorch tensor: ``(x8, descale)`` with x8 ``torch.float8_e4m3fn`` on x's device
+    and ``x ≈ x8.float() · descale`` (after the rotation, with ``incoherent``).
+
+    The same three steps as :func:`fa2edu.fp8.quantize_fp8` (the NumPy reference, which defaults to
+    ``incoherent=False``; this one follows DESIGN.md's ``quantize_fp8(x, incoherent=True)``):
+
+    1. with ``incoherent``, ``x ← x·M``, M = D·H/√d the random orthogonal matrix of
+       :func:`fa2edu.fp8.rotation_matrix` (``seed`` picks D's signs: Q and K must share it, V is never rotated),
+       as one float32 matrix product on x's device;
+    2. ``descale = amax(|x|) / 448`` per (batch, head) — the last two axes — or per ``block`` rows of them,
+       float32 (1 where x is all zero);
+    3. ``x8 = (x / descale)`` cast to float8 e4m3, which rounds to nearest even and saturates at ±448.
+
+    The quotient x / descale is formed in float32, as a kernel forms it, then rounded once to float8; the NumPy
+    reference divides in float64. The codes therefore agree except where the float32 quotient lands on the other
+    side of a rounding tie — about one element in a million, one code apart.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., N, d)
+        float16, bfloat16 or float32, finite, at least two axes; any device.
+    incoherent : bool, default True
+        Rotate the last axis first; d must then be a power of two.
+    block : int, optional
+        Rows (along N) per scale; default None: one scale per (batch, head).
+    seed : int, default 0
+        Seed of the rotation's signs.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        x8 (x's shape, float8_e4m3fn) and descale (float32: x's shape without its last two axes, or with
+        ⌈N / block⌉ in their place).
+    """
+    from fa2edu import fp8
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() < 2 or 0 in x.shape:
+        raise ValueError(f"x must have shape (..., N, d) with at least 2 axes and no empty axis, got {tuple(x.shape)}")
+    if not isinstance(incoherent, bool):
+        raise TypeError(f"incoherent must be a bool, got {type(incoherent).__name__}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a positive int or None, got {block!r}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or infinite values; FP8 quantisation needs finite inputs (its scale is the "
+                         "largest |x|)")
+    xf = x.float()
+    if incoherent:
+        M = torch.from_numpy(fp8.rotation_matrix(x.shape[-1], seed)).to(device=x.device, dtype=torch.float32)
+        xf = xf @ M
+    row_amax = xf.abs().amax(dim=-1)                                    # (..., N)
+    if block is None:
+        amax = row_amax.amax(dim=-1)
+        rows = amax[..., None, None]
+    else:
+        N = x.shape[-2]
+        pad = -N % block
+        padded = torch.nn.functional.pad(row_amax, (0, pad))
+        amax = padded.unflatten(-1, (-1, block)).amax(dim=-1)           # (..., ⌈N / block⌉)
+        rows = amax.repeat_interleave(block, dim=-1)[..., :N, None]
+    descale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale_rows = torch.where(rows > 0, rows / 448.0, torch.ones_like(rows))
+    x8 = (xf / scale_rows).to(torch.float8_e4m3fn)                   # in float32, as a kernel would
+    return x8, descale
