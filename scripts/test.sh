@@ -47,4 +47,6 @@ else
     python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,docs,torch]" "$TORCH"
     mkdir -p "$(dirname "$STAMP")" && echo "$key" > "$STAMP"
 fi
-python3 -m pytest -n 2 "$@"
+# Two workers that steal queued tests from each other: a few simulated kernels take 10-45 s, and without stealing
+# one worker can sit idle at the end while the other finishes them.
+python3 -m pytest -n 2 --dist worksteal "$@"
