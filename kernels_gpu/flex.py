@@ -76,10 +76,13 @@ import kernels_gpu.runtime as rt
 from fa2edu.flex import FULL, PARTIAL, SKIPPED, BlockMask, at_lengths
 from kernels_gpu import driver_launch, ptx
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES
-from kernels_gpu.tensorcore import launch
+from kernels_gpu.tensorcore import backward_launch, launch
+from kernels_gpu.tensorcore import flash2_backward_v1 as backward_v1
+from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
-__all__ = ["flex_forward", "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods",
+__all__ = ["flex_forward", "flex_backward", "make_backward_kernel", "backward_config_for", "plan_backward_mods",
+           "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods",
            "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
 
 #: Tile (B_r, B_c) used when no block mask is given (v4's).
@@ -516,3 +519,239 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
                         f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
                         f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
     return Flash2Forward(*launch.finish(p))
+
+
+# -- the backward pass ------------------------------------------------------------------------------------------
+
+def backward_config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> BackwardConfig:
+    """The backward kernel's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): the v1 backward's shape with
+    W = B_c / 16 warps (16 keys each), B_r queries per row block; two column chunks of dK_j, dV_j above d = 128.
+    Raises ValueError naming the sizes it can run."""
+    B_r, B_c = block_size
+    rows_ok = B_r % 16 == 0 and 16 <= B_r <= 128
+    warps = B_c // 16
+    if not rows_ok or B_c % 16 or not 16 <= B_c <= 128 or (warps % (B_r // 16) and (B_r // 16) % warps):
+        raise ValueError(f"the flex backward runs tiles (B_r, B_c) with B_r in 16, 32, …, 128, B_c a multiple of 16 "
+                         f"up to 128 (16 keys per warp), and B_r / 16 dividing or divisible by B_c / 16; the block "
+                         f"mask has BLOCK_SIZE = {(B_r, B_c)}: make it with BLOCK_SIZE=(64, 64) (or (16, 16) for "
+                         f"small problems)")
+    cfg = BackwardConfig(d=d, warps=warps, B_r=B_r, dtype=dtype, causal=False, simulated=simulated,
+                         chunks=1 if d <= 128 else 2)
+    nbytes = 4 * backward_v1.shared_words(cfg)
+    if nbytes > MAX_DYNAMIC_BYTES:
+        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c)} at d = {d} needs {nbytes} bytes of shared memory in the "
+                         f"backward, a block may have {MAX_DYNAMIC_BYTES}: use a smaller BLOCK_SIZE, e.g. (32, 64)")
+    return cfg
+
+
+def plan_backward_mods(mask_mod, score_mod, score_grad):
+    """:func:`plan_mods` with the score_mod's derivative as a third plan entry (its bound arrays take the next
+    slots): ``((mask plan, score plan, grad plan), arrays)``."""
+    (mask_plan, score_plan), arrays = plan_mods(mask_mod, score_mod)
+    arrays = list(arrays)
+    grad_plan = None if score_grad is None else _leaf(score_grad, "score_mod_grad", "score", arrays)
+    return (mask_plan, score_plan, grad_plan), tuple(arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def make_backward_kernel(cfg: BackwardConfig, plan):
+    """The flex backward kernel for one tile shape and one :func:`plan_backward_mods` plan: the mma.sync backward
+    v1 (one block per key block j, Sᵀ and dPᵀ per warp, dQ by atomic adds) walking the row blocks i of key block
+    j that the BlockMask does not skip, with MASK(score_mod(τS)) in the probabilities and score_mod_grad(τS) in
+    dS. Arguments: v1's, then the block classes C (B, H, T_r, T_c) and the bound arrays A0 … A3."""
+    mask_call, score_call = compile_mods(plan[:2], cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    jit = device(cfg.simulated)
+    if plan[2] is None:
+        def unit(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            return score
+        grad_call = jit(unit)              # (never called: HAS_SCORE is a compile-time constant)
+    else:
+        grad_call = _device_call(plan[2][1].fn, "score", plan[2][2], jit)
+    st = make_backward_steps(cfg)
+    copy_kv, copy_q, copy_stats, zero = st["copy_kv_async"], st["copy_q_async"], st["copy_stats_async"], st["zero"]
+    product_transposed, product_accumulate = st["product_transposed"], st["product_accumulate"]
+    softmax_gradient = st["softmax_gradient"]
+    store_transposed, dq_update, store_rows = st["store_transposed"], st["dq_update"], st["store_rows"]
+    B_r, B_c, RS, RSS = cfg.B_r, cfg.B_c, cfg.RS, cfg.RSS
+    CHUNKS, DC, NT = cfg.chunks, cfg.DC, cfg.NT
+    K_OFF = 0                                # shared memory laid out as v1's
+    V_OFF = B_c * RS
+    Q_OFF = 2 * B_c * RS
+    DO_OFF = Q_OFF + B_r * RS
+    DS_OFF = DO_OFF + B_r * RS
+    L_OFF = DS_OFF + B_c * RSS
+    D_OFF = L_OFF + B_r
+    S_LEN, C_LEN, A_LEN = 4 * NT, 4 * cfg.NC, 4 * (B_c // 16)
+    G_LEN = S_LEN if HAS_SCORE else 1
+    log2e = float32(LOG2E)
+    SKIP, PART = np.int8(SKIPPED), np.int8(PARTIAL)
+    ex2 = ptx.ex2
+
+    @jit
+    def flex_probabilities(s, gr, smf, key0, col0, N_q, N_k, scale, kind, z, h, A0, A1, A2, A3):
+        """Alg. 2 line 11, transposed, FlexAttention's way: for the lane's keys ``key0``, ``key0 + 8`` and the
+        tile's queries ``col0 + …``, x = τSᵀ, Pᵀ = exp(MASK(score_mod(x)) − L) = 2^(score_mod(x)·log₂e − L·log₂e),
+        and (score_mod) gr = score_mod_grad(x), in place. mask_mod only in partial blocks; no mod is called for
+        keys past N_k or queries past N_q (P = 0 there, and where the mask drops the score)."""
+        t = cuda.laneid % 4
+        for n in range(NT):
+            for hh in range(2):
+                for e in range(2):
+                    k = 4 * n + 2 * hh + e
+                    key = key0 + 8 * hh
+                    col = 8 * n + 2 * t + e
+                    q = col0 + col
+                    x = s[k] * scale
+                    p = float32(0.0)
+                    if q >= N_q or key >= N_k:
+                        p = float32(0.0)
+                    elif HAS_MASK and kind == PART and not mask_call(z, h, q, key, A0, A1, A2, A3):
+                        p = float32(0.0)
+                    else:
+                        y = x
+                        if HAS_SCORE:
+                            y = score_call(x, z, h, q, key, A0, A1, A2, A3)
+                            gr[k] = grad_call(x, z, h, q, key, A0, A1, A2, A3)
+                        p = ex2(float32(y) * log2e - smf[L_OFF + col])
+                    s[k] = p
+
+    @jit
+    def chain_rule(s, gr):
+        """Alg. 2 line 14, FlexAttention: dSᵀ = dS'ᵀ ∘ score_mod_grad(τSᵀ), in place (0 where P = 0)."""
+        for k in range(S_LEN):
+            if s[k] != 0.0:
+                s[k] = s[k] * gr[k]
+
+    @cfg.jit()
+    def flex_backward_tc(Q, K, V, dO, stats, dQacc, dK, dV, N_q, N_k, G, scale, scale_log2, C, A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        j = cuda.blockIdx.x // CHUNKS         # key block j (Alg. 2 line 5: one block per j, in parallel)
+        c = cuda.blockIdx.x - j * CHUNKS      # the column chunk of dK_j, dV_j, dQ_i this block computes
+        hk = cuda.blockIdx.y
+        z = cuda.blockIdx.z
+        bz = z if C.shape[0] > 1 else 0       # a BlockMask of B = 1 or H = 1 broadcasts
+        sm = cuda.shared.array(0, uint32)
+        smf = cuda.shared.array(0, float32)
+        s = cuda.local.array(S_LEN, float32)
+        dp = cuda.local.array(S_LEN, float32)
+        gr = cuda.local.array(G_LEN, float32)
+        dk = cuda.local.array(C_LEN, float32)
+        dv = cuda.local.array(C_LEN, float32)
+        afrag = cuda.local.array(A_LEN, uint32)
+        acc = cuda.local.array(8, float32)
+        key0 = j * B_c + 16 * warp
+        col_word = c * (DC // 2)
+
+        # Alg. 2 line 6: K_j, V_j to SRAM, for the whole block; line 7: dK_j = dV_j = 0.
+        copy_kv(sm, K_OFF, K, z, hk, j * B_c, N_k, tid)
+        copy_kv(sm, V_OFF, V, z, hk, j * B_c, N_k, tid)
+        ptx.cp_async_commit()
+        zero(dk, C_LEN)
+        zero(dv, C_LEN)
+        # Alg. 2 line 8: the row blocks i of each of the G query heads of this key/value head; the block classes
+        # C[b, h, i, j] read by i for the fixed j (FA1 Alg. 5 line 8: skipped pairs are not visited).
+        T_r = C.shape[2]
+        for step in range(G * T_r):
+            gq = step // T_r
+            i = step - gq * T_r
+            h = hk * G + gq
+            bh = h if C.shape[1] > 1 else 0
+            kind = C[bz, bh, i, j]
+            if kind == SKIP:                  # (uniform over the block: every thread skips alike)
+                continue
+            # Lines 9-10: Q_i, dO_i, L_i, D_i to SRAM, waited for at once (v1's schedule).
+            copy_q(sm, Q_OFF, Q, z, h, i * B_r, N_q, tid)
+            copy_q(sm, DO_OFF, dO, z, h, i * B_r, N_q, tid)
+            copy_stats(smf, L_OFF, stats, z, h, i * B_r, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_all()
+            cuda.syncthreads()
+            # Line 11: Sᵀ = K_j Q_iᵀ; then Pᵀ = exp(MASK(score_mod(τSᵀ)) − L_i), and score_mod_grad(τSᵀ).
+            product_transposed(s, sm, K_OFF, Q_OFF, warp, lane)
+            flex_probabilities(s, gr, smf, key0 + lane // 4, i * B_r, N_q, N_k, scale, kind, z, h, A0, A1, A2, A3)
+            # Line 16: dV_j += Pᵀ dO_i.
+            product_accumulate(dv, s, sm, DO_OFF, col_word, lane)
+            # Line 17: dPᵀ = V_j dO_iᵀ; line 19: dS'ᵀ = Pᵀ ∘ (dPᵀ − D_i); through the mod: dSᵀ = dS'ᵀ ∘ grad.
+            product_transposed(dp, sm, V_OFF, DO_OFF, warp, lane)
+            softmax_gradient(s, dp, smf, D_OFF)
+            if HAS_SCORE:
+                chain_rule(s, gr)
+            # Line 21: dK_j += dSᵀ Q_i (τ once, at the end); line 20: dQ_i += dS K_j, atomically (τ at conversion).
+            product_accumulate(dk, s, sm, Q_OFF, col_word, lane)
+            store_transposed(sm, DS_OFF, s, warp, lane)
+            cuda.syncthreads()
+            dq_update(dQacc, sm, DS_OFF, K_OFF, col_word, afrag, acc, z, h, i * B_r, c * DC, N_q, warp, lane)
+
+        ptx.cp_async_wait_all()
+        # Line 24: dK_j = τ Σ dSᵀ Q_i, dV_j to HBM, once.
+        store_rows(dv, dV, z, hk, key0, N_k, col_word, float32(1.0), lane)
+        store_rows(dk, dK, z, hk, key0, N_k, col_word, scale, lane)
+
+    return flex_backward_tc
+
+
+def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                  score_mod_grad=None):
+    """FlexAttention backward on tensor cores: FA2 Algorithm 2 over a BlockMask, the mods compiled into the kernel.
+
+    The same function as :func:`fa2edu.flex.flex_attention_backward`: with S = τQKᵀ, P = exp(MASK(score_mod(S))
+    − L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D) ∘ score_mod_grad(S), D = rowsum(dO ∘ O), dQ = τ dS K, dK = τ dSᵀ Q.
+    Built on the mma.sync backward v1 (:mod:`kernels_gpu.tensorcore.flash2_backward_v1`) and its three launches
+    (preprocess, one block per key block, dQ's conversion): a key block j walks the row blocks i whose class
+    C[b, h, i, j] is not SKIPPED; partial pairs call mask_mod per score, full pairs never do; score_mod and its
+    derivative are called once per visible score. Cost per (batch, head): 10·d·(visited area) MMA FLOPs, the
+    dQ atomic adds of the visited pairs, and the mods' calls.
+
+    Parameters
+    ----------
+    Q, K, V, O, L, dO :
+        As :func:`kernels_gpu.tensorcore.flash2_backward`: Q, O, dO (B, H_q, N_q, d), K, V (B, H_kv, N_k, d)
+        float16 or bfloat16, L (B, H_q, N_q) float32 from :func:`flex_forward` (+inf on fully masked rows).
+    score_mod, block_mask, scale, enable_gqa :
+        The forward's (:func:`flex_forward`). The BlockMask's BLOCK_SIZE (B_r, B_c) is the backward's tile
+        (:func:`backward_config_for`); no block mask: every block full at v1's tile (64 or 32, 64).
+    score_mod_grad : callable, optional
+        ``score_mod_grad(score, b, h, q_idx, kv_idx)``, d score_mod / d score at the scaled score. Default None:
+        ``score_mod.score_mod_grad``; a score_mod with neither raises ValueError.
+
+    Returns
+    -------
+    Flash2Backward
+        ``(dQ, dK, dV)`` in the input dtype and kind; dK, dV summed over each GQA group; dQ = 0 on fully masked
+        rows.
+    """
+    from fa2edu.flex import _score_mod_derivative
+
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if Q.shape[1] != K.shape[1] and not enable_gqa:
+        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention, or give K and V Q's heads")
+    grad = _score_mod_derivative(score_mod, score_mod_grad)
+    p = launch.prepare(Q, K, V, causal=False, scale=scale)
+    block_mask = _check_mods(score_mod, block_mask, p)
+    if block_mask is None:
+        block_size = (64 if p.d <= 64 else 32, 64)
+    else:
+        block_size = tuple(block_mask.BLOCK_SIZE)
+    cfg = backward_config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
+    grad = None if grad is None else at_lengths(grad, p.N_q, p.N_k)
+    plan, arrays = plan_backward_mods(mask_mod, score_mod, grad)
+    if block_mask is None:
+        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
+    else:
+        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
+    bound = [_on_device(a) for a in arrays]
+    bound += [cuda.to_device(np.zeros(1, np.float32))] * (ARRAY_SLOTS - len(bound))
+    return backward_launch.run_backward(lambda _cfg: make_backward_kernel(_cfg, plan),
+                                        lambda *args: cfg, backward_v1.shared_words, Q, K, V, O, L, dO,
+                                        causal=False, scale=scale, extra_args=(cuda.to_device(classes), *bound))

@@ -190,10 +190,12 @@ def _preprocess(bp: BackwardProblem, cfg, dQacc) -> tuple:
     return stats, spec
 
 
-def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, causal, scale, **options):
+def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, causal, scale, extra_args=(),
+                 **options):
     """Check the inputs, pick the rung's configuration, run the three launches (preprocess; the rung's kernel,
     one block per (key block, column chunk, key/value head, batch); dQ's conversion) and return
-    ``Flash2Backward(dQ, dK, dV)`` in the caller's kind. ``options`` go to ``config_for``. The launches go to the
+    ``Flash2Backward(dQ, dK, dV)`` in the caller's kind. ``options`` go to ``config_for``; ``extra_args`` are
+    appended to the main kernel's arguments (the flex backward's block classes and bound arrays). The launches go to the
     forward's stream (PyTorch's current stream for CUDA tensors), with no host synchronisation."""
     bp = prepare_backward(Q, K, V, O, L, dO, causal=causal, scale=scale)
     p = bp.fwd
@@ -207,7 +209,7 @@ def run_backward(make_kernel, config_for, shared_words, Q, K, V, O, L, dO, *, ca
     stats, _ = _preprocess(bp, cfg, dQacc)
     # Alg. 2 lines 5-24: one block per key block j (and column chunk).
     args = (p.Q, p.K, p.V, bp.dO, stats, dQacc, bp.dK, bp.dV, np.int32(p.N_q), np.int32(p.N_k),
-            np.int32(p.H_q // p.H_kv), np.float32(p.scale), np.float32(p.scale * math.log2(math.e)))
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), np.float32(p.scale * math.log2(math.e))) + tuple(extra_args)
     _launch(kernel, (rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks, p.H_kv, p.Z), cfg.threads, 4 * shared_words(cfg),
             p.stream, args)
     # Alg. 2 line 15's result, rounded once: dQ = τ · dQ_acc in the input dtype.
