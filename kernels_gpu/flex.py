@@ -1,4 +1,5 @@
-"""FlexAttention on tensor cores: the user's ``mask_mod`` and ``score_mod`` compiled into an FA2 forward kernel.
+"""FlexAttention on tensor cores: the user's ``mask_mod`` and ``score_mod`` compiled into FA2 forward and backward
+kernels.
 
 :mod:`fa2edu.flex` is FlexAttention in NumPy: a mask written as a Python function ``mask_mod(b, h, q_idx, kv_idx)
 -> bool``, classified ahead of time by :func:`fa2edu.create_block_mask` into skipped, partial and full blocks, and
@@ -60,8 +61,16 @@ which is 1.7-1.9× faster than non-causal at N ≥ 4096. ``softcap`` (a ``tanh``
 at d = 64 and less at d = 128, where the MMAs dominate. ALiBi and relative_bias are one global load per score
 (cached) plus an add, ≤ 15 %. Two things could break the prediction. A mod that numba does not inline would put
 ``s`` in local memory. And the classes read from global memory sit in the critical path of the next tile's copy.
-The GPU tests should measure all of this against FlexAttention's Triton kernels. Left for later: the backward pass,
-and the Hopper (wgmma) version.
+The GPU tests should measure all of this against FlexAttention's Triton kernels.
+
+**The backward** (:func:`flex_backward`) is the mma.sync backward v1 (:mod:`kernels_gpu.tensorcore`: one block
+per key block j walking the row blocks i of its GQA group, dQ by atomic adds, the same three launches) over the
+same classes, read as C[b, h, i, j] for each i: skipped pairs are not loaded, partial pairs call ``mask_mod`` per
+element, full pairs do not. It recomputes x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and
+multiplies dSᵀ by g after the softmax gradient, as :func:`fa2edu.flex.flex_attention_backward` defines it; a
+score_mod without a derivative (its attribute or the ``score_mod_grad`` argument) raises before any launch. The
+derivative's bound arrays take the next array slots. Not yet run on a GPU either. Left for later: the Hopper
+(wgmma) versions.
 """
 
 from __future__ import annotations
