@@ -47,6 +47,7 @@ else
     python3 -m pip install --quiet --disable-pip-version-check -e ".[test,notebooks,docs,torch]" "$TORCH"
     mkdir -p "$(dirname "$STAMP")" && echo "$key" > "$STAMP"
 fi
-# Two workers that steal queued tests from each other: a few simulated kernels take 10-45 s, and without stealing
-# one worker can sit idle at the end while the other finishes them.
-python3 -m pytest -n 2 --dist worksteal "$@"
+# Three workers on CI's two cores, stealing queued tests from each other: the chapters and the docs build spend much
+# of their time in a subprocess (a Jupyter kernel, Sphinx) while their worker waits, and a few simulated kernels
+# take 10-45 s, which without stealing can leave a worker idle at the end.
+python3 -m pytest -n 3 --dist worksteal "$@"
