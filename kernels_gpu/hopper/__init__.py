@@ -50,7 +50,8 @@ __all__ = ["VERSIONS", "flash_forward", "BACKWARD_VERSIONS", "flash_backward", "
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
             "h3": flash_forward_h3.flash_forward, "h4": flash_forward_h4.flash_forward}
 
-#: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward.json``: h3 measured slower)
+#: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json``; h3 and h4
+#: measured slower, ``hopper_forward_h4_bf16.json``)
 flash_forward = flash_forward_h2.flash_forward
 
 #: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
