@@ -57,19 +57,24 @@ def test_route_commands_are_read_from_the_readme() -> None:
 
 EXECUTE = textwrap.dedent('''
     """Execute one notebook in this environment's python3 kernel; print its time, exit 1 with the error."""
-    import sys, time
+    import os, sys, tempfile, time
     from pathlib import Path
-    import jupytext, nbclient
+    import jupyter_client, jupytext, nbclient
     path = Path(sys.argv[1])
     notebook = jupytext.read(path)
-    client = nbclient.NotebookClient(notebook, timeout=int(sys.argv[2]), kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    try:
-        client.execute()
-    except nbclient.exceptions.CellExecutionError as error:
-        print(f"{path.name} FAILED:\\n{error}"[:6000])
-        sys.exit(1)
+    # The kernel's sockets are files in a folder of its own (ipc), not TCP ports: two chapters start kernels side
+    # by side, and with TCP one kernel can take the port the other was just given.
+    with tempfile.TemporaryDirectory(prefix="fa2edu-kernel-") as sockets:
+        manager = jupyter_client.KernelManager(kernel_name="python3", transport="ipc",
+                                               ip=os.path.join(sockets, "kernel"))
+        client = nbclient.NotebookClient(notebook, km=manager, timeout=int(sys.argv[2]), kernel_name="python3",
+                                         resources={"metadata": {"path": str(path.parent)}})
+        try:
+            client.execute()
+        except nbclient.exceptions.CellExecutionError as error:
+            print(f"{path.name} FAILED:\\n{error}"[:6000])
+            sys.exit(1)
     print(f"{path.name}: {time.perf_counter() - start:.0f} s")
 ''')
 

@@ -14,7 +14,9 @@ it with ``fa2edu.exercises.check`` in both cells.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pytest
 
 jupytext = pytest.importorskip("jupytext")
 nbclient = pytest.importorskip("nbclient")
+jupyter_client = pytest.importorskip("jupyter_client")
 yaml = pytest.importorskip("yaml")
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
@@ -39,6 +42,17 @@ CELL_TIMEOUT_S = 180
 PRINT_WIDTH = 96
 
 
+def ipc_kernel_manager(folder: str):
+    """A manager for a ``python3`` kernel whose sockets are files in ``folder`` (ZeroMQ's ipc transport).
+
+    With TCP, jupyter_client picks free ports, closes them and lets the kernel bind them a moment later; the test
+    workers start kernels side by side, and one worker's kernel can take a port another's was just given ("Address
+    already in use", "Kernel died before replying to kernel_info"). A folder of its own per kernel has no such race.
+    ``folder`` should be short (a socket's path is limited to about 100 characters): a fresh ``/tmp`` folder is.
+    """
+    return jupyter_client.KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(folder, "kernel"))
+
+
 @pytest.mark.parametrize("path", BOOK_FILES, ids=BOOK_IDS)
 def test_chapter_executes(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run every code cell of the chapter in order in a clean kernel; any exception fails the test."""
@@ -47,13 +61,14 @@ def test_chapter_executes(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     notebook = jupytext.read(path)
-    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(CHAPTERS)}})
     start = time.perf_counter()
-    try:
-        client.execute()
-    except nbclient.exceptions.CellExecutionError as error:
-        pytest.fail(f"{path.name} failed to execute:\n{error}", pytrace=False)
+    with tempfile.TemporaryDirectory(prefix="fa2edu-kernel-") as sockets:
+        client = nbclient.NotebookClient(notebook, km=ipc_kernel_manager(sockets), timeout=CELL_TIMEOUT_S,
+                                         kernel_name="python3", resources={"metadata": {"path": str(CHAPTERS)}})
+        try:
+            client.execute()
+        except nbclient.exceptions.CellExecutionError as error:
+            pytest.fail(f"{path.name} failed to execute:\n{error}", pytrace=False)
     elapsed = time.perf_counter() - start
     print(f"{path.name}: executed in {elapsed:.1f} s")
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
