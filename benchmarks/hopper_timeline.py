@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rungs", default="h2,h3,h4")
+    parser.add_argument("--rungs", default="h2,h3,h4,h5")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--N", type=int, default=4096)
     parser.add_argument("--d", type=int, default=128)

@@ -55,6 +55,8 @@ CASES = {
     # h3: its producer and consumers are h4's without the turns; chapter 16 runs h3 against the oracle, and the
     # trace tests below run both on a block of their own
     "h4": [((1, 2, 70, 40), (1, 1, 45, 40), True, dict(B_c=16))],
+    # h5: 20 queries against 60 keys, causal: tiles 0 and 1 take the unmasked softmax, 2 and 3 the masked one
+    "h5": [((1, 2, 20, 40), (1, 1, 60, 40), True, dict(B_c=16))],
 }
 
 
@@ -71,7 +73,7 @@ def test_rung_matches_oracle(version, case, monkeypatch):
 
 
 def test_versions_and_the_fastest_rung():
-    assert list(hopper.VERSIONS) == ["h1", "h2", "h3", "h4"]
+    assert list(hopper.VERSIONS) == ["h1", "h2", "h3", "h4", "h5"]
     assert hopper.flash_forward is hopper.VERSIONS["h2"]
 
 
