@@ -30,10 +30,10 @@ the block it holds, adds its share to dQ locally, and adds its share to the bloc
 travel with the blocks (float32, or float64 for float64 inputs) and reach their owners after W hops.
 
 **Where it runs.** CPU tensors (float32, float64) on the gloo backend, computing each step with
-:func:`block_attention` (PyTorch, float32 or float64). CUDA tensors on NCCL: float32 steps run
-``kernels_gpu.fast``'s fastest forward, float16/bfloat16 steps ``kernels_gpu.tensorcore.flash2_forward``
-(see :func:`_gpu_kernels`); float32 backward steps run ``kernels_gpu.fast``'s backward, the others
-:func:`block_attention_backward` in float32.
+:func:`block_attention` (PyTorch, float32 or float64). CUDA tensors on NCCL: every step, forward and backward,
+runs the kernels that ``fa2edu.torch.flash_attention`` dispatches to for its dtype (:func:`step_backend`):
+float16/bfloat16 on tensor cores (``kernels_gpu.hopper``'s forward on an sm_90 GPU where it measured faster, the
+mma.sync ladder elsewhere and for the backward), float32 in 3xTF32.
 
 **Instrumentation.** :func:`trace` records what each forward step did (FLOPs, elements sent and received,
 skipped or not): the figures :func:`fa2edu.simulate_context_parallel` predicts without running anything.
@@ -552,66 +552,47 @@ def merge_attention_states(O_a, L_a, O_b, L_b):
 # CUDA tensors: the step on kernels_gpu's fastest kernels (needs a GPU; isolated here)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _gpu_kernels(pass_: str, dtype: torch.dtype, d: int) -> list:
-    """kernels_gpu's functions for one step on CUDA tensors, fastest first (empty: use the PyTorch step).
+def step_backend(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The backend of ``fa2edu.torch.flash_attention`` that computes a ring step on ``device`` in ``dtype``: the op's
+    own choice for CUDA tensors (``fa2edu._torch_ops.DISPATCH``: float16/bfloat16 → ``"tensorcore"``, which runs
+    ``kernels_gpu.hopper``'s forward on an sm_90 GPU where it measured faster and the mma.sync ladder elsewhere,
+    forward and backward on tensor cores; float32 → ``"3xtf32"``); None for CPU tensors and float64, which the
+    PyTorch step (:func:`block_attention`) computes. So the ring runs the kernels the op runs, and gets faster when
+    they do."""
+    if device.type != "cuda":
+        return None
+    from fa2edu import _torch_ops
+    return _torch_ops.DISPATCH.get(("cuda", dtype))
 
-    Forward: float16/bfloat16 → ``kernels_gpu.tensorcore.flash2_forward`` (tensor cores); float32 →
-    ``kernels_gpu.fast`` v6 at d ≤ 64, v8 above (the measured choice of ``benchmarks.harness.impls``), then the teaching
-    ``kernels_gpu.flash2_forward`` for head sizes the fast kernels do not take. Backward (float32 only; other
-    dtypes run :func:`block_attention_backward` in float32): ``kernels_gpu.fast`` backward v4, then
-    ``kernels_gpu.flash2_backward``. Every one of them follows :func:`block_attention`'s contract: ``(O, L)`` with
-    L float32 in natural-log units (+inf on rows that see nothing), the same bottom-right causal mask, GQA; the
-    backward ones take the *global* O and L of the rows, so D = rowsum(dO ∘ O) and P = exp(S − L) are this
-    block's part of the full softmax, and return dK, dV summed over each GQA group.
-    """
-    import kernels_gpu
+
+def _on_backend(pass_: str, backend: str, tensors, causal: bool, scale):
+    """One step on the op's ``backend`` (:func:`step_backend`). Forward: ``tensors`` = (q, k, v) → (O, L), L float32
+    in natural-log units, +inf on rows that see no key, the same bottom-right causal mask and GQA as
+    :func:`block_attention`. Backward: (q, k, v, O, L, dO) with the *global* O and L of the rows, so that
+    D = rowsum(dO ∘ O) and P = exp(S − L) are this block's part of the full softmax → (dQ, dK, dV), dK and dV
+    summed over each GQA group. CPU tensors work too, in numba's CUDA simulator (how the tests run it)."""
+    from fa2edu import _torch_ops
+    q = tensors[0]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if pass_ == "forward":
-        if dtype in (torch.float16, torch.bfloat16):
-            from kernels_gpu import tensorcore
-            return [tensorcore.flash2_forward]
-        if dtype == torch.float32:
-            from kernels_gpu.fast import VERSIONS
-            return [VERSIONS["v6" if d <= 64 else "v8"], kernels_gpu.flash2_forward]
-        return []
-    if dtype == torch.float32:
-        from kernels_gpu.fast import BACKWARD_VERSIONS
-        return [BACKWARD_VERSIONS["v4"], kernels_gpu.flash2_backward]
-    return []
-
-
-def _on_gpu(kernels: list, tensors, causal: bool, scale):
-    """Run the first of ``kernels`` that takes these shapes; None when none does. The tensors are handed over
-    zero-copy through ``__cuda_array_interface__`` and the numba device arrays that come back are wrapped the
-    same way. The kernels launch on PyTorch's current stream (tensorcore) or numba's default stream (fast,
-    teaching): both are the legacy default stream when ring_attention runs on PyTorch's default stream, as it
-    expects."""
-    device = tensors[0].device
-    tensors = [t.detach().contiguous() for t in tensors]
-    for kernel in kernels:
-        try:
-            result = kernel(*tensors, causal=causal, scale=scale)
-        except ValueError:          # a head size (or dtype) this kernel refuses up front: try the next one
-            continue
-        return tuple(torch.as_tensor(x, device=device) for x in result)
-    return None
+        return _torch_ops.flash2_forward(backend, *tensors, causal, scale, None, None)
+    q, k, v, O, L, dO = tensors
+    return _torch_ops.flash2_backward(backend, q, k, v, O, L.to(torch.float32), dO, causal, scale, None, None)
 
 
 def _step_forward(q, k, v, causal: bool, scale):
-    """(O, L) of one plan item, on the fastest path for the tensors' device and dtype."""
-    if q.is_cuda:
-        result = _on_gpu(_gpu_kernels("forward", q.dtype, q.shape[-1]), (q, k, v), causal, scale)
-        if result is not None:
-            return result
+    """(O, L) of one plan item, on the op's kernels for CUDA tensors, else in PyTorch."""
+    backend = step_backend(q.device, q.dtype)
+    if backend is not None:
+        return _on_backend("forward", backend, (q, k, v), causal, scale)
     return block_attention(q, k, v, causal=causal, scale=scale)
 
 
 def _step_backward(q, k, v, O, L, D, dO, causal: bool, scale):
-    """(dQ, dK, dV) of one plan item, on the fastest path for the tensors' device and dtype."""
-    if q.is_cuda:
-        result = _on_gpu(_gpu_kernels("backward", q.dtype, q.shape[-1]), (q, k, v, O, L.to(torch.float32), dO),
-                         causal, scale)
-        if result is not None:
-            return result
+    """(dQ, dK, dV) of one plan item, on the op's kernels for CUDA tensors, else in PyTorch."""
+    backend = step_backend(q.device, q.dtype)
+    if backend is not None:
+        return _on_backend("backward", backend, (q, k, v, O, L, dO), causal, scale)
     return block_attention_backward(q, k, v, dO, L, D, causal=causal, scale=scale)
 
 

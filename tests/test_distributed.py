@@ -603,52 +603,46 @@ def test_import_fa2edu_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
 
 
-def test_gpu_fallback_takes_the_first_kernel_that_accepts_the_shapes():
-    calls = []
-
-    def refuses(*args, causal, scale):
-        calls.append("refuses")
-        raise ValueError("head size not supported")
-
-    def accepts(q, k, v, causal, scale):
-        calls.append("accepts")
-        return np.ones(2), np.zeros(3)
-
-    t = torch.zeros(1, 1, 2, 4)
-    O, L = cp._on_gpu([refuses, accepts, refuses], (t, t, t), causal=True, scale=None)
-    assert calls == ["refuses", "accepts"] and O.tolist() == [1, 1] and L.tolist() == [0, 0, 0]
-    assert cp._on_gpu([refuses], (t, t, t), causal=False, scale=None) is None
+def test_ring_steps_run_where_the_op_runs():
+    """CUDA tensors step on the op's backend for their dtype; CPU tensors and float64 on the PyTorch step."""
+    from fa2edu import _torch_ops
+    cuda = torch.device("cuda")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert cp.step_backend(cuda, dtype) == _torch_ops.DISPATCH["cuda", dtype]
+    assert cp.step_backend(cuda, torch.bfloat16) == "tensorcore" and cp.step_backend(cuda, torch.float32) == "3xtf32"
+    assert cp.step_backend(cuda, torch.float64) is None
+    assert cp.step_backend(torch.device("cpu"), torch.float32) is None
 
 
-@pytest.mark.parametrize("pass_, dtype", [("forward", torch.float32), ("backward", torch.float32),
-                                          ("forward", torch.float16)])
-def test_gpu_kernels_follow_the_step_contract(pass_, dtype):
-    """The kernels a CUDA step would run, fed NumPy arrays in numba's CUDA simulator on a causal diagonal step
-    (6 queries against a prefix of 12 keys, GQA): the same (O, L) — L in natural-log units — and the same
-    gradients from the global O and L as block_attention / block_attention_backward."""
+# (the 3xTF32 backend's steps are the op's own "3xtf32" route, which the op's tests run in the simulator: too slow
+# there to run twice)
+@pytest.mark.parametrize("pass_, backend, dtype", [("forward", "tensorcore", torch.float16),
+                                                   ("backward", "tensorcore", torch.float16)])
+def test_backend_steps_follow_the_step_contract(pass_, backend, dtype):
+    """A CUDA step's kernels, run on CPU tensors in numba's CUDA simulator, on a causal diagonal step (6 queries
+    against a prefix of 12 keys, GQA, d = 20: padded inside the op): the same (O, L) — L in natural-log units — and
+    the same gradients from the global O and L as block_attention / block_attention_backward."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         pytest.skip("runs in numba's CUDA simulator (tests/gpu covers the GPU)")
-    kernels = cp._gpu_kernels(pass_, dtype, 64)
-    assert kernels, (pass_, dtype)
-    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}[dtype]
-    rng = np.random.default_rng(3)
-    B, H_q, H_kv, n, m, d = 1, 2, 1, 6, 12, 64
-    Q, K, V = (rng.standard_normal(s).astype(np_dtype) for s in ((B, H_q, n, d), (B, H_kv, m, d), (B, H_kv, m, d)))
-    dO = rng.standard_normal((B, H_q, n, d)).astype(np_dtype)
-    q, k, v, do = (torch.tensor(a, dtype=torch.float64) for a in (Q, K, V, dO))
+    gen = torch.Generator().manual_seed(3)
+    B, H_q, H_kv, n, m, d = 1, 2, 1, 6, 12, 20
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).double()
+               for s in ((B, H_q, n, d), (B, H_kv, m, d), (B, H_kv, m, d)))
+    dO = torch.randn((B, H_q, n, d), generator=gen, dtype=torch.float64).to(dtype).double()
     O, L = cp.block_attention(q, k, v, causal=True)
     tol = 5e-5 if dtype == torch.float32 else 5e-3
     if pass_ == "forward":
-        got = kernels[0](Q, K, V, causal=True, scale=None)
-        np.testing.assert_allclose(np.asarray(got.O, dtype=np.float64), O.numpy(), atol=tol)
-        np.testing.assert_allclose(np.asarray(got.L, dtype=np.float64), L.numpy(), atol=tol)
+        got = cp._on_backend(pass_, backend, tuple(x.to(dtype) for x in (q, k, v)), causal=True, scale=None)
+        assert got[0].dtype == dtype and got[1].dtype == torch.float32
+        torch.testing.assert_close(got[0].double(), O, atol=tol, rtol=0)
+        torch.testing.assert_close(got[1].double(), L, atol=tol, rtol=0)
     else:
-        D = (do * O).sum(-1)
-        want = cp.block_attention_backward(q, k, v, do, L, D, causal=True)
-        got = kernels[0](Q, K, V, O.numpy().astype(np_dtype), L.numpy().astype(np.float32), dO, causal=True,
-                         scale=None)
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g, dtype=np.float64), w.numpy(), atol=tol)
+        want = cp.block_attention_backward(q, k, v, dO, L, (dO * O).sum(-1), causal=True)
+        got = cp._on_backend(pass_, backend, tuple(x.to(dtype) for x in (q, k, v, O, L, dO)), causal=True,
+                             scale=None)
+        for name, g, w in zip(("dQ", "dK", "dV"), got, want):
+            assert g.shape == w.shape, name
+            torch.testing.assert_close(g.double(), w, atol=tol, rtol=0, msg=name)
 
 
 def test_public_functions_document_every_parameter():
