@@ -35,7 +35,7 @@ def test_the_listing_is_read_instruction_by_instruction():
     assert [hopper_sass.opcode(t) for _, t in found[6:9]] == ["HGMMA", "FMNMX", "IMAD"]
 
 
-def test_the_main_loop_is_the_shortest_backward_branch_around_an_hgmma():
+def test_the_main_loop_is_the_backward_branch_around_the_most_hgmmas():
     body = hopper_sass.main_loop(hopper_sass.instructions(LISTING))
     # the loop 0x10-0x40 has no HGMMA; 0x50-0xa0 has
     assert (body[0][0], body[-1][0]) == (0x50, 0xa0)

@@ -111,15 +111,17 @@ def opcode(text: str) -> str:
 
 
 def main_loop(listing: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The shortest loop (a backward branch and what lies between its target and it) that holds an HGMMA."""
+    """The loop (a backward branch and what lies between its target and it) that holds the most HGMMAs, the
+    shortest of those: the consumers' loop over K/V tiles, not a retry loop around an epilogue's product."""
     index = {address: i for i, (address, _) in enumerate(listing)}
-    best = []
+    best, best_key = [], None
     for i, (address, text) in enumerate(listing):
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
             body = listing[index[int(target.group(1), 16)]:i + 1]
-            if any(opcode(t) == "HGMMA" for _, t in body) and (not best or len(body) < len(best)):
-                best = body
+            key = (sum(opcode(t) == "HGMMA" for _, t in body), -len(body))
+            if key[0] and (best_key is None or key > best_key):
+                best, best_key = body, key
     return best
 
 

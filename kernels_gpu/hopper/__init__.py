@@ -17,6 +17,8 @@ its measurement and the reason for any miss::
     h5  h4 with the softmax compiled twice, with and without the column mask, so that the tiles no mask touches
         test nothing (h3 and h4 computed the 64 column masks of every tile: their SASS,
         ``benchmarks.profilers.hopper_sass``)
+    h6  intra-warpgroup overlap: each consumer issues S_ij and the PV product of tile j − 1 before the softmax of
+        tile j, which runs under that product (its rescale of Õ deferred until the product is done)
 
 and a backward ladder (FA2 Algorithm 2)::
 
@@ -45,6 +47,7 @@ from kernels_gpu.hopper import (  # noqa: E402
     flash_forward_h3,
     flash_forward_h4,
     flash_forward_h5,
+    flash_forward_h6,
 )
 from kernels_gpu.hopper.launch import HopperRequired  # noqa: E402
 
@@ -53,10 +56,10 @@ __all__ = ["VERSIONS", "flash_forward", "BACKWARD_VERSIONS", "flash_backward", "
 #: the forward rungs: name → ``flash_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
             "h3": flash_forward_h3.flash_forward, "h4": flash_forward_h4.flash_forward,
-            "h5": flash_forward_h5.flash_forward}
+            "h5": flash_forward_h5.flash_forward, "h6": flash_forward_h6.flash_forward}
 
 #: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json``; h3 and h4
-#: measured slower, ``hopper_forward_h4_bf16.json``; h5 not yet measured)
+#: measured slower, ``hopper_forward_h4_bf16.json``; h5 and h6 not yet measured)
 flash_forward = flash_forward_h2.flash_forward
 
 #: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
