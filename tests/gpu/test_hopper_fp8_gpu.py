@@ -106,3 +106,19 @@ def test_fp8_forward_is_deterministic():
     for _ in range(99):
         O, L = flash_forward_fp8(q8, k8, v8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
         assert torch.equal(O, O0) and torch.equal(L, L0)
+
+
+def test_the_op_runs_the_fp8_kernel_and_refuses_backward():
+    """fa2edu.torch.flash_attention on CUDA float8: the kernel's bits (d = 72 padded to 80 inside the op), bfloat16
+    out, and a clear error for a backward."""
+    from fa2edu.torch import flash_attention
+    (q8, dq), (k8, dk), (v8, dv) = _quantised((1, 4, 300, 72), (1, 2, 500, 72), seed=5)
+    O = flash_attention(q8, k8, v8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
+    O_cpu = flash_attention(q8.cpu(), k8.cpu(), v8.cpu(), causal=True, descale_q=dq.cpu(), descale_k=dk.cpu(),
+                            descale_v=dv.cpu())
+    assert O.dtype == torch.bfloat16 and O.is_cuda and O.shape == (1, 4, 300, 72)
+    diff = (O.float().cpu() - O_cpu.float()).abs()
+    assert (diff <= 2 ** -7 * O_cpu.float().abs() + 1e-6).float().mean() > 0.995
+    q8.requires_grad_()
+    with pytest.raises(RuntimeError, match="forward only"):
+        flash_attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv).float().sum().backward()
