@@ -483,14 +483,17 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         alibi_slopes (torch.Tensor, optional): flash-attn's ALiBi (keyword only): float32 of shape (H_q,) or
             (B, H_q) (q's leading axes (…, H_q) in general), on q's device; adds ``−slope·|i + N_k − N_q − j|`` to the
             score of query i and key j (:func:`fa2edu.flex.symmetric_alibi`); no gradient. Default None: no bias.
-        descale_q, descale_k, descale_v (torch.Tensor, optional): for ``torch.float8_e4m3fn`` q, k, v (FA3's FP8
-            forward, keyword only): float32 descales, one per (batch, head) of their tensor — shape q.shape[:-2]
-            for descale_q, k.shape[:-2] for the other two — as :func:`quantize_fp8` returns them; the attention is
-            that of ``q·descale_q``, ``k·descale_k``, ``v·descale_v``. Default None: 1. On CUDA sm_90 the FP8
-            kernel (``kernels_gpu.hopper.flash_forward_fp8``) runs, on the CPU its NumPy emulation
-            (:func:`fa2edu.fp8.flash2_forward_fp8`); O comes back in bfloat16, L in float32. Forward only: a
-            backward raises (:data:`fa2edu._torch_ops.FP8_BACKWARD_ERROR`). ``scale`` is τ of the dequantised
-            inputs (default 1/√d).
+        descale_q (torch.Tensor, optional): for ``torch.float8_e4m3fn`` q, k, v (FA3's FP8 forward, keyword
+            only): q's float32 descales, one per (batch, head), shape q.shape[:-2], as :func:`quantize_fp8`
+            returns them; the attention is that of ``q·descale_q``, ``k·descale_k``, ``v·descale_v``. Default
+            None: 1. On CUDA sm_90 the FP8 kernel (``kernels_gpu.hopper.flash_forward_fp8``) runs, on the CPU its
+            NumPy emulation (:func:`fa2edu.fp8.flash2_forward_fp8`); O comes back in bfloat16, L in float32.
+            Forward only: a backward raises (:data:`fa2edu._torch_ops.FP8_BACKWARD_ERROR`). ``scale`` is τ of the
+            dequantised inputs (default 1/√d).
+        descale_k (torch.Tensor, optional): k's float32 descales for float8 inputs, shape k.shape[:-2] (keyword
+            only). Default None: 1.
+        descale_v (torch.Tensor, optional): v's float32 descales for float8 inputs, shape v.shape[:-2] (keyword
+            only), folded into O's final rescale. Default None: 1.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
