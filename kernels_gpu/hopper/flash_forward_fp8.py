@@ -19,9 +19,9 @@ d ≤ 128 and 64 for d = 256 (h2's), two stages. Shared memory at d = 128: Q_i 1
 64 KB, Vᵀ 16 KB — 97 KB, half of h2's 160 KB for the same tile (one byte an element); at d = 256: 161 KB.
 
 **Costs per (batch, head)** with N_q = N_k = N, not causal: 4N²d FLOPs on FP8 tensor cores (2N²d a product, as
-bf16), plus N²/(B_c) transposes of a B_c × d tile — N·d bytes through the transpose per row block of 128 queries,
-N²d/128 byte moves in all, ~1/256 of the multiply-adds; HBM reads Nd + 2Nd·T_r **bytes** (half of bf16's), writes
-2Nd + 4N bytes (O in bfloat16, L in float32).
+bf16), plus T_r·T_c = N²/(128·B_c) transposes of a B_c × d tile in shared memory — every row block of 128 queries
+transposes all of V again, N·d bytes, so N²d/128 bytes in all, one byte moved per 256 multiply-adds; HBM reads
+Nd + 2Nd·T_r **bytes** (half of bf16's), writes 2Nd + 4N bytes (O in bfloat16, L in float32).
 
 **Prediction (written before any GPU run — NOT MEASURED).** The FP8 tensor cores double the MMA rate (H100/H200
 dense FP8 ~1980 TFLOP/s against ~990 bf16), but h2 is not MMA-bound: its measured 474 (d = 128) / 502 (d = 256)
