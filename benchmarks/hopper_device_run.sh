@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent H100/H200 for the Hopper ladder: the rungs' resources, the GPU tests of the instructions and
 # the rungs, the benchmark grid, the timeline of clock stamps, Nsight Compute's view of one launch per rung,
-# compute-sanitizer, and the PyTorch op's GPU tests. Each step under `timeout`, logged under $OUT; the checkout on
+# compute-sanitizer, the PyTorch op's GPU tests, and the FP8 rung (its GPU tests, then its speed beside bf16 and
+# its error study: `fp8`). Each step under `timeout`, logged under $OUT; the checkout on
 # PYTHONPATH. STEPS picks the steps (default: resources tests bench), in the order given.
 #   STEPS="tests timeline bench" TEST_K=h4 BENCH_ARGS="--d 128 --N 4096" bash benchmarks/hopper_device_run.sh
 set -uo pipefail
@@ -30,6 +31,10 @@ step() {
         done ;;
     backward) timeout "${T_BWD:-200}" python3 -m benchmarks.tensorcore_backward --out "$OUT/${BWD_NAME:-hopper_backward}.json" \
         --impls "${BWD_IMPLS:-hopper_b1,v7,sdpa_default,sdpa_flash}" ${BWD_ARGS:-} 2>&1 | grep -v "it/s" | tail -40 ;;
+    fp8) timeout "${T_FP8_TESTS:-240}" python3 -m pytest -m gpu tests/gpu/test_hopper_fp8_gpu.py -q -p no:cacheprovider \
+        --maxfail=${MAXFAIL:-8} 2>&1 | tee "$OUT/hopper_fp8_gpu_tests.log" | tail -15
+        timeout "${T_FP8:-420}" python3 -m benchmarks.hopper --fp8 --out "$OUT/${BENCH_NAME:-hopper_forward}.json" \
+        ${FP8_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/hopper_fp8_bench.log" | tail -40 ;;
     torch) timeout "${T_TORCH:-200}" python3 -m pytest -m gpu tests/gpu/test_torch_gpu.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/torch_gpu_tests.log" | tail -15 ;;
     *) echo "unknown step $1" ;;

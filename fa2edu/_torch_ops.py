@@ -78,7 +78,8 @@ __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "cho
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
            "standard_backward", "fast_width", "three_tf32_width", "tensorcore_width", "tensorcore_has_backward",
            "reads_strided", "tensorcore_layout", "hopper_forward_applies", "FlexMods", "flex_mods", "MODS",
-           "ModRegistry", "register_mods", "from_torch_block_mask", "flash_attn_mods", "FLEX_CUDA_ERROR"]
+           "ModRegistry", "register_mods", "from_torch_block_mask", "flash_attn_mods", "FLEX_CUDA_ERROR",
+           "FP8_BACKWARD_ERROR", "FP8_BACKENDS", "fp8_width", "flash_attention_fp8_fwd_impl"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
 ALGORITHMS = ("flash2", "flash1", "standard")
@@ -1139,3 +1140,75 @@ def flash_attention_flex_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 @flash_attention_flex_bwd.register_fake
 def _(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes):
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
+
+
+# =================================================================================================================
+# 5. FP8 inputs (FA3 Section 3.3): forward only
+# =================================================================================================================
+#
+# fa2edu.torch.flash_attention on torch.float8_e4m3fn q, k, v (with their per-(batch, head) descales, from
+# fa2edu.torch.quantize_fp8) runs ``fa2edu::flash_attention_fp8_fwd``: on CUDA sm_90 kernels_gpu.hopper's FP8 rung,
+# on the CPU fa2edu.fp8's NumPy emulation of it (FA2 Alg. 1 on the codes, P̃ rounded to e4m3); O bfloat16, L
+# float32. There is no FP8 backward (FA3 has none either): fa2edu.torch registers an autograd formula that says so.
+
+#: what the backward of a float8 flash_attention raises
+FP8_BACKWARD_ERROR = (
+    "fa2edu.torch.flash_attention on float8_e4m3fn inputs is forward only: FA3's FP8 attention (and fa2edu's) has "
+    "no backward pass, because gradients need more precision than e4m3 carries. Train in bfloat16 (quantise for "
+    "inference), or detach the float8 inputs")
+
+#: the backends of the FP8 op: the NumPy emulation on the CPU, the Hopper rung on CUDA
+FP8_BACKENDS = ("numpy", "hopper")
+
+
+def fp8_width(d: int, d_v: int) -> int:
+    """The head dimension the FP8 kernel runs at: max(d, d_v) rounded up to 16 (its rows are whole 16-byte chunks;
+    zero columns of q, k add 0 to every score, zero columns of v give zero columns of O, sliced off)."""
+    return _round_up(max(d, d_v), 16)
+
+
+def _fp8_numpy(q, k, v, descale_q, descale_k, descale_v, causal: bool, scale: float):
+    """The CPU road: fa2edu.fp8.flash2_forward_fp8 on the codes (zero-copy views of the CPU tensors)."""
+    from fa2edu import fp8
+    t = [fp8.Fp8Tensor(x.detach().contiguous().view(torch.uint8).numpy(), d.detach().contiguous().numpy(),
+                       "e4m3", None, None) for x, d in ((q, descale_q), (k, descale_k), (v, descale_v))]
+    O, L = fp8.flash2_forward_fp8(*t, causal=causal, scale=scale)
+    return torch.from_numpy(np.ascontiguousarray(O)).to(torch.bfloat16), torch.from_numpy(np.ascontiguousarray(L))
+
+
+def _fp8_hopper(q, k, v, descale_q, descale_k, descale_v, causal: bool, scale: float):
+    """The CUDA road (also CPU tensors in numba's simulator): kernels_gpu.hopper.flash_forward_fp8 at
+    :func:`fp8_width`, padded with zero codes and sliced back."""
+    from kernels_gpu import hopper
+    d_v = v.shape[-1]
+    width = fp8_width(q.shape[-1], d_v)
+
+    def padded(x):
+        x = x.contiguous()
+        if x.shape[-1] == width:
+            return x
+        return F.pad(x.view(torch.uint8), (0, width - x.shape[-1])).view(torch.float8_e4m3fn)
+    O, L = hopper.flash_forward_fp8(padded(q), padded(k), padded(v), causal=causal, scale=scale,
+                                    descale_q=descale_q.contiguous(), descale_k=descale_k.contiguous(),
+                                    descale_v=descale_v.contiguous())
+    return (O if width == d_v else O[..., :d_v].contiguous()), L
+
+
+def flash_attention_fp8_fwd_impl(q, k, v, descale_q, descale_k, descale_v, causal, scale, backend):
+    """FP8 attention forward: (O bfloat16 (…, N_q, d_v), L float32 (…, N_q))."""
+    run = _fp8_numpy if backend == "numpy" else _fp8_hopper
+    return run(q, k, v, descale_q, descale_k, descale_v, causal, scale)
+
+
+@torch.library.custom_op("fa2edu::flash_attention_fp8_fwd", mutates_args=())
+def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
+                            descale_k: torch.Tensor, descale_v: torch.Tensor, causal: bool, scale: float,
+                            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 attention forward (FA3 §3.3): float8_e4m3fn q, k, v and float32 descales → (O bfloat16, L float32)."""
+    return flash_attention_fp8_fwd_impl(q, k, v, descale_q, descale_k, descale_v, causal, scale, backend)
+
+
+@flash_attention_fp8_fwd.register_fake
+def _(q, k, v, descale_q, descale_k, descale_v, causal, scale, backend):
+    return (q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))

@@ -441,7 +441,7 @@ def _lse_of_scores(q, k, causal: bool, scale: float):
 
 def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = "flash2", return_lse: bool = False,
                     *, backend: str | None = None, block_sizes=None, M=None, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, descale_q=None, descale_k=None, descale_v=None):
     """softmax(τ·q kᵀ [+ causal mask]) v, differentiable, computed by one of the papers' algorithms.
 
     flash-attn's keywords ``window_size``, ``softcap`` and ``alibi_slopes`` (``flash_attn_func``'s, same meaning)
@@ -483,6 +483,17 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         alibi_slopes (torch.Tensor, optional): flash-attn's ALiBi (keyword only): float32 of shape (H_q,) or
             (B, H_q) (q's leading axes (…, H_q) in general), on q's device; adds ``−slope·|i + N_k − N_q − j|`` to the
             score of query i and key j (:func:`fa2edu.flex.symmetric_alibi`); no gradient. Default None: no bias.
+        descale_q (torch.Tensor, optional): for ``torch.float8_e4m3fn`` q, k, v (FA3's FP8 forward, keyword
+            only): q's float32 descales, one per (batch, head), shape q.shape[:-2], as :func:`quantize_fp8`
+            returns them; the attention is that of ``q·descale_q``, ``k·descale_k``, ``v·descale_v``. Default
+            None: 1. On CUDA sm_90 the FP8 kernel (``kernels_gpu.hopper.flash_forward_fp8``) runs, on the CPU its
+            NumPy emulation (:func:`fa2edu.fp8.flash2_forward_fp8`); O comes back in bfloat16, L in float32.
+            Forward only: a backward raises (:data:`fa2edu._torch_ops.FP8_BACKWARD_ERROR`). ``scale`` is τ of the
+            dequantised inputs (default 1/√d).
+        descale_k (torch.Tensor, optional): k's float32 descales for float8 inputs, shape k.shape[:-2] (keyword
+            only). Default None: 1.
+        descale_v (torch.Tensor, optional): v's float32 descales for float8 inputs, shape v.shape[:-2] (keyword
+            only), folded into O's final rescale. Default None: 1.
 
     Returns:
         O of shape (…, H_q, N_q, d_v) in the inputs' dtype, with a ``grad_fn`` whose backward runs the matching
@@ -511,6 +522,9 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
     if flash_attn_keywords:
         return _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M,
                                      window, softcap, alibi_slopes)
+    if _is_fp8(q, k, v) or not (descale_q is None and descale_k is None and descale_v is None):
+        return _flash_attention_fp8(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M,
+                                    descale_q, descale_k, descale_v)
     (q, k, v), args = _prepare(q, k, v, algorithm, causal, scale, backend, block_sizes, M)
     # the eager road (the Function, no dispatcher) or the traced one (the registered operator): the same outputs
     outputs = (_EAGER[algorithm].apply if _eager(q, k, v) else _OPERATORS[algorithm])(q, k, v, *args)
@@ -523,6 +537,87 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
         O, _ = outputs
         L = _lse_of_scores(q.detach(), k.detach(), causal, args[1]) if return_lse else None
     return (O, L) if return_lse else O
+
+
+# -- float8 inputs: FA3's FP8 forward ---------------------------------------------------------------------------------
+
+def _is_fp8(*xs) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn for x in xs)
+
+
+def _check_fp8_descale(x, name: str, like: torch.Tensor, lead) -> torch.Tensor:
+    """A descale: None → ones; else a float32 tensor of shape ``lead`` on ``like``'s device (metadata checks only)."""
+    if x is None:
+        return torch.ones(tuple(lead), dtype=torch.float32, device=like.device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor (from fa2edu.torch.quantize_fp8) or None, got "
+                        f"{type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if tuple(x.shape) != tuple(lead):
+        raise ValueError(f"{name} must have shape {tuple(lead)}, one descale per (batch, head) of its tensor "
+                         f"(block descales: fa2edu.fp8.flash2_forward_fp8), got {tuple(x.shape)}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on q's device {like.device}, got {x.device}")
+    return x
+
+
+def _flash_attention_fp8(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M, descale_q,
+                         descale_k, descale_v):
+    """flash_attention on float8_e4m3fn inputs (the docstring's descale_* entry): checks, then the FP8 operator."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name} has dtype {x.dtype}: descale_q, descale_k and descale_v go with float8 inputs, "
+                            "and float8 q, k, v must all be torch.float8_e4m3fn (fa2edu.torch.quantize_fp8)")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if algorithm != "flash2":
+        raise ValueError(f"float8 inputs run FA2's forward (FA3's FP8 kernel): algorithm must be 'flash2', got "
+                         f"{algorithm!r}")
+    if block_sizes is not None or M is not None:
+        raise ValueError("block_sizes and M do not apply to float8 inputs (the FP8 kernel and its emulation choose "
+                         "their own tiles)")
+    _check_shapes(q, k, v)
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q, k, v are on device {q.device.type!r}; float8 flash_attention runs on 'cpu' and 'cuda'")
+    if backend is None:
+        backend = "hopper" if q.device.type == "cuda" else "numpy"
+    if backend not in ops.FP8_BACKENDS:
+        raise ValueError(f"backend for float8 inputs must be one of {ops.FP8_BACKENDS} or None, got {backend!r}")
+    if backend == "numpy" and q.device.type != "cpu":
+        raise ValueError("backend='numpy' (fa2edu.fp8's emulation) runs on CPU tensors; on CUDA float8 runs on "
+                         "the Hopper kernel")
+    if backend == "hopper" and q.device.type == "cpu" and not ops.simulator_enabled():
+        raise ValueError("backend='hopper' runs on CUDA tensors (CPU tensors only in numba's CUDA simulator, "
+                         "NUMBA_ENABLE_CUDASIM=1)")
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"float8 flash_attention on CUDA needs an sm_90 GPU (H100, H200: FP8 wgmma), and "
+                         f"{torch.cuda.get_device_name(q.device)} is not one; dequantise to bfloat16 "
+                         "(x8.to(torch.bfloat16) · descale) there, or run on the CPU")
+    lead_q, lead_k = tuple(q.shape[:-2]), tuple(k.shape[:-2])
+    descales = [_check_fp8_descale(x, n, q, ld) for x, n, ld in ((descale_q, "descale_q", lead_q),
+                                                                 (descale_k, "descale_k", lead_k),
+                                                                 (descale_v, "descale_v", lead_k))]
+    tau = float(check_scale(scale, q.shape[-1]))
+    O, L = torch.ops.fa2edu.flash_attention_fp8_fwd(q, k, v, *descales, causal, tau, backend)
+    return (O, L) if return_lse else O
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fp8_formula(ctx, dO, dL):
+    """FA3's FP8 attention is forward only: a backward through it is refused, by name."""
+    raise RuntimeError(ops.FP8_BACKWARD_ERROR)
+
+
+torch.library.register_autograd("fa2edu::flash_attention_fp8_fwd", _fp8_formula, setup_context=_fp8_setup_context)
 
 
 # -- FlexAttention: score_mod and mask_mod as code ---------------------------------------------------------------------

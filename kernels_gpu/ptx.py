@@ -101,6 +101,15 @@ layouts are tabulated in :mod:`kernels_gpu.fragments`::
                                shared-memory descriptors, A otherwise from four
                                registers per thread; the accumulators a local
                                array updated in place; ``trans_b``: B MN-major
+    ``make_wgmma_fp8(N, a)``   ``wgmma.mma_async.sync.aligned.m64nNk32.f32.     9.7.15.5.2; fragments:
+                               e4m3.e4m3``: the same on float8 e4m3, K = 32,     9.7.15.5.1.1.3 (Figure 152)
+                               both operands K-major (no transpose for 8-bit
+                               types), A from descriptors or four registers of
+                               four e4m3 bytes
+    ``pack_e4m3x4``            two ``cvt.rn.satfinite.e4m3x2.f32``: four floats   9.7.9.21 (cvt)
+                               rounded to e4m3 (nearest even, saturating at
+                               ±448) in one register, the first in the lowest
+                               byte
     ``wgmma_fence``,           ``wgmma.fence``, ``wgmma.commit_group``,          9.7.15.6, 9.7.15.7, 9.7.15.8
     ``wgmma_commit``,          ``wgmma.wait_group N`` (the accumulators tied
     ``make_wgmma_wait``,       through the wait, so no use of them is moved
@@ -164,6 +173,7 @@ __all__ = [
     "cluster_wait", "ld_cluster_f32", "make_wgmma", "wgmma_fence", "wgmma_commit", "make_wgmma_wait",
     "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive",
     "make_setmaxnreg", "elect_one", "named_barrier_sync", "named_barrier_arrive", "globaltimer", "clock64",
+    "make_wgmma_fp8", "pack_e4m3x4",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -686,6 +696,53 @@ def _wgmma_twin(dtype: str, N: int, a_from: str, trans_b: bool):
     return wgmma_ss if a_from == "smem" else wgmma_rs
 
 
+def _e4m3_values(codes) -> np.ndarray:
+    """uint8 e4m3 codes → float32 (exact; the two NaN codes give NaN), by the format's definition."""
+    from fa2edu.fp8 import from_bits
+    return from_bits(np.asarray(codes, dtype=np.uint8), "e4m3")
+
+
+def _wgmma_fp8_twin(N: int, a_from: str):
+    from kernels_gpu import wgmma_layout as wl
+    n_acc = N // 2
+
+    def compute(values):
+        smem = values[0][0]
+        desc_b = _uniform([v[3] for v in values], "the B descriptor")
+        scale_d = _uniform([v[4] for v in values], "scale-d")
+        if a_from == "smem":
+            A = _e4m3_values(wl.read_operand(smem, _uniform([v[2] for v in values], "the A descriptor"), 64, "K",
+                                             element_bytes=1))
+        else:
+            regs = np.array([[_u32(x) for x in v[2]] for v in values], dtype=np.uint32)     # (128, 4)
+            A = wl.from_a_fragments_fp8(_e4m3_values(regs.view(np.uint8).reshape(128, 16)))  # byte 0 lowest
+        B = _e4m3_values(wl.read_operand(smem, desc_b, N, "K", element_bytes=1)).T          # (32, N)
+        C = wl.from_accumulator_fragments(np.array([v[1] for v in values], dtype=np.float32))
+        D = wl.wgmma_reference(A, B, C if scale_d else None)
+        return list(wl.accumulator_fragments(D))
+
+    def wgmma_ss(smem, acc, desc_a, desc_b, scale_d):
+        """Simulator twin of ``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3`` with A and B in shared
+        memory: both read as e4m3 bytes through their K-major descriptors, the product summed exactly."""
+        mine = tuple(np.float32(acc[i]) for i in range(n_acc))
+        acc[:n_acc] = _group_collective((smem, mine, int(desc_a), int(desc_b), int(scale_d)), compute)
+
+    def wgmma_rs(smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+        """Simulator twin of ``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3`` with A in registers (four
+        bytes per register, the lowest byte the first element)."""
+        mine = tuple(np.float32(acc[i]) for i in range(n_acc))
+        acc[:n_acc] = _group_collective((smem, mine, (a0, a1, a2, a3), int(desc_b), int(scale_d)), compute)
+    return wgmma_ss if a_from == "smem" else wgmma_rs
+
+
+def _pack_e4m3x4_twin(x0, x1, x2, x3):
+    """Simulator twin of :func:`pack_e4m3x4`: four floats rounded to e4m3 (nearest even, saturating at ±448, as
+    ``cvt.rn.satfinite`` does), x0 in the lowest byte."""
+    from fa2edu.fp8 import to_bits
+    b = to_bits(np.array([x0, x1, x2, x3], dtype=np.float32), "e4m3", saturate=True).astype(np.uint32)
+    return np.uint32(b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24))
+
+
 def _wgmma_sync_twin(*args):
     """Simulator twin of ``wgmma.fence`` / ``commit_group`` / ``wait_group`` and the register fence: the twin's
     products are complete when issued, so there is nothing to order."""
@@ -984,6 +1041,18 @@ def _build_gpu() -> dict:
         return unpack
 
     @intrinsic
+    def pack_e4m3x4(typingctx, x0, x1, x2, x3):
+        # cvt.rn.satfinite.e4m3x2.f32 d, a, b puts a in the upper byte of d: pass the higher element first
+        text = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+                "mov.b32 $0, {lo, hi}; }")
+        sig = types.uint32(x0, x1, x2, x3)
+
+        def codegen(context, builder, signature, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            return asm(builder, i32, vals, text, "=r,f,f,f,f", side_effect=False)
+        return sig, codegen
+
+    @intrinsic
     def cvt_tf32(typingctx, x):
         def codegen(context, builder, signature, args):
             v = context.cast(builder, args[0], signature.args[0], types.float32)
@@ -1096,7 +1165,7 @@ def _build_gpu() -> dict:
                 cp_async_wait_one=make_simple("cp.async.wait_group 1;"),
                 cp_async_wait_two=make_simple("cp.async.wait_group 2;"),
                 cp_async_wait_three=make_simple("cp.async.wait_group 3;"),
-                pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
+                pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"), pack_e4m3x4=pack_e4m3x4,
                 unpack_f16x2=make_unpack("f16"), unpack_bf16x2=make_unpack("bf16"), ex2=ex2, shfl_xor=shfl_xor,
                 mma_tf32=make_mma("tf32", "m16n8k8"), cvt_tf32=cvt_tf32, split_tf32=split_tf32,
                 griddep_wait=make_simple("griddepcontrol.wait;"),
@@ -1124,7 +1193,8 @@ def _build_twins() -> dict:
                 cp_async_wait_one=_cp_async_wait_one_twin, cp_async_wait_two=_cp_async_wait_two_twin,
                 cp_async_wait_three=_cp_async_wait_three_twin,
                 pack_f16x2=_pack_twin("float16"),
-                pack_bf16x2=_pack_twin("bfloat16"), unpack_f16x2=_unpack_twin("float16"),
+                pack_bf16x2=_pack_twin("bfloat16"), pack_e4m3x4=_pack_e4m3x4_twin,
+                unpack_f16x2=_unpack_twin("float16"),
                 unpack_bf16x2=_unpack_twin("bfloat16"), ex2=_ex2_twin, shfl_xor=_shfl_xor_twin,
                 syncwarp=_syncwarp_twin, mma_tf32=_mma_tf32_twin, cvt_tf32=_cvt_tf32_twin,
                 split_tf32=_split_tf32_twin,
@@ -1152,18 +1222,21 @@ def _wgmma_gpu(dtype: str, N: int, a_from: str, trans_b: bool):
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    kind = {"float16": "f16", "bfloat16": "bf16", "e4m3": "e4m3"}[dtype]
+    # 8-bit types: K = 32 per instruction, and no transpose immediates (both operands K-major)
+    K, trans = (32, "") if kind == "e4m3" else (16, ", %d" % int(trans_b))
     n = N // 2
     d = ",".join(f"${i}" for i in range(n))
     f32 = ir.FloatType()
     if a_from == "smem":
-        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
-                "$%d, $%d, p, 1, 1, 0, %d; }" % (2 * n + 2, N, kind, kind, d, 2 * n, 2 * n + 1, int(trans_b)))
+        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk%d.f32.%s.%s {%s}, "
+                "$%d, $%d, p, 1, 1%s%s; }" % (2 * n + 2, N, K, kind, kind, d, 2 * n, 2 * n + 1,
+                                              ", 0" if trans else "", trans))
         operands = "l,l,r"
     else:
-        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
-                "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1, %d; }"
-                % (2 * n + 5, N, kind, kind, d, 2 * n, 2 * n + 1, 2 * n + 2, 2 * n + 3, 2 * n + 4, int(trans_b)))
+        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk%d.f32.%s.%s {%s}, "
+                "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1%s; }"
+                % (2 * n + 5, N, K, kind, kind, d, 2 * n, 2 * n + 1, 2 * n + 2, 2 * n + 3, 2 * n + 4, trans))
         operands = "r,r,r,r,l,r"
     constraints = ",".join(["=f"] * n + [str(i) for i in range(n)]) + "," + operands + ",~{memory}"
 
@@ -1223,6 +1296,26 @@ def make_wgmma(dtype: str, N: int, a: str = "smem", trans_b: bool = False):
     if a not in ("smem", "regs"):
         raise ValueError(f"a must be 'smem' or 'regs', got {a!r}")
     return _wgmma_twin(dtype, N, a, bool(trans_b)) if SIMULATED else _wgmma_gpu(dtype, N, a, bool(trans_b))
+
+
+@functools.lru_cache(maxsize=None)
+def make_wgmma_fp8(N: int, a: str = "smem"):
+    """``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3`` (PTX ISA 9.7.15.5.2; fragments 9.7.15.5.1.1.3) for
+    one shape: D (64 × N, float32) = A (64 × 32) · B (32 × N) + D on float8 e4m3 operands, both **K-major** (the
+    8-bit forms have no transpose flags). The same calls as :func:`make_wgmma`:
+
+    * ``a="smem"``: ``wgmma(smem, acc, desc_a, desc_b, scale_d)`` — A and B named by descriptors over 1-byte
+      elements (a 128-byte swizzled row holds 128 of them; one instruction reads 32 bytes of each row);
+    * ``a="regs"``: ``wgmma(smem, acc, a0, a1, a2, a3, desc_b, scale_d)`` — A from four registers of four e4m3
+      bytes per thread (:func:`kernels_gpu.wgmma_layout.a_register_layout_fp8`; :func:`pack_e4m3x4` makes them).
+
+    Twice the K of the 16-bit instruction in the same issue slot: the tensor cores' FP8 rate is twice bf16's.
+    N: a multiple of 8 from 8 to 256."""
+    if N % 8 or not 8 <= N <= 256:
+        raise ValueError(f"wgmma's N must be a multiple of 8 from 8 to 256, got {N}")
+    if a not in ("smem", "regs"):
+        raise ValueError(f"a must be 'smem' or 'regs', got {a!r}")
+    return _wgmma_fp8_twin(N, a) if SIMULATED else _wgmma_gpu("e4m3", N, a, False)
 
 
 def _tied_gpu(text: str, count: int):

@@ -66,6 +66,42 @@ a3                16w + g + 8       2q + 8, 2q + 9
 
 So, as with ``mma.sync``, the float32 accumulators of S for keys 16k … 16k + 15, packed in pairs, are the A
 registers of P for the k-th step of O += P·V, and a row's elements live in one group of four lanes.
+
+**One-byte elements: FP8** (``wgmma.mma_async.m64nNk32.f32.e4m3.e4m3``, PTX ISA 9.7.15.5.1.1.3 and Figure 152).
+An instruction now covers K = 32 elements, still 32 bytes of a row: a 16-byte chunk is T = 16 elements, a core
+matrix 8 rows × 16 elements, and a 128-byte swizzled row holds **128** e4m3 elements of K — so an FP8 tile of
+d ≤ 128 columns is one panel, and moving along K by one instruction (32 elements) is again adding 32 bytes to the
+start address. Both operands must be K-major (the instruction has no transpose flags for 8-bit types): V of
+O = PV, whose rows are keys = K, has to be transposed into Vᵀ (d rows of keys) before it can be B. The element
+offsets (in bytes) from the descriptor's start, before the swizzle:
+
+==========  ========  ====================================================================================
+major       swizzle   byte offset of (r, k), k = 0 … 31
+==========  ========  ====================================================================================
+K           none      (r % 8)·16 + (r // 8)·SBO + (k % 16) + (k // 16)·LBO
+K           W bytes   (r % 8)·W + (r // 8)·SBO + k
+==========  ========  ====================================================================================
+
+A from registers is four 32-bit registers of four e4m3 bytes each (element 4i + b in byte b of register i, the
+lowest byte first), laid out per warp as ``mma.sync.m16n8k32``'s 8-bit A:
+
+================  ================  ============================================
+register          row               columns (byte 0 … 3)
+================  ================  ============================================
+a0                16w + g           4q … 4q + 3
+a1                16w + g + 8       4q … 4q + 3
+a2                16w + g           16 + 4q … 16 + 4q + 3
+a3                16w + g + 8       16 + 4q … 16 + 4q + 3
+================  ================  ============================================
+
+**P̃ in FP8: the permutation.** The accumulators of S that a thread holds for keys 32k … 32k + 31 of its row g
+are keys 2q, 2q + 1, 8 + 2q, 9 + 2q, 16 + 2q, 17 + 2q, 24 + 2q, 25 + 2q (:func:`accumulator_layout`); the A
+fragment wants columns 4q … 4q + 3 and 16 + 4q … 16 + 4q + 3. They are the same *number* of elements of the same
+row in the same thread, only the columns differ — and P̃V sums over its columns. So fa2edu packs the thread's
+accumulators as they are (:data:`P_TO_A_FP8`: no shuffle, no byte permute) and lets A's column a stand for key
+``π(a) = 16·(a // 16) + 8·((a % 4) // 2) + 2·((a % 16) // 4) + a % 2`` (:func:`p_key_of_a_column`). The product is
+unchanged if B's row a is V's key π(a): the in-kernel transpose of V writes Vᵀ with its keys in that order
+(:func:`transposed_v_word`) — the permutation costs nothing, because the transpose moves every byte anyway.
 """
 
 from __future__ import annotations
@@ -77,7 +113,9 @@ import numpy as np
 __all__ = ["SWIZZLE_MODES", "SWIZZLE_BYTES", "encode_descriptor", "decode_descriptor", "swizzle",
            "operand_offsets", "operand_byte_addresses", "read_operand", "accumulator_layout", "a_register_layout",
            "accumulator_fragments", "from_accumulator_fragments", "a_fragments", "from_a_fragments",
-           "wgmma_reference", "WARPGROUP", "store_tile", "tile_word"]
+           "wgmma_reference", "WARPGROUP", "store_tile", "tile_word", "a_register_layout_fp8", "a_fragments_fp8",
+           "from_a_fragments_fp8", "P_TO_A_FP8", "p_key_of_a_column", "transposed_v_word", "store_tile_fp8",
+           "store_transposed_v"]
 
 #: threads of a warpgroup
 WARPGROUP = 128
@@ -118,9 +156,20 @@ def swizzle(byte_address, mode: int):
     return a ^ (((a >> 7) & mask) << 4)
 
 
-def operand_offsets(rows: int, major: str, mode: int, lbo: int, sbo: int) -> np.ndarray:
-    """(rows, 16) element offsets, before the swizzle, of the 16-bit operand elements (r, k) from the descriptor's
-    start (the module's table); ``lbo``, ``sbo`` in bytes."""
+def operand_offsets(rows: int, major: str, mode: int, lbo: int, sbo: int, element_bytes: int = 2) -> np.ndarray:
+    """(rows, K) element offsets, before the swizzle, of the operand elements (r, k) from the descriptor's start
+    (the module's tables); ``lbo``, ``sbo`` in bytes. ``element_bytes`` 2 (f16, bf16: K = 16) or 1 (e4m3: K = 32,
+    K-major only; the offsets are then bytes)."""
+    if element_bytes == 1:
+        if major != "K":
+            raise ValueError("8-bit wgmma operands are K-major only (PTX ISA: no transpose for .e4m3/.e5m2)")
+        r = np.arange(rows)[:, None]
+        k = np.arange(32)[None, :]
+        if mode == 0:
+            return (r % 8) * 16 + (r // 8) * sbo + (k % 16) + (k // 16) * lbo
+        return (r % 8) * SWIZZLE_BYTES[int(mode)] + (r // 8) * sbo + k
+    if element_bytes != 2:
+        raise ValueError(f"element_bytes must be 1 or 2, got {element_bytes}")
     r = np.arange(rows)[:, None]
     k = np.arange(16)[None, :]
     L, S = lbo // 2, sbo // 2
@@ -137,33 +186,34 @@ def operand_offsets(rows: int, major: str, mode: int, lbo: int, sbo: int) -> np.
 
 
 @functools.lru_cache(maxsize=4096)
-def _addresses(desc: int, rows: int, major: str) -> np.ndarray:
+def _addresses(desc: int, rows: int, major: str, element_bytes: int = 2) -> np.ndarray:
     f = decode_descriptor(desc)
     if f["base_offset"]:
         raise NotImplementedError("fa2edu's operands start at their swizzle pattern's boundary (base offset 0)")
-    offsets = operand_offsets(rows, major, f["mode"], f["lbo"], f["sbo"])
-    out = swizzle(f["start"] + 2 * offsets, f["mode"])
+    offsets = operand_offsets(rows, major, f["mode"], f["lbo"], f["sbo"], element_bytes)
+    out = swizzle(f["start"] + element_bytes * offsets, f["mode"])
     out.setflags(write=False)
     return out
 
 
-def operand_byte_addresses(desc: int, rows: int, major: str) -> np.ndarray:
-    """(rows, 16) shared-memory byte addresses of the operand elements (r, k) that descriptor ``desc`` names
-    (``major`` "K" or "MN"): what the tensor core reads."""
-    return _addresses(int(desc) & 0xFFFFFFFFFFFFFFFF, int(rows), major)
+def operand_byte_addresses(desc: int, rows: int, major: str, element_bytes: int = 2) -> np.ndarray:
+    """(rows, K) shared-memory byte addresses of the operand elements (r, k) that descriptor ``desc`` names
+    (``major`` "K" or "MN"; K = 16 for 2-byte elements, 32 for 1-byte ones): what the tensor core reads."""
+    return _addresses(int(desc) & 0xFFFFFFFFFFFFFFFF, int(rows), major, int(element_bytes))
 
 
-def read_operand(memory, desc: int, rows: int, major: str) -> np.ndarray:
+def read_operand(memory, desc: int, rows: int, major: str, element_bytes: int = 2) -> np.ndarray:
     """The (rows, 16) 16-bit patterns (uint16) a wgmma operand reads from ``memory`` (shared memory as any NumPy
-    array; byte 0 is the address the descriptor's start counts from)."""
-    halves = np.ascontiguousarray(memory).reshape(-1).view(np.uint16)
-    addr = operand_byte_addresses(desc, rows, major)
-    if (addr % 2).any():
+    array; byte 0 is the address the descriptor's start counts from) — or, with ``element_bytes=1``, the (rows, 32)
+    8-bit patterns (uint8: e4m3 codes) of an FP8 operand."""
+    units = np.ascontiguousarray(memory).reshape(-1).view(np.uint16 if element_bytes == 2 else np.uint8)
+    addr = operand_byte_addresses(desc, rows, major, element_bytes)
+    if (addr % element_bytes).any():
         raise RuntimeError("wgmma operand: odd byte address")
-    if addr.max() // 2 >= halves.size or addr.min() < 0:
+    if addr.max() // element_bytes >= units.size or addr.min() < 0:
         raise IndexError(f"wgmma operand: bytes {addr.min()} … {addr.max()} outside shared memory of "
-                         f"{2 * halves.size} bytes")
-    return halves[addr // 2]
+                         f"{element_bytes * units.size} bytes")
+    return units[addr // element_bytes]
 
 
 def accumulator_layout(N: int) -> np.ndarray:
@@ -224,9 +274,10 @@ def from_a_fragments(frags: np.ndarray) -> np.ndarray:
 
 
 def wgmma_reference(A: np.ndarray, B: np.ndarray, C: np.ndarray | None) -> np.ndarray:
-    """D = A·B + C in float32 for A (64, 16), B (16, N) exact 16-bit values as float32 and C (64, N) float32 (None:
-    D = A·B, wgmma's scale-d = 0): each dot product summed exactly (float64 holds sixteen products of 16-bit values
-    exactly), then rounded once, as the twin of :func:`kernels_gpu.ptx.wgmma` computes it. The tensor core's
+    """D = A·B + C in float32 for A (64, K), B (K, N) exact 16-bit (K = 16) or e4m3 (K = 32) values as float32 and
+    C (64, N) float32 (None: D = A·B, wgmma's scale-d = 0): each dot product summed exactly (float64 holds sixteen
+    products of 16-bit values exactly, and thirty-two of e4m3 values: a product has at most 8 significant bits
+    between 2⁻¹⁸ and 2¹⁸), then rounded once, as the twins of :mod:`kernels_gpu.ptx` compute it. The tensor core's
     internal accumulation may differ in the last bits of float32 (the GPU tests bound it)."""
     prod = np.asarray(A, dtype=np.float64) @ np.asarray(B, dtype=np.float64)
     if C is not None:
@@ -257,4 +308,88 @@ def store_tile(X: np.ndarray, panels: int) -> np.ndarray:
     base = tile_word(r, c, rows)
     for e in range(4):
         out[base + e] = words[r, 4 * c + e]
+    return out
+
+
+# -- one-byte elements (FP8) ------------------------------------------------------------------------------------------
+
+def a_register_layout_fp8() -> np.ndarray:
+    """(128, 16, 2): (row, column) of element e (register e // 4, byte e % 4) of warpgroup thread t's 8-bit A
+    fragment of ``m64nNk32`` (the module's table)."""
+    t = np.arange(WARPGROUP)[:, None]
+    e = np.arange(16)[None, :]
+    w, lane = t // 32, t % 32
+    g, q = lane // 4, lane % 4
+    reg, byte = e // 4, e % 4
+    row = 16 * w + g + 8 * (reg % 2)
+    col = 4 * q + byte + 16 * (reg // 2)
+    return np.stack(np.broadcast_arrays(row, col), axis=-1)
+
+
+def a_fragments_fp8(A: np.ndarray) -> np.ndarray:
+    """A (64, 32) matrix → (128, 16): each thread's sixteen 8-bit A elements, byte 0 of register 0 first."""
+    A = np.asarray(A)
+    lay = a_register_layout_fp8()
+    return A[lay[..., 0], lay[..., 1]]
+
+
+def from_a_fragments_fp8(frags: np.ndarray) -> np.ndarray:
+    """(128, 16) 8-bit A elements → the (64, 32) matrix."""
+    frags = np.asarray(frags)
+    lay = a_register_layout_fp8()
+    out = np.empty((64, 32), dtype=frags.dtype)
+    out[lay[..., 0], lay[..., 1]] = frags
+    return out
+
+
+#: which accumulator registers of S fill the FP8 A registers of P̃ for one step of 32 keys: A register i, byte b is
+#: accumulator ``32k/2 + P_TO_A_FP8[i][b]`` (0 … 15 within the step's sixteen) — the thread's own values in their
+#: own order, the two rows kept apart (registers 0 and 2: row g; 1 and 3: row g + 8)
+P_TO_A_FP8 = ((0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15))
+
+
+def p_key_of_a_column(a):
+    """π(a): the key (0 … 31 within a step of 32) that column ``a`` of P̃'s FP8 A fragment holds when the
+    accumulators are packed by :data:`P_TO_A_FP8` — ``16·(a // 16) + 8·((a % 4) // 2) + 2·((a % 16) // 4) +
+    a % 2``, a permutation of 0 … 31 (the module's docstring)."""
+    a = np.asarray(a)
+    return 16 * (a // 16) + 8 * ((a % 4) // 2) + 2 * ((a % 16) // 4) + a % 2
+
+
+def transposed_v_word(n, a):
+    """The 32-bit word (from the tile's start) holding element (n, a) of Vᵀ as fa2edu's FP8 kernel stores it: d rows
+    n of 128 bytes (up to 128 keys, one panel), the bytes a … of row n permuted by the 128-byte swizzle (16-byte
+    chunk c of row n at chunk c ⊕ (n mod 8)); ``a`` a multiple of 4 (a word holds a … a + 3). Element (n, a) is
+    V[32·(a // 32) + π(a % 32), n] (:func:`p_key_of_a_column`)."""
+    n, a = np.asarray(n), np.asarray(a)
+    return n * 32 + 4 * (((a // 16) ^ (n % 8)) % 8) + (a % 16) // 4
+
+
+def store_tile_fp8(X: np.ndarray, panels: int) -> np.ndarray:
+    """A (rows, cols) array of e4m3 codes (uint8; cols ≤ 128·panels, rows a multiple of 8) laid out as the FP8
+    kernel's TMA boxes land (panels of 128 bytes, chunks swizzled: :func:`tile_word`, which counts 16-byte
+    chunks whatever the element), as uint32 words: what the copies write to shared memory, for the tests."""
+    X = np.asarray(X, dtype=np.uint8)
+    rows, cols = X.shape
+    padded = np.zeros((rows, 128 * panels), dtype=np.uint8)
+    padded[:, :cols] = X
+    return store_tile(padded.view(np.uint16), panels)
+
+
+def store_transposed_v(V: np.ndarray, d: int) -> np.ndarray:
+    """The Vᵀ panel the FP8 kernel's transpose writes for a V tile (B_c ≤ 128 keys × d, uint8 codes): (d · 32,)
+    uint32 words, element (n, a) = V[32·(a // 32) + π(a % 32), n] at :func:`transposed_v_word` (n, a); keys past
+    B_c zero."""
+    V = np.asarray(V, dtype=np.uint8)
+    B_c = V.shape[0]
+    padded = np.zeros((128, d), dtype=np.uint8)
+    padded[:B_c, :V.shape[1]] = V
+    a = np.arange(128)
+    keys = 32 * (a // 32) + p_key_of_a_column(a % 32)
+    Vt = padded[keys].T                                   # (d, 128): Vt[n, a] = V[π'(a), n]
+    words = np.ascontiguousarray(Vt).view(np.uint32)      # (d, 32): word j of row n = bytes 4j … 4j + 3
+    out = np.zeros(32 * d, dtype=np.uint32)
+    n = np.arange(d)[:, None]
+    j = np.arange(32)[None, :]
+    out[transposed_v_word(n, 4 * j)] = words[n, j]
     return out

@@ -996,3 +996,37 @@ def test_book_figures_fit_the_page():
     finally:
         for fig in figures:
             plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- FP8 (issue 40)
+
+def test_fp8_error_study_and_targets_without_a_gpu(tmp_path):
+    """benchmarks.hopper's FP8 error study with fa2edu.fp8's emulation standing in for the kernel: the measurement
+    is then the prediction (same codes, same arithmetic), incoherent FP8 beats plain FP8 on the outlier inputs, and
+    the targets read the records and the study; the summary writes as strict JSON."""
+    import numpy as np
+
+    from benchmarks import hopper as bench_hopper
+    from fa2edu import fp8
+
+    def emulated(Q8, K8, V8, causal):
+        return fp8.flash2_forward_fp8(Q8, K8, V8, causal=causal).O
+
+    study = bench_hopper.fp8_error_study(emulated, N=128, d=64, seeds=(0, 1), block=32)
+    assert set(study["methods"]) == set(fp8.STUDY_METHODS)
+    for name in bench_hopper.FP8_KERNEL_METHODS:
+        assert study["methods"][name]["measured_over_predicted"] == pytest.approx(1.0, rel=1e-9)
+    assert "note" in study["methods"]["block"] and "rmse_measured" not in study["methods"]["block"]
+    assert study["incoherent_over_per_head"]["measured"] < 1.0
+    common = dict(pass_="forward", batch=4, heads=16, N=4096, d=128, causal=False, device="fake", ms=1.0)
+    records = [results_io.make_record(impl="hopper_fp8", dtype="float8_e4m3fn", tflops=700.0, **common),
+               results_io.make_record(impl="hopper_bf16", dtype="bfloat16", tflops=500.0, **common)]
+    targets = bench_hopper.fp8_targets(records, study)
+    assert targets["speedup"]["points"][0]["speedup"] == pytest.approx(1.4) and not targets["speedup"]["met"]
+    assert targets["prediction"]["met"]
+    assert targets["incoherent_error"]["met"] == (study["incoherent_over_per_head"]["measured"] <= 0.5)
+    path = results_io.write_results(tmp_path / "hopper_forward_fp8.json", {"device": "fake"}, records,
+                                    dict(error_study=study, targets=targets))
+    loaded = json.loads(open(path).read())
+    assert loaded["summary"]["targets"]["speedup"]["target"] == 1.5
+    assert np.isfinite(loaded["summary"]["error_study"]["methods"]["per_head"]["rmse_predicted"])

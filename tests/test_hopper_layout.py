@@ -94,3 +94,80 @@ def test_fragments_round_trip():
 def test_read_operand_refuses_addresses_outside_memory():
     with pytest.raises(IndexError, match="outside shared memory"):
         wl.read_operand(np.zeros(64, np.uint32), wl.encode_descriptor(0, 16, 1024, "128B"), 64, "K")
+
+
+# -- one-byte elements (FP8) ----------------------------------------------------------------------------------------
+
+def test_fp8_k_major_operand_reads_128_elements_per_panel():
+    """An e4m3 tile stored as the FP8 kernel stores it (panels of 128 bytes = 128 elements): a 128-byte K-major
+    descriptor at panel(kk)·R·128 + 32·(kk mod 4) bytes reads columns 32kk … 32kk + 31."""
+    rng = np.random.default_rng(4)
+    X = rng.integers(0, 256, size=(64, 256), dtype=np.uint8)
+    memory = wl.store_tile_fp8(X, panels=2)
+    for kk in range(8):
+        desc = wl.encode_descriptor((kk // 4) * 64 * 128 + 32 * (kk % 4), 16, 1024, "128B")
+        assert np.array_equal(wl.read_operand(memory, desc, 64, "K", element_bytes=1), X[:, 32 * kk:32 * kk + 32])
+
+
+def test_fp8_unswizzled_core_matrices_are_8_rows_of_16_bytes():
+    """Without a swizzle, element (r, k) of an 8-bit K-major operand is byte k % 16 of row r % 8 of the core
+    matrix (r // 8, k // 16), core matrices LBO apart along K and SBO apart along M/N."""
+    lbo, sbo = 128, 256
+    memory = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    desc = wl.encode_descriptor(0, lbo, sbo, "none")
+    got = wl.operand_byte_addresses(desc, 64, "K", element_bytes=1)
+    r, k = np.meshgrid(np.arange(64), np.arange(32), indexing="ij")
+    assert np.array_equal(got, (r // 8) * sbo + (k // 16) * lbo + (r % 8) * 16 + (k % 16))
+    assert np.array_equal(wl.read_operand(memory, desc, 64, "K", element_bytes=1), memory[got])
+
+
+def test_fp8_operands_are_k_major_only():
+    with pytest.raises(ValueError, match="K-major only"):
+        wl.operand_offsets(64, "MN", 1, 2048, 1024, element_bytes=1)
+
+
+def test_fp8_a_fragment_is_mma_sync_k32_layout():
+    """Thread (w, g, q): register 0 row g columns 4q … 4q + 3, register 1 row g + 8, registers 2 and 3 the same 16
+    columns on; every element of the 64 × 32 tile held exactly once."""
+    lay = wl.a_register_layout_fp8()
+    assert np.array_equal(lay[5, :4], [[1, 4], [1, 5], [1, 6], [1, 7]])          # lane 5: g = 1, q = 1
+    assert np.array_equal(lay[5, 12:], [[9, 20], [9, 21], [9, 22], [9, 23]])
+    flat = lay[..., 0] * 32 + lay[..., 1]
+    assert np.array_equal(np.sort(flat.ravel()), np.arange(64 * 32))
+    A = np.random.default_rng(5).integers(0, 256, (64, 32)).astype(np.uint8)
+    assert np.array_equal(wl.from_a_fragments_fp8(wl.a_fragments_fp8(A)), A)
+
+
+def test_p_packing_holds_keys_in_the_permuted_order():
+    """Packing each thread's accumulators by P_TO_A_FP8 puts, in A's column a of the same row, key π(a): the
+    thread's accumulator rows match A's rows, and π is a permutation of 0 … 31."""
+    acc = wl.accumulator_layout(32)                     # (128, 16, 2): (row, key) of accumulator i
+    A = wl.a_register_layout_fp8()                      # (128, 16, 2): (row, column) of A element 4i + b
+    packed = np.array(wl.P_TO_A_FP8).reshape(-1)        # A element e ← accumulator packed[e]
+    held = acc[:, packed]                               # (row, key) of what lands in element e
+    assert np.array_equal(held[..., 0], A[..., 0])
+    assert np.array_equal(held[..., 1], wl.p_key_of_a_column(A[..., 1]))
+    assert np.array_equal(np.sort(wl.p_key_of_a_column(np.arange(32))), np.arange(32))
+
+
+@pytest.mark.parametrize("B_c, d", [(128, 128), (64, 256), (32, 64)])
+def test_transposed_v_is_the_b_operand_of_the_permuted_p(B_c, d):
+    """Vᵀ as the kernel's transpose writes it, read K-major (128-byte swizzle, SBO 1024) 32 keys at a time, times
+    P̃ packed without shuffles (P_TO_A_FP8) equals P̃·V — the permutation of A's columns and B's rows cancel."""
+    rng = np.random.default_rng(B_c + d)
+    V = rng.integers(0, 256, (B_c, d)).astype(np.uint8)
+    V[(V & 0x7F) == 0x7F] = 0                           # no NaN codes
+    memory = wl.store_transposed_v(V, d)
+    P = rng.uniform(0, 256, (64, B_c)).astype(np.float32)
+    from fa2edu.fp8 import from_bits
+    Vf = from_bits(V)
+    total = np.zeros((64, d))
+    for kk in range(B_c // 32):
+        desc = wl.encode_descriptor(32 * kk, 16, 1024, "128B")
+        B = from_bits(wl.read_operand(memory, desc, d, "K", element_bytes=1)).T          # (32, d)
+        keys = 32 * kk + wl.p_key_of_a_column(np.arange(32))
+        assert np.array_equal(B, Vf[keys])
+        frags = wl.accumulator_fragments(P[:, 32 * kk:32 * kk + 32])                     # (128, 16) accumulators
+        A = wl.from_a_fragments_fp8(frags[:, np.array(wl.P_TO_A_FP8).reshape(-1)])       # packed as they are
+        total += A.astype(np.float64) @ B
+    np.testing.assert_allclose(total, P.astype(np.float64) @ Vf, rtol=1e-12)

@@ -20,6 +20,13 @@ its measurement and the reason for any miss::
     h6  intra-warpgroup overlap: each consumer issues S_ij and the PV product of tile j − 1 before the softmax of
         tile j, which runs under that product (its rescale of Õ deferred until the product is done)
 
+and, on float8 (FA3 Section 3.3)::
+
+    fp8 h2's kernel with both products on the FP8 tensor cores (``wgmma m64nNk32 .e4m3``): e4m3 Q, K, V, each V
+        tile transposed in shared memory (the 8-bit wgmma reads K-major operands only), P̃ = 2⁸·exp(S − m)
+        rounded to e4m3 in registers, the descales folded into the softmax scale and the output; O bfloat16
+        (``flash_forward_fp8``; not yet measured on a GPU)
+
 and a backward ladder (FA2 Algorithm 2)::
 
     b1  two consumer warpgroups per key block of 128; Sᵀ, dPᵀ, dV, dK and dQ's share on wgmma (dS transposed
@@ -32,6 +39,7 @@ and a backward ladder (FA2 Algorithm 2)::
     from kernels_gpu import hopper
     O, L = hopper.flash_forward(Q, K, V, causal=True)     # Q (…, N_q, d), K, V (…, N_k, d): f16 / bf16
     dQ, dK, dV = hopper.flash_backward(Q, K, V, O, L, dO, causal=True)
+    O, L = hopper.flash_forward_fp8(Q8, K8, V8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
 
 Inputs, outputs, head dimensions (multiples of 8 up to 256), GQA, bottom-right causal masking and fully masked rows
 are those of :mod:`kernels_gpu.tensorcore`. On a GPU that is not sm_90 every rung raises
@@ -42,6 +50,7 @@ twins of :mod:`kernels_gpu.ptx` emulate wgmma, the TMA and the barriers), which 
 import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba compiles anything)
 from kernels_gpu.hopper import (  # noqa: E402
     flash_backward_b1,
+    flash_forward_fp8,
     flash_forward_h1,
     flash_forward_h2,
     flash_forward_h3,
@@ -51,7 +60,7 @@ from kernels_gpu.hopper import (  # noqa: E402
 )
 from kernels_gpu.hopper.launch import HopperRequired  # noqa: E402
 
-__all__ = ["VERSIONS", "flash_forward", "BACKWARD_VERSIONS", "flash_backward", "HopperRequired"]
+__all__ = ["VERSIONS", "flash_forward", "BACKWARD_VERSIONS", "flash_backward", "HopperRequired", "flash_forward_fp8"]
 
 #: the forward rungs: name → ``flash_forward(Q, K, V, causal=False, scale=None) -> Flash2Forward(O, L)``
 VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_forward,
@@ -67,3 +76,7 @@ BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward}
 
 #: the backward rung the ladder has reached (b1: not yet measured on a GPU, so the op keeps the mma.sync backward)
 flash_backward = flash_backward_b1.flash_backward
+
+#: the FP8 forward (FA3 §3.3): ``flash_forward_fp8(Q, K, V, causal=False, scale=None, descale_q=None,
+#: descale_k=None, descale_v=None, incoherent=True) -> Flash2Forward(O, L)`` on float8 e4m3 inputs, O in bfloat16
+flash_forward_fp8 = flash_forward_fp8.flash_forward_fp8

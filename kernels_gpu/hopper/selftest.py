@@ -12,7 +12,8 @@ from numba import cuda, float32, uint32, uint64
 from kernels_gpu import ptx
 from kernels_gpu import wgmma_layout as wl
 
-__all__ = ["check_wgmma", "check_named_barrier", "check_elect", "LAYOUTS", "MEMORY_WORDS"]
+__all__ = ["check_wgmma", "check_wgmma_fp8", "check_pack_e4m3", "check_named_barrier", "check_elect", "LAYOUTS",
+           "MEMORY_WORDS"]
 
 #: shared memory of the probe kernel, 32-bit words (plus 1024 bytes of alignment slack)
 MEMORY_WORDS = 10240
@@ -93,6 +94,101 @@ def check_wgmma(dtype: str = "bfloat16", N: int = 64, a_from: str = "smem", tran
     B = ptx.half_values(wl.read_operand(memory, desc_b, N, "MN" if trans_b else "K"), dtype).T
     expected = wl.accumulator_fragments(wl.wgmma_reference(A, B, wl.from_accumulator_fragments(acc_in)))
     return got, expected
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_fp8(N: int, a_from: str):
+    mma = ptx.make_wgmma_fp8(N, a_from)
+    wait = ptx.make_wgmma_wait(0, N // 2)
+    fence = ptx.make_wgmma_fence(N // 2)
+    n_acc, words = N // 2, MEMORY_WORDS
+
+    @cuda.jit
+    def probe(mem, descs, a_regs, acc_in, acc_out):
+        sm = cuda.shared.array(_SHARED_WORDS, uint32)
+        t = cuda.threadIdx.x
+        a = ptx.shared_byte_address(sm, 0)
+        off = ((uint32(1024) - (a & uint32(1023))) & uint32(1023)) >> uint32(2)
+        for e in range(t, words, 128):
+            sm[off + e] = mem[e]
+        ptx.fence_proxy_async()
+        cuda.syncthreads()
+        shift = uint64((a + 4 * off) >> uint32(4))
+        acc = cuda.local.array(n_acc, float32)
+        for k in range(n_acc):
+            acc[k] = acc_in[t, k]
+        fence(acc)
+        if a_from == "smem":
+            mma(sm, acc, descs[0] + shift, descs[1] + shift, uint32(1))
+        else:
+            mma(sm, acc, a_regs[t, 0], a_regs[t, 1], a_regs[t, 2], a_regs[t, 3], descs[1] + shift, uint32(1))
+        ptx.wgmma_commit()
+        wait(acc)
+        for k in range(n_acc):
+            acc_out[t, k] = acc[k]
+    return probe
+
+
+def _random_e4m3(rng, n: int) -> np.ndarray:
+    """n e4m3 codes of random finite values (the two NaN codes, 0x7F and 0xFF, left out)."""
+    codes = rng.integers(0, 256, n, dtype=np.uint8)
+    return np.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).astype(np.uint8)
+
+
+def check_wgmma_fp8(N: int = 64, a_from: str = "smem", mode_a: int = 1, mode_b: int = 1, seed: int = 0,
+                    a_start: int = 0, b_start: int = 8192):
+    """One ``wgmma m64nNk32 .e4m3`` on random e4m3 shared memory: A (K-major, swizzle ``mode_a``; or random
+    registers of four codes) at byte ``a_start``, B (K-major, swizzle ``mode_b``) at byte ``b_start``, random
+    accumulators. Returns (the warpgroup's accumulators after the instruction, the specification's)."""
+    from fa2edu.fp8 import from_bits
+    rng = np.random.default_rng(seed)
+    memory = _random_e4m3(rng, 4 * MEMORY_WORDS).view(np.uint32)
+    lbo_a, sbo_a = LAYOUTS[("K", mode_a)]
+    lbo_b, sbo_b = LAYOUTS[("K", mode_b)]
+    desc_a = wl.encode_descriptor(a_start, lbo_a, sbo_a, mode_a)
+    desc_b = wl.encode_descriptor(b_start, lbo_b, sbo_b, mode_b)
+    a_regs = _random_e4m3(rng, 128 * 16).view(np.uint32).reshape(128, 4)
+    acc_in = rng.standard_normal((128, N // 2)).astype(np.float32)
+    acc_out = np.full((128, N // 2), np.nan, dtype=np.float32)
+    descs = np.array([desc_a, desc_b], dtype=np.uint64)
+    d_out = cuda.to_device(acc_out)
+    _probe_fp8(N, a_from)[1, 128](cuda.to_device(memory), cuda.to_device(descs), cuda.to_device(a_regs),
+                                  cuda.to_device(acc_in), d_out)
+    got = d_out.copy_to_host()
+    if a_from == "smem":
+        A = from_bits(wl.read_operand(memory, desc_a, 64, "K", element_bytes=1))
+    else:
+        A = wl.from_a_fragments_fp8(from_bits(a_regs.view(np.uint8).reshape(128, 16)))
+    B = from_bits(wl.read_operand(memory, desc_b, N, "K", element_bytes=1)).T
+    expected = wl.accumulator_fragments(wl.wgmma_reference(A, B, wl.from_accumulator_fragments(acc_in)))
+    return got, expected
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_kernel():
+    @cuda.jit
+    def kernel(x, out):
+        t = cuda.grid(1)
+        if t < out.shape[0]:
+            out[t] = ptx.pack_e4m3x4(x[t, 0], x[t, 1], x[t, 2], x[t, 3])
+    return kernel
+
+
+def check_pack_e4m3(seed: int = 0, n: int = 256):
+    """``pack_e4m3x4`` on floats spread over e4m3's range and past it (ties, subnormals, ±0, values above 448
+    that saturate). Returns (the packed words, fa2edu.fp8's codes packed the same way)."""
+    from fa2edu.fp8 import fp8_values, to_bits
+    rng = np.random.default_rng(seed)
+    grid = fp8_values("e4m3")
+    mids = (grid[1:] + grid[:-1]) / 2                               # exact ties: round to even
+    pool = np.concatenate([grid, mids, -mids, rng.uniform(-500, 500, 256), 2.0 ** rng.uniform(-12, 9, 256),
+                           [0.0, -0.0, 448.0, 464.0, 1e6, -1e6]])
+    x = rng.choice(pool, size=(n, 4)).astype(np.float32)
+    out = cuda.to_device(np.zeros(n, np.uint32))
+    _pack_kernel()[-(-n // 128), 128](cuda.to_device(x), out)
+    codes = to_bits(x, "e4m3", saturate=True).astype(np.uint32)
+    expected = codes[:, 0] | (codes[:, 1] << 8) | (codes[:, 2] << 16) | (codes[:, 3] << 24)
+    return out.copy_to_host(), expected.astype(np.uint32)
 
 
 @functools.lru_cache(maxsize=None)
