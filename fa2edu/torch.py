@@ -535,10 +535,10 @@ class _Flex(torch.autograd.Function):
     """The eager road of flex_attention: FlexMods in hand; returns (O, L)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mods, scale, enable_gqa):
-        O, L = ops.flex_forward(q, k, v, mods, scale, enable_gqa)
+    def forward(ctx, q, k, v, mods, scale, enable_gqa, backend):
+        O, L = ops.flex_forward(q, k, v, mods, scale, enable_gqa, backend)
         ctx.save_for_backward(q, k, v, O, L)
-        ctx.mods, ctx.options = mods, (scale, enable_gqa)
+        ctx.mods, ctx.options = mods, (scale, enable_gqa, backend)
         ctx.mark_non_differentiable(L)
         return O, L
 
@@ -546,8 +546,8 @@ class _Flex(torch.autograd.Function):
     def backward(ctx, dO, dL):
         q, k, v, O, L = ctx.saved_tensors
         # FA2 Alg. 2 over the BlockMask, through score_mod's derivative (an error naming score_mod_grad without one)
-        grads = ops.flex_backward(dO, q, k, v, O, L, ctx.mods, *ctx.options)
-        return (*_differentiable_once(ctx, dO, grads), None, None, None)
+        grads = ops.flex_backward(dO.contiguous(), q, k, v, O, L, ctx.mods, *ctx.options)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None, None)
 
 
 def _flex_setup_context(ctx, inputs, output):
@@ -556,10 +556,10 @@ def _flex_setup_context(ctx, inputs, output):
     graph's backward has run; not while torch.compile traces (fake tensors), whose traced graph would keep them
     alive for as long as the compiled code exists (there the forward operator keeps them alive with L, which the
     backward saves: fa2edu._torch_ops.flex_attention_fwd_impl)."""
-    q, k, v, key, scale, enable_gqa = inputs
+    q, k, v, key, scale, enable_gqa, backend = inputs
     O, L = output
     ctx.save_for_backward(q, k, v, O, L)
-    ctx.key, ctx.options = key, (scale, enable_gqa)
+    ctx.key, ctx.options = key, (scale, enable_gqa, backend)
     if type(q) is torch.Tensor:
         ctx.mods = ops.MODS.lookup(key)
     ctx.mark_non_differentiable(L)
@@ -568,7 +568,7 @@ def _flex_setup_context(ctx, inputs, output):
 def _flex_formula(ctx, dO, dL):
     q, k, v, O, L = ctx.saved_tensors
     dQ, dK, dV = torch.ops.fa2edu.flex_attention_bwd(dO, q, k, v, O, L, ctx.key, *ctx.options)
-    return dQ, dK, dV, None, None, None
+    return dQ, dK, dV, None, None, None, None
 
 
 class _FlashFlex(torch.autograd.Function):
@@ -584,7 +584,7 @@ class _FlashFlex(torch.autograd.Function):
     def backward(ctx, dO, dL):
         q, k, v, O, L, alibi_slopes = ctx.saved_tensors
         grads = ops.flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
-        return (*_differentiable_once(ctx, dO, grads), None, None, None, None, None, None, None)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None, None, None, None, None, None)
 
 
 def _flash_flex_setup_context(ctx, inputs, output):
@@ -599,7 +599,7 @@ def _flash_flex_setup_context(ctx, inputs, output):
 def _flash_flex_formula(ctx, dO, dL):
     q, k, v, O, L, alibi_slopes = ctx.saved_tensors
     dQ, dK, dV = torch.ops.fa2edu.flash_attention_flex_bwd(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
-    return dQ, dK, dV, None, None, None, None, None, None, None
+    return dQ, dK, dV, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fa2edu::flex_attention_fwd", _flex_formula, setup_context=_flex_setup_context)
@@ -609,20 +609,9 @@ for _name in ("flex_attention_bwd", "flash_attention_flex_bwd"):
     torch.library.register_autograd(f"fa2edu::{_name}", _refuse_double_backward, setup_context=_nothing_to_save)
 
 
-def _on_the_cpu(q, what: str) -> None:
-    """CPU tensors only: a clear error on CUDA (no FlexAttention kernel yet; never a silent copy)."""
-    if q.device.type == "cuda":
-        raise ValueError(ops.FLEX_CUDA_ERROR.format(what=what))
-    if q.device.type != "cpu":
-        raise ValueError(f"q, k, v are on device {q.device.type!r}; {what} runs on 'cpu'")
-    if q.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"q has dtype {q.dtype}; on the CPU {what} takes float32 or float64"
-                        f"{ops._dtype_hint('cpu', q.dtype)}")
-
-
-def _check_flex_tensors(q, k, v, enable_gqa):
-    """q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v), CPU, one dtype; GQA only on request
-    (metadata only, as torch.compile needs)."""
+def _check_flex_tensors(q, k, v, enable_gqa, backend):
+    """q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v), one device, one dtype; GQA only on request
+    (metadata only, as torch.compile needs). Returns the backend (:func:`fa2edu._torch_ops.choose_flex_backend`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
@@ -630,7 +619,7 @@ def _check_flex_tensors(q, k, v, enable_gqa):
     for name, x in (("k", k), ("v", v)):
         if x.device != q.device:
             raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
-    _on_the_cpu(q, "fa2edu.torch.flex_attention")
+    backend = ops.choose_flex_backend(q.device.type, q.dtype, backend, what="fa2edu.torch.flex_attention")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"q, k, v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
@@ -652,6 +641,12 @@ def _check_flex_tensors(q, k, v, enable_gqa):
                          "attention (query head h reads key/value head h // (H_q / H_kv)), or give k and v q's heads")
     if H_kv == 0 or H_q % H_kv:
         raise ValueError(f"with enable_gqa, q's heads H_q = {H_q} must be a multiple of k's and v's H_kv = {H_kv}")
+    if backend == "tensorcore":
+        for name, x in (("q", q), ("v", v)):
+            if not 1 <= x.shape[-1] <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} has head dimension {x.shape[-1]}; on tensor cores flex_attention takes 1 "
+                                 f"to {MAX_HEAD_DIM}")
+    return backend
 
 
 def _identity(x):
@@ -660,7 +655,7 @@ def _identity(x):
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
-                   score_mod_grad=None):
+                   score_mod_grad=None, *, backend=None):
     """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, computed by fa2edu.flex on the CPU.
 
     PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad``. The forward pass is FA2
@@ -712,16 +707,17 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
             score_mod without a derivative.
         RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
     """
-    _check_flex_tensors(q, k, v, enable_gqa)
+    backend = _check_flex_tensors(q, k, v, enable_gqa, backend)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = float(check_scale(scale, q.shape[-1]))
     if _eager(q, k, v):
-        O, L = _Flex.apply(q, k, v, ops.flex_mods(score_mod, block_mask, score_mod_grad), scale, enable_gqa)
+        O, L = _Flex.apply(q, k, v, ops.flex_mods(score_mod, block_mask, score_mod_grad), scale, enable_gqa,
+                           backend)
     else:
         identities = (_identity(score_mod), _identity(score_mod_grad), _identity(block_mask))
         key = ops.register_mods(score_mod, score_mod_grad, block_mask, identities)
-        O, L = torch.ops.fa2edu.flex_attention_fwd(q, k, v, key, scale, enable_gqa)
+        O, L = torch.ops.fa2edu.flex_attention_fwd(q, k, v, key, scale, enable_gqa, backend)
     return (O, L) if return_lse else O
 
 
@@ -764,29 +760,38 @@ def _check_alibi_slopes(alibi_slopes, q) -> None:
 
 def _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M, window, softcap,
                           alibi_slopes):
-    """flash_attention with flash-attn's keywords, on FlexAttention's machinery (fa2edu.flex, CPU)."""
+    """flash_attention with flash-attn's keywords, on FlexAttention's machinery: fa2edu.flex on the CPU (float32,
+    float64), kernels_gpu.flex on CUDA (float16, bfloat16; :func:`fa2edu._torch_ops.choose_flex_backend`)."""
     what = "flash_attention with window_size, softcap or alibi_slopes"
     if algorithm != "flash2":
         raise ValueError(f"window_size, softcap and alibi_slopes run on FlexAttention's FA2 loops (fa2edu.flex): "
                          f"algorithm must be 'flash2', got {algorithm!r}")
-    if backend not in (None, "numpy"):
-        raise ValueError(f"{what} runs on the 'numpy' backend (fa2edu.flex), got backend={backend!r}")
+    if backend not in (None, *ops.FLEX_BACKENDS):
+        raise ValueError(f"{what} runs on the {' or '.join(map(repr, ops.FLEX_BACKENDS))} backend (FlexAttention: "
+                         f"fa2edu.flex, kernels_gpu.flex), got backend={backend!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     q, k, v = _check_tensors(q, k, v, algorithm)
-    _on_the_cpu(q, what)
+    backend = ops.choose_flex_backend(q.device.type, q.dtype, backend, what=what)
     _check_shapes(q, k, v)
     if alibi_slopes is not None:
         _check_alibi_slopes(alibi_slopes, q)
     scale = float(check_scale(scale, q.shape[-1]))
     if M is not None:
+        if backend != "numpy":
+            raise ValueError(f"M (the simulated SRAM size) applies to the NumPy backend; backend {backend!r} runs "
+                             f"on a GPU: block_sizes=(B_r, B_c) sets the window's BlockMask there")
         M = check_M(M, q.shape[-1])
     if block_sizes is not None:
         block_sizes = check_block_sizes(block_sizes)
-    # one BLOCK_SIZE for both passes: the FA2 forward's rule (docs/conventions.md) unless given
-    sizes = list(resolve_block_sizes(M, block_sizes, q.shape[-1], block_sizes_q_outer))
+    if backend == "numpy":
+        # one BLOCK_SIZE for both passes: the FA2 forward's rule (docs/conventions.md) unless given
+        sizes = list(resolve_block_sizes(M, block_sizes, q.shape[-1], block_sizes_q_outer))
+    else:
+        # the tensor-core kernels' tile, (64, 64) unless given (a tile they cannot run is retiled inside the op)
+        sizes = list(block_sizes) if block_sizes is not None else [64, 64]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    args = (alibi_slopes, causal, window[0], window[1], softcap, scale, sizes)
+    args = (alibi_slopes, causal, window[0], window[1], softcap, scale, sizes, backend)
     if _eager(q, k, v):
         O, L = _FlashFlex.apply(q, k, v, *args)
     else:
