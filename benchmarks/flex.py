@@ -35,7 +35,6 @@ and command (benchmarks/README.md's conventions).
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import sys
 import time

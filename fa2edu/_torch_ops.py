@@ -45,7 +45,8 @@ Three parts, in the order data flows through them:
    dtypes, which is all ``torch.compile`` needs to trace through an operator it cannot look inside. Their autograd
    formulas are registered in :mod:`fa2edu.torch`, next to the ``autograd.Function`` classes they reuse.
 
-4. **FlexAttention** on the CPU (:mod:`fa2edu.flex`): ``fa2edu::flex_attention_fwd|bwd``, which take their mods
+4. **FlexAttention** (:mod:`fa2edu.flex` on the CPU, ``kernels_gpu.flex`` on CUDA float16/bfloat16,
+   :data:`FLEX_DISPATCH`): ``fa2edu::flex_attention_fwd|bwd``, which take their mods
    as an int key of the registry :data:`MODS` (a function cannot be an operator argument; the section's header
    says how the mods' lifetime is kept), and ``fa2edu::flash_attention_flex_fwd|bwd``, flash_attention with
    flash-attn's ``window_size``, ``softcap`` and ``alibi_slopes``, built into mods by :func:`flash_attn_mods`.
@@ -735,11 +736,13 @@ def _(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
 
 
 # =================================================================================================================
-# 4. FlexAttention: mods as code, on the CPU (fa2edu.flex)
+# 4. FlexAttention: mods as code (fa2edu.flex on the CPU, kernels_gpu.flex on CUDA)
 # =================================================================================================================
 #
-# fa2edu.torch.flex_attention computes with fa2edu.flex (NumPy, FA2's loops over a BlockMask) on CPU tensors; there
-# is no CUDA kernel for it yet. Its mods are Python functions, and an operator's arguments are tensors, numbers,
+# fa2edu.torch.flex_attention computes with fa2edu.flex (NumPy, FA2's loops over a BlockMask) on CPU tensors and
+# with kernels_gpu.flex (the same mods compiled by numba into the tensor-core kernels) on CUDA float16/bfloat16
+# tensors: FLEX_DISPATCH below, the operators' ``backend`` argument. Its mods are Python functions, and an
+# operator's arguments are tensors, numbers,
 # strings and lists of them: a function cannot be one. So the mods travel in two ways, one per road of fa2edu.torch:
 #
 # * **eager**: the autograd Function is handed the :class:`FlexMods` object itself and keeps it on its context for

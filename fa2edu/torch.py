@@ -60,9 +60,10 @@ a BlockMask's blocks, through the score_mod and its derivative, as the operators
 flex_attention_fwd|bwd``. Python mods cannot be operator arguments: the eager road hands them to its Function, the
 traced road registers them and passes an int key (``fa2edu._torch_ops``, section 4). flash-attn's keywords of
 :func:`flash_attention` — ``window_size``, ``softcap``, ``alibi_slopes`` — run on the same machinery
-(``torch.ops.fa2edu.flash_attention_flex_fwd|bwd``, which take them as numbers and a tensor). Both run on CPU
-tensors only for now: there is no FlexAttention kernel in kernels_gpu yet, and CUDA tensors get a clear error,
-never a silent copy.
+(``torch.ops.fa2edu.flash_attention_flex_fwd|bwd``, which take them as numbers and a tensor). Both run where
+``fa2edu._torch_ops.FLEX_DISPATCH`` says: CPU float32/float64 on fa2edu.flex (NumPy), CUDA float16/bfloat16 on
+``kernels_gpu.flex`` (the mods compiled by numba into tensor-core kernels); CUDA float32 gets a clear error (no
+kernel of float32's accuracy: cast to bfloat16 yourself or move to the CPU), never a silent cast or copy.
 
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
@@ -446,8 +447,9 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
 
     flash-attn's keywords ``window_size``, ``softcap`` and ``alibi_slopes`` (``flash_attn_func``'s, same meaning)
     run on FlexAttention's machinery (:mod:`fa2edu.flex`: FA2 Alg. 1/2 over the blocks the window leaves, the soft
-    cap and the bias as a score_mod, :func:`fa2edu._torch_ops.flash_attn_mods`), on CPU tensors only for now, in
-    flash-attn's order: S = τ·q kᵀ, capped ``softcap·tanh(S/softcap)``, masked by the window (and causal), biased
+    cap and the bias as a score_mod, :func:`fa2edu._torch_ops.flash_attn_mods`) — NumPy on CPU float32/float64,
+    ``kernels_gpu.flex`` on CUDA float16/bfloat16 (``backend="tensorcore"``) — in flash-attn's order: S = τ·q kᵀ,
+    capped ``softcap·tanh(S/softcap)``, masked by the window (and causal), biased
     by ALiBi. With none of them set, flash_attention runs exactly as without them.
 
     Args:
@@ -472,7 +474,8 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             conventions' rules on the CPU, :func:`kernels_gpu.runtime.default_block_sizes` on the teaching kernels.
         M (int, optional): SRAM size in elements, for the tiled algorithms on the ``"numpy"`` backend only
             (keyword only). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`. With flash-attn's
-            keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes.
+            keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes;
+            on ``backend="tensorcore"`` (CUDA float16/bfloat16) it is the kernels' tile, (64, 64) by default.
         window_size (tuple of int, optional): ``(left, right)``, flash-attn's sliding-window (local) attention
             (keyword only): query i sees the keys j with i + N_k − N_q − left ≤ j ≤ i + N_k − N_q + right
             (bottom-right aligned, as ``causal``); −1 leaves that side unbounded, and so does a side ≥ N_k (as
@@ -504,7 +507,8 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
     With flash-attn's keywords, also: a TypeError for a ``window_size`` that is not a pair of ints, a ``softcap``
     that is not a real number, ``alibi_slopes`` that are not a float32 tensor; a ValueError for window sizes below
     −1, a negative softcap, slopes of the wrong shape, an ``algorithm`` other than ``"flash2"``, a backend other
-    than ``"numpy"``, and CUDA tensors (no FlexAttention kernel yet: move them to the CPU).
+    than ``"numpy"`` or ``"tensorcore"``, ``M`` on the GPU; a TypeError for CUDA float32 (no FlexAttention kernel
+    of float32's accuracy: cast to bfloat16 yourself, or move the tensors to the CPU).
     """
     window, softcap, alibi_slopes, flash_attn_keywords = _check_flash_attn_keywords(window_size, softcap,
                                                                                      alibi_slopes)
@@ -656,24 +660,32 @@ def _identity(x):
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
                    score_mod_grad=None, *, backend=None):
-    """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, computed by fa2edu.flex on the CPU.
+    """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, by fa2edu.flex (CPU) or kernels_gpu.flex
+    (CUDA).
 
-    PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad``. The forward pass is FA2
-    Alg. 1 over the BlockMask's blocks (:func:`fa2edu.flex.flex_attention`: skipped blocks never loaded, partial
-    ones masked per element, full ones not masked at all), the backward FA2 Alg. 2
-    (:func:`fa2edu.flex.flex_attention_backward`), which differentiates through score_mod with its derivative
-    ``d score_mod / d score``; both in NumPy, in float64 for float64 tensors and float32 for float32 ones. Cost:
-    :func:`fa2edu.flex.flex_attention`'s, per (batch, head).
+    PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad`` (and the keyword ``backend``).
+    The forward pass is FA2 Alg. 1 over the BlockMask's blocks (skipped blocks never loaded, partial ones masked
+    per element, full ones not masked at all), the backward FA2 Alg. 2, which differentiates through score_mod
+    with its derivative ``d score_mod / d score``. On the CPU (float32, float64) both are fa2edu.flex in NumPy
+    (:func:`fa2edu.flex.flex_attention`, :func:`fa2edu.flex.flex_attention_backward`), computing in float64 for
+    float64 tensors and float32 otherwise. On CUDA (float16, bfloat16) both are ``kernels_gpu.flex``'s tensor-core
+    kernels (``flex_forward`` on the mma.sync forward, ``flex_backward`` on backward v1), the mods compiled by numba
+    as device functions, float32 accumulators; head dimensions up to 256 (zero columns padded inside the op), and a
+    BlockMask whose tile the kernels cannot run retiled from its classes (no mask_mod call:
+    :func:`fa2edu._torch_ops.retile_block_mask`). Cost: per (batch, head), 4·d·(visited blocks' area) FLOPs forward,
+    2.5× that backward; one mask_mod call per score of a partial block, one score_mod call per visited score.
 
     It is a ``torch.library.custom_op`` (``torch.ops.fa2edu.flex_attention_fwd`` / ``_bwd``) with fake
     implementations and ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces through it. The mods reach
     the operator as an int key (``fa2edu._torch_ops``, section 4): under torch.compile, keep them alive while the
     compiled code runs, its backward pass included (module attributes, say); other mods objects compile again.
     Mods are written as fa2edu.flex takes them: for scalars, with operators, ``math`` or NumPy ufuncs (the ready mods
-    of :mod:`fa2edu.flex` are). No CUDA kernel yet: CUDA tensors are refused, never copied.
+    of :mod:`fa2edu.flex` are); on CUDA numba must compile them (a clear TypeError naming the mod otherwise: arrays
+    a mod indexes are bound with :func:`fa2edu.flex.bind` as NumPy arrays, at most four over all mods).
 
     Args:
-        q (torch.Tensor): queries, shape (B, H_q, N_q, d), CPU, float32 or float64, finite.
+        q (torch.Tensor): queries, shape (B, H_q, N_q, d): CPU float32 or float64, finite; or CUDA float16 or
+            bfloat16 (d ≤ 256).
         k (torch.Tensor): keys, shape (B, H_kv, N_k, d), on q's device in q's dtype; H_kv = H_q unless
             ``enable_gqa``.
         v (torch.Tensor): values, shape (B, H_kv, N_k, d_v), on q's device in q's dtype.
@@ -693,6 +705,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
             at the scaled score, for the backward pass. Default None: ``score_mod.score_mod_grad`` (every ready
             score_mod carries one); a backward pass through a score_mod with neither raises a ValueError naming
             score_mod_grad. Gradients with respect to arrays a mod binds are not computed.
+        backend (str, optional): keyword only: ``"numpy"`` (fa2edu.flex, CPU) or ``"tensorcore"`` (kernels_gpu.flex,
+            CUDA; CPU tensors in numba's CUDA simulator, how the tests run it). Default None:
+            :data:`fa2edu._torch_ops.FLEX_DISPATCH` for the device and dtype.
 
     Returns:
         O of shape (B, H_q, N_q, d_v) in q's dtype (0 on a row that keeps no score, with zero gradients), with a
@@ -701,8 +716,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, mods that are not callable, a block_mask that is not
             a BlockMask, non-bool ``enable_gqa`` or ``return_lse``.
-        ValueError: CUDA tensors (no FlexAttention kernel yet: move them to the CPU), shapes that do not fit (4
-            axes, GQA, a block_mask made for other lengths), a score_mod returning NaN or +inf for a kept score,
+        TypeError (CUDA): float32 tensors (:data:`fa2edu._torch_ops.FLEX_FLOAT32_CUDA_ERROR`), a mod numba cannot
+            compile.
+        ValueError: a backend that does not run on the tensors' device, shapes that do not fit (4 axes, GQA, a
+            block_mask made for other lengths), a score_mod returning NaN or +inf for a kept score,
             NaN or inf in q, k or v, ``score_mod_grad`` without ``score_mod``, and, in the backward pass, a
             score_mod without a derivative.
         RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
