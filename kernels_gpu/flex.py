@@ -69,8 +69,53 @@ same classes, read as C[b, h, i, j] for each i: skipped pairs are not loaded, pa
 element, full pairs do not. It recomputes x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and
 multiplies dSᵀ by g after the softmax gradient, as :func:`fa2edu.flex.flex_attention_backward` defines it; a
 score_mod without a derivative (its attribute or the ``score_mod_grad`` argument) raises before any launch. The
-derivative's bound arrays take the next array slots. Not yet run on a GPU either. Left for later: the Hopper
-(wgmma) versions.
+derivative's bound arrays take the next array slots (an array already bound keeps its slot: ALiBi's slopes serve
+the score_mod and its derivative). A :func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is
+compiled part by part, its derivative by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Not yet run on a
+GPU either. Left for later: the Hopper (wgmma) versions.
+
+**The op.** ``fa2edu.torch.flex_attention`` (and ``flash_attention``'s ``window_size``, ``softcap``,
+``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
+padded to a multiple of 8, d_v = d; a BlockMask whose tile these kernels cannot run retiled from its classes).
+
+**Plan: the mods on the fastest rung (v11), with its prediction — not measured.** Issue 38 asks for ≥ 1.0×
+PyTorch's compiled FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). This kernel is v4 (58-90 TFLOP/s
+measured on an H100); the mma.sync ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
+``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each, and every
+one of them carries over to the mods, because the mods touch only the score tile between ``S = Q Kᵀ`` and the
+online softmax:
+
+1. v5's base-2 softmax with τ·log₂e folded into the scores and the rescale skipped when the maximum does not move:
+   here τ multiplies S before ``score_mod`` (a mod sees τ·q·k, as PyTorch's), so fold only log₂e into the final
+   scores (one multiply, which this kernel already does inside ``online_softmax``'s scale) and keep v5's lazy
+   rescale. v6 (masks only on the tiles that need them) is what the BlockMask's classes already give.
+2. v7's two 16-row MMA tiles per warp (B_r = 32·W) and v10's tile per head dimension ((R, B_c) = (2, 32) at
+   d ≤ 64, (2, 64) at d ≤ 128, (1, 32) above): the kernel's tile would no longer be the BlockMask's, so the walk reads
+   the classes of the BlockMask's blocks that a kernel tile overlaps — for BLOCK_SIZE (64, 64) or 128 and v10's
+   tiles, each kernel tile lies inside one block, so it takes that block's class (no retiling, no mask calls).
+3. v8's float32 online softmax and v9's copy arithmetic hoisted out of the loop: unchanged by the mods.
+4. v11's longest-row-first order, generalised from causal to any mask: the host sorts row blocks by their number
+   of visited blocks (a count per row of the classes, once per BlockMask) and the grid reads row block
+   ``order[blockIdx]``.
+5. The host path (v11's measurement: 400-900 µs of Python per call before the driver-level launch, 64-96 µs
+   after): today each call copies the classes and the bound arrays to the device and re-plans the mods. Keep the
+   device copy of the classes and of each bound array with the BlockMask (weakly, keyed by the object; documented:
+   mutate a BlockMask's arrays in place and you must make a new one), and a ``ForwardPlan`` per (shape, plan) as
+   ``launch.run`` does.
+
+Prediction (not measured): with 1-5, the mods' cost over v11 is one compare per score of a partial block, the
+score_mod's arithmetic per score, and the classes' byte per visited tile. Forward: causal, sliding window,
+prefix-LM and document within 10 % of v11-causal's 213-252 (d = 64) and 285-312 (d = 128) TFLOP/s at N ≥ 4096 on
+an H200 (GPU.md), counting model FLOPs of the kept scores; ALiBi and relative_bias (one cached load per score)
+within 15 %; softcap within 20-30 % at d = 64 (tanh is MUFU plus a few FMAs in float32 — compute ``c`` as a
+float32 constant so the mod does not run in float64, which alone would cost more than all the rest on an H100).
+PyTorch's compiled FlexAttention has not been measured here yet (``benchmarks/flex.py`` will, in the same run);
+if it runs near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where
+v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it. The backward is v1 (the ladder's v7 is 1.4-1.9× faster):
+moving it to v7 (v3's sums, longest blocks first, dQ in its own pass) is the same kind of port, with the classes
+read per (i, j) in both the key-block and the dQ kernels; until then the forward + backward target is not expected
+to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past
+PyTorch on sm_90.
 """
 
 from __future__ import annotations
