@@ -115,8 +115,8 @@ v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.syn
 v1, while the ladder's fastest is v7 (``kernels_gpu.tensorcore.flash2_backward``; its lineage's gains are in
 ``kernels_gpu/tensorcore/__init__.py``): moving it to v7 (v3's sums, longest blocks first, dQ in its own pass) is
 the same kind of port, with the classes read per (i, j) in both the key-block and the dQ kernels; until then the
-forward + backward target is not expected to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past
-PyTorch on sm_90.
+forward + backward target is not expected to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA
+ceiling from numba) are the route past PyTorch on sm_90.
 """
 
 from __future__ import annotations
