@@ -593,8 +593,14 @@ def test_cuda_float32_gets_a_clear_error_and_16_bit_cuda_tensors_trace():
 # computation in the inputs' own dtype, plus a floor (tests/tolerances.py). The simulator runs every CUDA thread as a
 # Python thread: a case takes a few seconds.
 
-needs_simulator = pytest.mark.skipif(not ops.simulator_enabled(), reason="CPU tensors reach the CUDA backends only "
-                                     "in numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, the tests' default)")
+_skip_without_simulator = pytest.mark.skipif(
+    not ops.simulator_enabled(), reason="CPU tensors reach the CUDA backends only in numba's CUDA simulator "
+    "(NUMBA_ENABLE_CUDASIM=1, the tests' default)")
+
+
+def needs_simulator(test):
+    """Simulator cases: skipped without the simulator, and in the `slow` tier (conftest.py; about 45 s here)."""
+    return pytest.mark.slow(_skip_without_simulator(test))
 
 
 def dense_low(q, k, v, keep=None, score=None, scale=None):
