@@ -45,10 +45,14 @@ Three parts, in the order data flows through them:
    dtypes, which is all ``torch.compile`` needs to trace through an operator it cannot look inside. Their autograd
    formulas are registered in :mod:`fa2edu.torch`, next to the ``autograd.Function`` classes they reuse.
 
-4. **FlexAttention** on the CPU (:mod:`fa2edu.flex`): ``fa2edu::flex_attention_fwd|bwd``, which take their mods
+4. **FlexAttention** (:mod:`fa2edu.flex` on the CPU, ``kernels_gpu.flex`` on CUDA float16/bfloat16,
+   :data:`FLEX_DISPATCH`): ``fa2edu::flex_attention_fwd|bwd``, which take their mods
    as an int key of the registry :data:`MODS` (a function cannot be an operator argument; the section's header
    says how the mods' lifetime is kept), and ``fa2edu::flash_attention_flex_fwd|bwd``, flash_attention with
    flash-attn's ``window_size``, ``softcap`` and ``alibi_slopes``, built into mods by :func:`flash_attn_mods`.
+
+5. **FP8 inputs** (``fa2edu::flash_attention_fp8_fwd``, forward only): float8_e4m3fn q, k, v with per-(batch, head)
+   descales, on ``kernels_gpu.hopper.flash_forward_fp8`` (CUDA sm_90) or :mod:`fa2edu.fp8`'s emulation (CPU).
 
 This module is private: import :mod:`fa2edu.torch`, which checks that PyTorch is installed first.
 """
@@ -78,7 +82,8 @@ __all__ = ["Backend", "BACKENDS", "DISPATCH", "ALGORITHMS", "MAX_HEAD_DIM", "cho
            "flash2_forward", "flash2_backward", "flash1_forward", "flash1_backward", "standard_forward",
            "standard_backward", "fast_width", "three_tf32_width", "tensorcore_width", "tensorcore_has_backward",
            "reads_strided", "tensorcore_layout", "hopper_forward_applies", "FlexMods", "flex_mods", "MODS",
-           "ModRegistry", "register_mods", "from_torch_block_mask", "flash_attn_mods", "FLEX_CUDA_ERROR",
+           "ModRegistry", "register_mods", "from_torch_block_mask", "flash_attn_mods", "FLEX_DISPATCH",
+           "FLEX_BACKENDS", "FLEX_FLOAT32_CUDA_ERROR", "choose_flex_backend", "retile_block_mask",
            "FP8_BACKWARD_ERROR", "FP8_BACKENDS", "fp8_width", "flash_attention_fp8_fwd_impl"]
 
 #: The algorithms of the op: FA2 (Alg. 1/2), FA1 (Alg. 2/4) and standard attention (FA1 Alg. 0/3).
@@ -735,11 +740,13 @@ def _(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
 
 
 # =================================================================================================================
-# 4. FlexAttention: mods as code, on the CPU (fa2edu.flex)
+# 4. FlexAttention: mods as code (fa2edu.flex on the CPU, kernels_gpu.flex on CUDA)
 # =================================================================================================================
 #
-# fa2edu.torch.flex_attention computes with fa2edu.flex (NumPy, FA2's loops over a BlockMask) on CPU tensors; there
-# is no CUDA kernel for it yet. Its mods are Python functions, and an operator's arguments are tensors, numbers,
+# fa2edu.torch.flex_attention computes with fa2edu.flex (NumPy, FA2's loops over a BlockMask) on CPU tensors and
+# with kernels_gpu.flex (the same mods compiled by numba into the tensor-core kernels) on CUDA float16/bfloat16
+# tensors: FLEX_DISPATCH below, the operators' ``backend`` argument. Its mods are Python functions, and an
+# operator's arguments are tensors, numbers,
 # strings and lists of them: a function cannot be one. So the mods travel in two ways, one per road of fa2edu.torch:
 #
 # * **eager**: the autograd Function is handed the :class:`FlexMods` object itself and keeps it on its context for
@@ -758,11 +765,74 @@ def _(dO, q, k, v, P, causal, scale, backend, block_sizes, M):
 # mods. The flash-attn keywords of flash_attention (window_size, softcap, alibi_slopes) need none of this: they are
 # numbers and a tensor, so their operators take them as they are and build the mods inside.
 
-#: what flex_attention on a CUDA tensor says (flash_attention's flash-attn keywords say it with their own names)
-FLEX_CUDA_ERROR = (
-    "{what} runs on CPU tensors only for now (fa2edu.flex, FA2's loops in NumPy): kernels_gpu has no FlexAttention "
-    "kernel yet, and the op does not copy CUDA tensors to the CPU behind your back. Move q, k, v to the CPU "
-    "(.cpu()) to run it there, or use torch.nn.attention.flex_attention on the GPU")
+#: Where FlexAttention runs, per (device type, dtype), when no backend is named: CPU float32/float64 on fa2edu.flex
+#: (NumPy, the counted textbook code); CUDA float16/bfloat16 on kernels_gpu.flex (the mods compiled by numba into the
+#: mma.sync forward and backward). CUDA float32 has no FlexAttention kernel of float32's accuracy (the tensor-core
+#: kernels take 16-bit inputs, and running them on float32 tensors would round q, k, v to 16 bits: bfloat16's error
+#: where the caller asked for float32's); it gets a clear error naming the two honest choices, never a silent cast or
+#: a silent copy to the CPU.
+FLEX_DISPATCH = {
+    ("cpu", torch.float32): "numpy",
+    ("cpu", torch.float64): "numpy",
+    ("cuda", torch.float16): "tensorcore",
+    ("cuda", torch.bfloat16): "tensorcore",
+}
+
+#: the backends FlexAttention runs on: name → (devices, dtypes); "tensorcore" also takes CPU tensors in numba's
+#: CUDA simulator when named (how the tests run the GPU route)
+FLEX_BACKENDS = {
+    "numpy": (("cpu",), (torch.float32, torch.float64)),
+    "tensorcore": (("cuda",), (torch.float16, torch.bfloat16)),
+}
+
+#: what FlexAttention on CUDA float32 tensors says ({what}: the function's name)
+FLEX_FLOAT32_CUDA_ERROR = (
+    "{what} on CUDA takes float16 or bfloat16 (kernels_gpu.flex: the mods compiled into tensor-core kernels, "
+    "float32 accumulators); q has dtype torch.float32, and no FlexAttention kernel of float32's accuracy exists in "
+    "kernels_gpu. Cast q, k, v to torch.bfloat16 (or float16) yourself to run on the GPU with 16-bit inputs, or "
+    "move them to the CPU (.cpu()) for the float32 NumPy path; the op neither rounds float32 to 16 bits nor copies "
+    "to the CPU behind your back")
+
+
+def choose_flex_backend(device_type: str, dtype: torch.dtype, backend: str | None = None, *,
+                        what: str = "fa2edu.torch.flex_attention", simulator: bool | None = None) -> str:
+    """The backend that runs FlexAttention (``flex_attention``, and ``flash_attention``'s flash-attn keywords) for
+    tensors of ``dtype`` on ``device_type``: :data:`FLEX_DISPATCH` when ``backend`` is None, else the named one
+    (:data:`FLEX_BACKENDS`), checked; ``"tensorcore"`` takes CPU tensors in numba's CUDA simulator.
+
+    Raises:
+        ValueError: an unknown device or backend, or a backend that does not run on this device.
+        TypeError: a dtype that no FlexAttention backend takes there (CUDA float32: :data:`FLEX_FLOAT32_CUDA_ERROR`).
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"q, k, v are on device {device_type!r}; {what} runs on 'cpu' and 'cuda'")
+    if backend is None:
+        backend = FLEX_DISPATCH.get((device_type, dtype))
+        if backend is None:
+            if device_type == "cuda" and dtype == torch.float32:
+                raise TypeError(FLEX_FLOAT32_CUDA_ERROR.format(what=what))
+            if device_type == "cpu":
+                raise TypeError(f"q has dtype {dtype}; on the CPU {what} takes float32 or float64"
+                                f"{_dtype_hint('cpu', dtype)}")
+            raise TypeError(f"q has dtype {dtype}; on CUDA {what} takes float16 or bfloat16"
+                            f"{_dtype_hint(device_type, dtype)}")
+        return backend
+    if backend not in FLEX_BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(FLEX_BACKENDS)} or None for {what}, got {backend!r}")
+    devices, dtypes = FLEX_BACKENDS[backend]
+    simulated_gpu = device_type == "cpu" and "cuda" in devices and (
+        simulator_enabled() if simulator is None else simulator)
+    if device_type not in devices and not simulated_gpu:
+        hint = (" (a CUDA backend takes CPU tensors only in numba's CUDA simulator, NUMBA_ENABLE_CUDASIM=1)"
+                if device_type == "cpu" else "")
+        raise ValueError(f"backend={backend!r} runs on {' and '.join(devices)}, but q, k, v are on {device_type}"
+                         f"{hint}")
+    if dtype not in dtypes:
+        takes = " or ".join(str(t).removeprefix("torch.") for t in dtypes)
+        if device_type == "cuda" and dtype == torch.float32:
+            raise TypeError(FLEX_FLOAT32_CUDA_ERROR.format(what=what))
+        raise TypeError(f"q has dtype {dtype}; {what} with backend={backend!r} takes {takes}")
+    return backend
 
 
 @dataclass(frozen=True, eq=False)
@@ -801,6 +871,7 @@ def _mask_mod_on_tensors(mask_mod):
     def on_tensors(b, h, q_idx, kv_idx):
         return np.asarray(mask_mod(*(torch.as_tensor(x) for x in (b, h, q_idx, kv_idx))))
     on_tensors.__name__ = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    on_tensors.torch_mask_mod = mask_mod         # what the GPU route compiles (numba, on scalars)
     return on_tensors
 
 
@@ -972,20 +1043,143 @@ def _check_block_mask_fits(block_mask, q_shape, k_shape) -> None:
                          f" each must match or be 1 (None in create_block_mask: broadcast)")
 
 
-def flex_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa: bool):
-    """(O, L) of fa2edu.flex.flex_attention (FA2 Alg. 1 over the BlockMask) on CPU tensors (B, H, N, d); O in q's
-    dtype, L (B, H_q, N_q) in the compute dtype, +inf on rows that keep no score."""
+def flex_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa: bool, backend: str = "numpy"):
+    """(O, L) of FlexAttention (FA2 Alg. 1 over the BlockMask) on tensors (B, H, N, d): O in q's dtype, L
+    (B, H_q, N_q) in the compute dtype (float32 for 16-bit inputs), +inf on rows that keep no score. ``backend``
+    "numpy": fa2edu.flex.flex_attention on CPU tensors; "tensorcore": kernels_gpu.flex.flex_forward
+    (:func:`_flex_tensor_core_forward`)."""
+    if backend == "tensorcore":
+        return _flex_tensor_core_forward(q, k, v, mods, scale, enable_gqa)
     O, L = _flex.flex_attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), score_mod=mods.score_mod,
                                 block_mask=mods.block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
     return _contiguous(_from_numpy(O), _from_numpy(L))
 
 
-def flex_backward(dO, q, k, v, O, L, mods: FlexMods, scale: float, enable_gqa: bool):
-    """(dQ, dK, dV) of fa2edu.flex.flex_attention_backward (FA2 Alg. 2, through score_mod's derivative)."""
+def flex_backward(dO, q, k, v, O, L, mods: FlexMods, scale: float, enable_gqa: bool, backend: str = "numpy"):
+    """(dQ, dK, dV) of FlexAttention's backward (FA2 Alg. 2, through score_mod's derivative) on ``backend``
+    (:func:`flex_forward`'s)."""
+    if backend == "tensorcore":
+        return _flex_tensor_core_backward(dO, q, k, v, O, L, mods, scale, enable_gqa)
     grads = _flex.flex_attention_backward(*(_to_numpy(x) for x in (q, k, v, O, L, dO)), score_mod=mods.score_mod,
                                           block_mask=mods.block_mask, scale=scale, enable_gqa=enable_gqa,
                                           score_mod_grad=mods.score_mod_grad)
     return _contiguous(*(_from_numpy(x) for x in grads))
+
+
+# -- FlexAttention on tensor cores (kernels_gpu.flex) -------------------------------------------------------------
+
+def retile_block_mask(block_mask, BLOCK_SIZE) -> "_flex.BlockMask":
+    """``block_mask``'s classes for other blocks (B_r, B_c), read from its own classes alone (no mask_mod call).
+
+    A new block is **full** when every old block it overlaps is full, **skipped** when every one is skipped, and
+    **partial** otherwise. That is exact for full and skipped (the new block lies inside the union of the old
+    blocks it overlaps) and safe for partial, where the kernel evaluates mask_mod per element: a new block inside
+    the kept part of an old partial block is classed partial though it is full, which costs mask calls, never a
+    wrong score. Cost: O(B·H·(T_r·T_c + T_r'·T_c')) with 2-D prefix sums over the old classes.
+
+    Args:
+        block_mask (fa2edu.flex.BlockMask): the mask.
+        BLOCK_SIZE (tuple of int): the new (B_r, B_c).
+
+    Returns:
+        fa2edu.flex.BlockMask: the same mask_mod, shape and lengths, blocks (B_r, B_c).
+    """
+    B_r, B_c = BLOCK_SIZE
+    if tuple(block_mask.BLOCK_SIZE) == (B_r, B_c):
+        return block_mask
+    old_r, old_c = block_mask.BLOCK_SIZE
+    Q_LEN, KV_LEN = block_mask.Q_LEN, block_mask.KV_LEN
+    T_r, T_c = num_blocks(Q_LEN, B_r), num_blocks(KV_LEN, B_c)
+
+    def ranges(T: int, new: int, old: int, N: int):
+        first = np.arange(T) * new
+        last = np.minimum(first + new, N) - 1
+        return first // old, last // old + 1           # old blocks [start, stop) that the new block overlaps
+
+    r0, r1 = ranges(T_r, B_r, old_r, Q_LEN)
+    c0, c1 = ranges(T_c, B_c, old_c, KV_LEN)
+
+    def count(hit):                                     # old blocks with ``hit`` inside each new block's range
+        P = np.zeros(hit.shape[:2] + (hit.shape[2] + 1, hit.shape[3] + 1), dtype=np.int64)
+        P[:, :, 1:, 1:] = hit.cumsum(axis=2).cumsum(axis=3)
+        R0, R1, C0, C1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
+        return P[:, :, R1, C1] - P[:, :, R0, C1] - P[:, :, R1, C0] + P[:, :, R0, C0]
+
+    total = (r1 - r0)[:, None] * (c1 - c0)[None, :]
+    classes = np.full(block_mask.classes.shape[:2] + (T_r, T_c), _flex.PARTIAL, dtype=np.int8)
+    classes[count(block_mask.classes == _flex.FULL) == total] = _flex.FULL
+    classes[count(block_mask.classes == _flex.SKIPPED) == total] = _flex.SKIPPED
+    return _flex.BlockMask(block_mask.mask_mod, block_mask.B, block_mask.H, Q_LEN, KV_LEN, (B_r, B_c), classes)
+
+
+#: block masks as the kernels take them, per fa2edu BlockMask (weakly): {(pass, width, dtype): BlockMask}
+_KERNEL_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KERNEL_MASKS_LOCK = threading.Lock()
+
+
+def _kernel_block_mask(block_mask, pass_: str, width: int, dtype: str):
+    """The BlockMask a kernels_gpu.flex pass runs for ``block_mask``: its own blocks when the kernel runs that tile
+    at this width (``kernels_gpu.flex.config_for`` / ``backward_config_for``), else the same mask retiled
+    (:func:`retile_block_mask`) to the kernel's default tile; a PyTorch BlockMask's mask_mod as PyTorch wrote it
+    (numba compiles it for scalars), not the tensor wrapper the NumPy path calls. Cached per BlockMask."""
+    if block_mask is None:
+        return None
+    import kernels_gpu.flex as kflex
+    import kernels_gpu.runtime as rt
+    key = (pass_, width, dtype)
+    with _KERNEL_MASKS_LOCK:
+        found = _KERNEL_MASKS.get(block_mask, {}).get(key)
+    if found is not None:
+        return found
+    simulated = rt.simulator_in_use()
+    fits = kflex.config_for if pass_ == "forward" else kflex.backward_config_for
+    sizes = tuple(block_mask.BLOCK_SIZE)
+    try:
+        fits(width, dtype, sizes, simulated)
+        mask = block_mask
+    except ValueError:              # a tile the kernel cannot run (odd sizes, too much shared memory at this width)
+        default = kflex.DEFAULT_BLOCK_SIZE if pass_ == "forward" else (64 if width <= 64 else 32, 64)
+        mask = retile_block_mask(block_mask, default)
+    torch_mod = getattr(mask.mask_mod, "torch_mask_mod", None)
+    if torch_mod is not None:
+        mask = _flex.BlockMask(torch_mod, mask.B, mask.H, mask.Q_LEN, mask.KV_LEN, mask.BLOCK_SIZE, mask.classes)
+    with _KERNEL_MASKS_LOCK:
+        _KERNEL_MASKS.setdefault(block_mask, {})[key] = mask
+    return mask
+
+
+def _kernel_dtype(x: torch.Tensor) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _flex_tensor_core_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa: bool):
+    """FlexAttention forward on ``kernels_gpu.flex.flex_forward`` (float16/bfloat16, float32 accumulators): q, k, v
+    padded with zero columns to :func:`tensorcore_width` (the kernels take d = d_v, a multiple of 8; a zero column
+    adds 0 to every score), the block mask's tile kept or retiled (:func:`_kernel_block_mask`); O sliced back to
+    d_v, contiguous, L float32 (+inf on rows that keep no score). CUDA tensors zero-copy on PyTorch's current
+    stream; CPU tensors in numba's simulator."""
+    import kernels_gpu.flex as kflex
+    d_v = v.shape[-1]
+    D = tensorcore_width(q.shape[-1], d_v)
+    block_mask = _kernel_block_mask(mods.block_mask, "forward", D, _kernel_dtype(q))
+    Q, K, V = (_pad(x.contiguous(), D) for x in (q, k, v))
+    O, L = kflex.flex_forward(Q, K, V, score_mod=mods.score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=enable_gqa)
+    return _unpad(_from_kernel(O, q), d_v).contiguous(), _from_kernel(L, q).contiguous()
+
+
+def _flex_tensor_core_backward(dO, q, k, v, O, L, mods: FlexMods, scale: float, enable_gqa: bool):
+    """FlexAttention backward on ``kernels_gpu.flex.flex_backward`` (the mma.sync backward v1 over the block
+    classes, dQ by atomic adds, through score_mod's derivative), padded as the forward; dQ, dK, dV contiguous in
+    the inputs' dtype, dK, dV summed over each GQA group."""
+    import kernels_gpu.flex as kflex
+    d, d_v = q.shape[-1], v.shape[-1]
+    D = tensorcore_width(d, d_v)
+    block_mask = _kernel_block_mask(mods.block_mask, "backward", D, _kernel_dtype(q))
+    Q, K, V, O_, dO_ = (_pad(x.contiguous(), D) for x in (q, k, v, O, dO))
+    grads = kflex.flex_backward(Q, K, V, O_, L.contiguous(), dO_, score_mod=mods.score_mod, block_mask=block_mask,
+                                scale=scale, enable_gqa=enable_gqa, score_mod_grad=mods.score_mod_grad)
+    return tuple(_unpad(_from_kernel(g, q), width).contiguous() for g, width in zip(grads, (d, d, d_v)))
 
 
 def _keep_until_freed(x: torch.Tensor, obj) -> None:
@@ -997,45 +1191,46 @@ def _let_go(obj) -> None:
     """A finalizer's callback: holding ``obj`` until now was its whole job."""
 
 
-def flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa):
+def flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa, backend):
     """FlexAttention forward: (O, L) of q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v) with the mods
-    registered under the key ``mods``. The mods are kept alive with L, which the backward pass saves: a compiled
-    graph's backward finds them even when the caller let go of them after the forward pass."""
+    registered under the key ``mods``, on ``backend`` (:func:`choose_flex_backend`). The mods are kept alive with L,
+    which the backward pass saves: a compiled graph's backward finds them even when the caller let go of them
+    after the forward pass."""
     found = MODS.lookup(mods)
-    O, L = flex_forward(q, k, v, found, scale, enable_gqa)
+    O, L = flex_forward(q, k, v, found, scale, enable_gqa, backend)
     _keep_until_freed(L, found)
     return O, L
 
 
 @torch.library.custom_op("fa2edu::flex_attention_fwd", mutates_args=())
 def flex_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: int, scale: float,
-                       enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       enable_gqa: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention forward: (O, L) of q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v) with the mods
-    registered under the key ``mods``."""
-    return flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa)
+    registered under the key ``mods``, on ``backend`` ("numpy" or "tensorcore")."""
+    return flex_attention_fwd_impl(q, k, v, mods, scale, enable_gqa, backend)
 
 
 @flex_attention_fwd.register_fake
-def _(q, k, v, mods, scale, enable_gqa):
+def _(q, k, v, mods, scale, enable_gqa, backend):
     _check_block_mask_fits(MODS.lookup(mods).block_mask, q.shape, k.shape)
     return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
 
 
-def flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa):
+def flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa, backend):
     """FlexAttention backward: (dQ, dK, dV) from the inputs, O, L and dO, through the registered mods."""
-    return flex_backward(dO, q, k, v, O, L, MODS.lookup(mods), scale, enable_gqa)
+    return flex_backward(dO.contiguous(), q, k, v, O, L, MODS.lookup(mods), scale, enable_gqa, backend)
 
 
 @torch.library.custom_op("fa2edu::flex_attention_bwd", mutates_args=())
 def flex_attention_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
-                       L: torch.Tensor, mods: int, scale: float, enable_gqa: bool
+                       L: torch.Tensor, mods: int, scale: float, enable_gqa: bool, backend: str
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlexAttention backward: (dQ, dK, dV) from the inputs, O, L and dO, through the registered mods."""
-    return flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa)
+    return flex_attention_bwd_impl(dO, q, k, v, O, L, mods, scale, enable_gqa, backend)
 
 
 @flex_attention_bwd.register_fake
-def _(dO, q, k, v, O, L, mods, scale, enable_gqa):
+def _(dO, q, k, v, O, L, mods, scale, enable_gqa, backend):
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 
 
@@ -1086,7 +1281,9 @@ def _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, so
     slopes = None
     if alibi_slopes is not None:
         _check_finite(("alibi_slopes", alibi_slopes))
-        slopes = alibi_slopes.detach().double().numpy()
+        # (H,) or (B, H) floats, read on the host (a CUDA tensor's copy waits for the GPU: a few bytes, once per
+        # call); the kernels receive them as a bound array
+        slopes = alibi_slopes.detach().cpu().double().numpy()
         if slopes.ndim > 1:
             slopes = slopes.reshape(-1, slopes.shape[-1])                    # (…, H_q) → (B, H_q), as q
     mods = flash_attn_mods(q.shape[-2], k.shape[-2], causal, window_left, window_right, softcap, slopes, block_sizes)
@@ -1094,51 +1291,52 @@ def _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, so
 
 
 def flash_attention_flex_fwd_impl(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale,
-                                  block_sizes):
-    """flash_attention with flash-attn's keywords: (O, L) of q (…, H_q, N_q, d), k, v (…, H_kv, N_k, d | d_v)."""
+                                  block_sizes, backend):
+    """flash_attention with flash-attn's keywords: (O, L) of q (…, H_q, N_q, d), k, v (…, H_kv, N_k, d | d_v), on
+    ``backend`` ("numpy" or "tensorcore", :func:`flex_forward`)."""
     _check_inputs(q, k, v, scale)
     mods, q4, k4, v4 = _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, softcap,
                                        block_sizes)
-    O, L = flex_forward(q4, k4, v4, mods, scale, q4.shape[1] != k4.shape[1])
+    O, L = flex_forward(q4, k4, v4, mods, scale, q4.shape[1] != k4.shape[1], backend)
     return O.reshape(*q.shape[:-1], v.shape[-1]), L.reshape(q.shape[:-1])
 
 
 @torch.library.custom_op("fa2edu::flash_attention_flex_fwd", mutates_args=())
 def flash_attention_flex_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                              causal: bool, window_left: int, window_right: int, softcap: float, scale: float,
-                             block_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                             block_sizes: list[int], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attention with flash-attn's keywords: (O, L) of q (…, H_q, N_q, d), k, v (…, H_kv, N_k, d | d_v)."""
     return flash_attention_flex_fwd_impl(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale,
-                                         block_sizes)
+                                         block_sizes, backend)
 
 
 @flash_attention_flex_fwd.register_fake
-def _(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes):
+def _(q, k, v, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes, backend):
     return _new(q, (*q.shape[:-1], v.shape[-1])), _new(q, q.shape[:-1], _stat_dtype(q.dtype))
 
 
 def flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale,
-                                  block_sizes):
+                                  block_sizes, backend):
     """flash_attention with flash-attn's keywords, backward: (dQ, dK, dV) shaped like q, k, v."""
     mods, q4, k4, v4 = _flash_attn_run(q, k, v, alibi_slopes, causal, window_left, window_right, softcap,
                                        block_sizes)
-    dQ, dK, dV = flex_backward(_as_bhnd(dO), q4, k4, v4, _as_bhnd(O), L.reshape(q4.shape[:-1]), mods, scale,
-                               q4.shape[1] != k4.shape[1])
+    dQ, dK, dV = flex_backward(_as_bhnd(dO.contiguous()), q4, k4, v4, _as_bhnd(O), L.reshape(q4.shape[:-1]), mods,
+                               scale, q4.shape[1] != k4.shape[1], backend)
     return dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape)
 
 
 @torch.library.custom_op("fa2edu::flash_attention_flex_bwd", mutates_args=())
 def flash_attention_flex_bwd(dO: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, O: torch.Tensor,
                              L: torch.Tensor, alibi_slopes: Optional[torch.Tensor], causal: bool, window_left: int,
-                             window_right: int, softcap: float, scale: float, block_sizes: list[int]
+                             window_right: int, softcap: float, scale: float, block_sizes: list[int], backend: str
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flash_attention with flash-attn's keywords, backward: (dQ, dK, dV) shaped like q, k, v."""
     return flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap,
-                                         scale, block_sizes)
+                                         scale, block_sizes, backend)
 
 
 @flash_attention_flex_bwd.register_fake
-def _(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes):
+def _(dO, q, k, v, O, L, alibi_slopes, causal, window_left, window_right, softcap, scale, block_sizes, backend):
     return _new(q, q.shape), _new(k, k.shape), _new(v, v.shape)
 
 

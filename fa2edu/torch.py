@@ -60,9 +60,10 @@ a BlockMask's blocks, through the score_mod and its derivative, as the operators
 flex_attention_fwd|bwd``. Python mods cannot be operator arguments: the eager road hands them to its Function, the
 traced road registers them and passes an int key (``fa2edu._torch_ops``, section 4). flash-attn's keywords of
 :func:`flash_attention` — ``window_size``, ``softcap``, ``alibi_slopes`` — run on the same machinery
-(``torch.ops.fa2edu.flash_attention_flex_fwd|bwd``, which take them as numbers and a tensor). Both run on CPU
-tensors only for now: there is no FlexAttention kernel in kernels_gpu yet, and CUDA tensors get a clear error,
-never a silent copy.
+(``torch.ops.fa2edu.flash_attention_flex_fwd|bwd``, which take them as numbers and a tensor). Both run where
+``fa2edu._torch_ops.FLEX_DISPATCH`` says: CPU float32/float64 on fa2edu.flex (NumPy), CUDA float16/bfloat16 on
+``kernels_gpu.flex`` (the mods compiled by numba into tensor-core kernels); CUDA float32 gets a clear error (no
+kernel of float32's accuracy: cast to bfloat16 yourself or move to the CPU), never a silent cast or copy.
 
 This file is named ``torch.py`` inside the ``fa2edu`` package; ``import torch`` below still means PyTorch because
 imports are absolute in Python 3 (the package's own module is ``fa2edu.torch``). ``import fa2edu`` never imports
@@ -446,8 +447,9 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
 
     flash-attn's keywords ``window_size``, ``softcap`` and ``alibi_slopes`` (``flash_attn_func``'s, same meaning)
     run on FlexAttention's machinery (:mod:`fa2edu.flex`: FA2 Alg. 1/2 over the blocks the window leaves, the soft
-    cap and the bias as a score_mod, :func:`fa2edu._torch_ops.flash_attn_mods`), on CPU tensors only for now, in
-    flash-attn's order: S = τ·q kᵀ, capped ``softcap·tanh(S/softcap)``, masked by the window (and causal), biased
+    cap and the bias as a score_mod, :func:`fa2edu._torch_ops.flash_attn_mods`) — NumPy on CPU float32/float64,
+    ``kernels_gpu.flex`` on CUDA float16/bfloat16 (``backend="tensorcore"``) — in flash-attn's order: S = τ·q kᵀ,
+    capped ``softcap·tanh(S/softcap)``, masked by the window (and causal), biased
     by ALiBi. With none of them set, flash_attention runs exactly as without them.
 
     Args:
@@ -472,7 +474,8 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
             conventions' rules on the CPU, :func:`kernels_gpu.runtime.default_block_sizes` on the teaching kernels.
         M (int, optional): SRAM size in elements, for the tiled algorithms on the ``"numpy"`` backend only
             (keyword only). Default None: the block sizes of :data:`fa2edu.blocks.DEFAULT_M`. With flash-attn's
-            keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes.
+            keywords, ``block_sizes`` (or M, by FA2's forward rule) is the BlockMask's block size in both passes;
+            on ``backend="tensorcore"`` (CUDA float16/bfloat16) it is the kernels' tile, (64, 64) by default.
         window_size (tuple of int, optional): ``(left, right)``, flash-attn's sliding-window (local) attention
             (keyword only): query i sees the keys j with i + N_k − N_q − left ≤ j ≤ i + N_k − N_q + right
             (bottom-right aligned, as ``causal``); −1 leaves that side unbounded, and so does a side ≥ N_k (as
@@ -515,7 +518,8 @@ def flash_attention(q, k, v, causal: bool = False, scale=None, algorithm: str = 
     With flash-attn's keywords, also: a TypeError for a ``window_size`` that is not a pair of ints, a ``softcap``
     that is not a real number, ``alibi_slopes`` that are not a float32 tensor; a ValueError for window sizes below
     −1, a negative softcap, slopes of the wrong shape, an ``algorithm`` other than ``"flash2"``, a backend other
-    than ``"numpy"``, and CUDA tensors (no FlexAttention kernel yet: move them to the CPU).
+    than ``"numpy"`` or ``"tensorcore"``, ``M`` on the GPU; a TypeError for CUDA float32 (no FlexAttention kernel
+    of float32's accuracy: cast to bfloat16 yourself, or move the tensors to the CPU).
     """
     window, softcap, alibi_slopes, flash_attn_keywords = _check_flash_attn_keywords(window_size, softcap,
                                                                                      alibi_slopes)
@@ -630,10 +634,10 @@ class _Flex(torch.autograd.Function):
     """The eager road of flex_attention: FlexMods in hand; returns (O, L)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mods, scale, enable_gqa):
-        O, L = ops.flex_forward(q, k, v, mods, scale, enable_gqa)
+    def forward(ctx, q, k, v, mods, scale, enable_gqa, backend):
+        O, L = ops.flex_forward(q, k, v, mods, scale, enable_gqa, backend)
         ctx.save_for_backward(q, k, v, O, L)
-        ctx.mods, ctx.options = mods, (scale, enable_gqa)
+        ctx.mods, ctx.options = mods, (scale, enable_gqa, backend)
         ctx.mark_non_differentiable(L)
         return O, L
 
@@ -641,8 +645,8 @@ class _Flex(torch.autograd.Function):
     def backward(ctx, dO, dL):
         q, k, v, O, L = ctx.saved_tensors
         # FA2 Alg. 2 over the BlockMask, through score_mod's derivative (an error naming score_mod_grad without one)
-        grads = ops.flex_backward(dO, q, k, v, O, L, ctx.mods, *ctx.options)
-        return (*_differentiable_once(ctx, dO, grads), None, None, None)
+        grads = ops.flex_backward(dO.contiguous(), q, k, v, O, L, ctx.mods, *ctx.options)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None, None)
 
 
 def _flex_setup_context(ctx, inputs, output):
@@ -651,10 +655,10 @@ def _flex_setup_context(ctx, inputs, output):
     graph's backward has run; not while torch.compile traces (fake tensors), whose traced graph would keep them
     alive for as long as the compiled code exists (there the forward operator keeps them alive with L, which the
     backward saves: fa2edu._torch_ops.flex_attention_fwd_impl)."""
-    q, k, v, key, scale, enable_gqa = inputs
+    q, k, v, key, scale, enable_gqa, backend = inputs
     O, L = output
     ctx.save_for_backward(q, k, v, O, L)
-    ctx.key, ctx.options = key, (scale, enable_gqa)
+    ctx.key, ctx.options = key, (scale, enable_gqa, backend)
     if type(q) is torch.Tensor:
         ctx.mods = ops.MODS.lookup(key)
     ctx.mark_non_differentiable(L)
@@ -663,7 +667,7 @@ def _flex_setup_context(ctx, inputs, output):
 def _flex_formula(ctx, dO, dL):
     q, k, v, O, L = ctx.saved_tensors
     dQ, dK, dV = torch.ops.fa2edu.flex_attention_bwd(dO, q, k, v, O, L, ctx.key, *ctx.options)
-    return dQ, dK, dV, None, None, None
+    return dQ, dK, dV, None, None, None, None
 
 
 class _FlashFlex(torch.autograd.Function):
@@ -679,7 +683,7 @@ class _FlashFlex(torch.autograd.Function):
     def backward(ctx, dO, dL):
         q, k, v, O, L, alibi_slopes = ctx.saved_tensors
         grads = ops.flash_attention_flex_bwd_impl(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
-        return (*_differentiable_once(ctx, dO, grads), None, None, None, None, None, None, None)
+        return (*_differentiable_once(ctx, dO, grads), None, None, None, None, None, None, None, None)
 
 
 def _flash_flex_setup_context(ctx, inputs, output):
@@ -694,7 +698,7 @@ def _flash_flex_setup_context(ctx, inputs, output):
 def _flash_flex_formula(ctx, dO, dL):
     q, k, v, O, L, alibi_slopes = ctx.saved_tensors
     dQ, dK, dV = torch.ops.fa2edu.flash_attention_flex_bwd(dO, q, k, v, O, L, alibi_slopes, *ctx.options)
-    return dQ, dK, dV, None, None, None, None, None, None, None
+    return dQ, dK, dV, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fa2edu::flex_attention_fwd", _flex_formula, setup_context=_flex_setup_context)
@@ -704,20 +708,9 @@ for _name in ("flex_attention_bwd", "flash_attention_flex_bwd"):
     torch.library.register_autograd(f"fa2edu::{_name}", _refuse_double_backward, setup_context=_nothing_to_save)
 
 
-def _on_the_cpu(q, what: str) -> None:
-    """CPU tensors only: a clear error on CUDA (no FlexAttention kernel yet; never a silent copy)."""
-    if q.device.type == "cuda":
-        raise ValueError(ops.FLEX_CUDA_ERROR.format(what=what))
-    if q.device.type != "cpu":
-        raise ValueError(f"q, k, v are on device {q.device.type!r}; {what} runs on 'cpu'")
-    if q.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"q has dtype {q.dtype}; on the CPU {what} takes float32 or float64"
-                        f"{ops._dtype_hint('cpu', q.dtype)}")
-
-
-def _check_flex_tensors(q, k, v, enable_gqa):
-    """q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v), CPU, one dtype; GQA only on request
-    (metadata only, as torch.compile needs)."""
+def _check_flex_tensors(q, k, v, enable_gqa, backend):
+    """q (B, H_q, N_q, d), k (B, H_kv, N_k, d), v (B, H_kv, N_k, d_v), one device, one dtype; GQA only on request
+    (metadata only, as torch.compile needs). Returns the backend (:func:`fa2edu._torch_ops.choose_flex_backend`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
@@ -725,7 +718,7 @@ def _check_flex_tensors(q, k, v, enable_gqa):
     for name, x in (("k", k), ("v", v)):
         if x.device != q.device:
             raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
-    _on_the_cpu(q, "fa2edu.torch.flex_attention")
+    backend = ops.choose_flex_backend(q.device.type, q.dtype, backend, what="fa2edu.torch.flex_attention")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"q, k, v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
@@ -747,6 +740,12 @@ def _check_flex_tensors(q, k, v, enable_gqa):
                          "attention (query head h reads key/value head h // (H_q / H_kv)), or give k and v q's heads")
     if H_kv == 0 or H_q % H_kv:
         raise ValueError(f"with enable_gqa, q's heads H_q = {H_q} must be a multiple of k's and v's H_kv = {H_kv}")
+    if backend == "tensorcore":
+        for name, x in (("q", q), ("v", v)):
+            if not 1 <= x.shape[-1] <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} has head dimension {x.shape[-1]}; on tensor cores flex_attention takes 1 "
+                                 f"to {MAX_HEAD_DIM}")
+    return backend
 
 
 def _identity(x):
@@ -755,25 +754,33 @@ def _identity(x):
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
-                   score_mod_grad=None):
-    """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, computed by fa2edu.flex on the CPU.
+                   score_mod_grad=None, *, backend=None):
+    """FlexAttention, differentiable: softmax(MASK(score_mod(τ·q kᵀ))) v, by fa2edu.flex (CPU) or kernels_gpu.flex
+    (CUDA).
 
-    PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad``. The forward pass is FA2
-    Alg. 1 over the BlockMask's blocks (:func:`fa2edu.flex.flex_attention`: skipped blocks never loaded, partial
-    ones masked per element, full ones not masked at all), the backward FA2 Alg. 2
-    (:func:`fa2edu.flex.flex_attention_backward`), which differentiates through score_mod with its derivative
-    ``d score_mod / d score``; both in NumPy, in float64 for float64 tensors and float32 for float32 ones. Cost:
-    :func:`fa2edu.flex.flex_attention`'s, per (batch, head).
+    PyTorch's ``torch.nn.attention.flex_attention`` signature, plus ``score_mod_grad`` (and the keyword ``backend``).
+    The forward pass is FA2 Alg. 1 over the BlockMask's blocks (skipped blocks never loaded, partial ones masked
+    per element, full ones not masked at all), the backward FA2 Alg. 2, which differentiates through score_mod
+    with its derivative ``d score_mod / d score``. On the CPU (float32, float64) both are fa2edu.flex in NumPy
+    (:func:`fa2edu.flex.flex_attention`, :func:`fa2edu.flex.flex_attention_backward`), computing in float64 for
+    float64 tensors and float32 otherwise. On CUDA (float16, bfloat16) both are ``kernels_gpu.flex``'s tensor-core
+    kernels (``flex_forward`` on the mma.sync forward, ``flex_backward`` on backward v1), the mods compiled by numba
+    as device functions, float32 accumulators; head dimensions up to 256 (zero columns padded inside the op), and a
+    BlockMask whose tile the kernels cannot run retiled from its classes (no mask_mod call:
+    :func:`fa2edu._torch_ops.retile_block_mask`). Cost: per (batch, head), 4·d·(visited blocks' area) FLOPs forward,
+    2.5× that backward; one mask_mod call per score of a partial block, one score_mod call per visited score.
 
     It is a ``torch.library.custom_op`` (``torch.ops.fa2edu.flex_attention_fwd`` / ``_bwd``) with fake
     implementations and ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces through it. The mods reach
     the operator as an int key (``fa2edu._torch_ops``, section 4): under torch.compile, keep them alive while the
     compiled code runs, its backward pass included (module attributes, say); other mods objects compile again.
     Mods are written as fa2edu.flex takes them: for scalars, with operators, ``math`` or NumPy ufuncs (the ready mods
-    of :mod:`fa2edu.flex` are). No CUDA kernel yet: CUDA tensors are refused, never copied.
+    of :mod:`fa2edu.flex` are); on CUDA numba must compile them (a clear TypeError naming the mod otherwise: arrays
+    a mod indexes are bound with :func:`fa2edu.flex.bind` as NumPy arrays, at most four over all mods).
 
     Args:
-        q (torch.Tensor): queries, shape (B, H_q, N_q, d), CPU, float32 or float64, finite.
+        q (torch.Tensor): queries, shape (B, H_q, N_q, d): CPU float32 or float64, finite; or CUDA float16 or
+            bfloat16 (d ≤ 256).
         k (torch.Tensor): keys, shape (B, H_kv, N_k, d), on q's device in q's dtype; H_kv = H_q unless
             ``enable_gqa``.
         v (torch.Tensor): values, shape (B, H_kv, N_k, d_v), on q's device in q's dtype.
@@ -793,6 +800,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
             at the scaled score, for the backward pass. Default None: ``score_mod.score_mod_grad`` (every ready
             score_mod carries one); a backward pass through a score_mod with neither raises a ValueError naming
             score_mod_grad. Gradients with respect to arrays a mod binds are not computed.
+        backend (str, optional): keyword only: ``"numpy"`` (fa2edu.flex, CPU) or ``"tensorcore"`` (kernels_gpu.flex,
+            CUDA; CPU tensors in numba's CUDA simulator, how the tests run it). Default None:
+            :data:`fa2edu._torch_ops.FLEX_DISPATCH` for the device and dtype.
 
     Returns:
         O of shape (B, H_q, N_q, d_v) in q's dtype (0 on a row that keeps no score, with zero gradients), with a
@@ -801,22 +811,25 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, mods that are not callable, a block_mask that is not
             a BlockMask, non-bool ``enable_gqa`` or ``return_lse``.
-        ValueError: CUDA tensors (no FlexAttention kernel yet: move them to the CPU), shapes that do not fit (4
-            axes, GQA, a block_mask made for other lengths), a score_mod returning NaN or +inf for a kept score,
+        TypeError (CUDA): float32 tensors (:data:`fa2edu._torch_ops.FLEX_FLOAT32_CUDA_ERROR`), a mod numba cannot
+            compile.
+        ValueError: a backend that does not run on the tensors' device, shapes that do not fit (4 axes, GQA, a
+            block_mask made for other lengths), a score_mod returning NaN or +inf for a kept score,
             NaN or inf in q, k or v, ``score_mod_grad`` without ``score_mod``, and, in the backward pass, a
             score_mod without a derivative.
         RuntimeError: on a double backward (:data:`DOUBLE_BACKWARD_ERROR`).
     """
-    _check_flex_tensors(q, k, v, enable_gqa)
+    backend = _check_flex_tensors(q, k, v, enable_gqa, backend)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = float(check_scale(scale, q.shape[-1]))
     if _eager(q, k, v):
-        O, L = _Flex.apply(q, k, v, ops.flex_mods(score_mod, block_mask, score_mod_grad), scale, enable_gqa)
+        O, L = _Flex.apply(q, k, v, ops.flex_mods(score_mod, block_mask, score_mod_grad), scale, enable_gqa,
+                           backend)
     else:
         identities = (_identity(score_mod), _identity(score_mod_grad), _identity(block_mask))
         key = ops.register_mods(score_mod, score_mod_grad, block_mask, identities)
-        O, L = torch.ops.fa2edu.flex_attention_fwd(q, k, v, key, scale, enable_gqa)
+        O, L = torch.ops.fa2edu.flex_attention_fwd(q, k, v, key, scale, enable_gqa, backend)
     return (O, L) if return_lse else O
 
 
@@ -859,29 +872,38 @@ def _check_alibi_slopes(alibi_slopes, q) -> None:
 
 def _flash_attention_flex(q, k, v, causal, scale, algorithm, return_lse, backend, block_sizes, M, window, softcap,
                           alibi_slopes):
-    """flash_attention with flash-attn's keywords, on FlexAttention's machinery (fa2edu.flex, CPU)."""
+    """flash_attention with flash-attn's keywords, on FlexAttention's machinery: fa2edu.flex on the CPU (float32,
+    float64), kernels_gpu.flex on CUDA (float16, bfloat16; :func:`fa2edu._torch_ops.choose_flex_backend`)."""
     what = "flash_attention with window_size, softcap or alibi_slopes"
     if algorithm != "flash2":
         raise ValueError(f"window_size, softcap and alibi_slopes run on FlexAttention's FA2 loops (fa2edu.flex): "
                          f"algorithm must be 'flash2', got {algorithm!r}")
-    if backend not in (None, "numpy"):
-        raise ValueError(f"{what} runs on the 'numpy' backend (fa2edu.flex), got backend={backend!r}")
+    if backend not in (None, *ops.FLEX_BACKENDS):
+        raise ValueError(f"{what} runs on the {' or '.join(map(repr, ops.FLEX_BACKENDS))} backend (FlexAttention: "
+                         f"fa2edu.flex, kernels_gpu.flex), got backend={backend!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     q, k, v = _check_tensors(q, k, v, algorithm)
-    _on_the_cpu(q, what)
+    backend = ops.choose_flex_backend(q.device.type, q.dtype, backend, what=what)
     _check_shapes(q, k, v)
     if alibi_slopes is not None:
         _check_alibi_slopes(alibi_slopes, q)
     scale = float(check_scale(scale, q.shape[-1]))
     if M is not None:
+        if backend != "numpy":
+            raise ValueError(f"M (the simulated SRAM size) applies to the NumPy backend; backend {backend!r} runs "
+                             f"on a GPU: block_sizes=(B_r, B_c) sets the window's BlockMask there")
         M = check_M(M, q.shape[-1])
     if block_sizes is not None:
         block_sizes = check_block_sizes(block_sizes)
-    # one BLOCK_SIZE for both passes: the FA2 forward's rule (docs/conventions.md) unless given
-    sizes = list(resolve_block_sizes(M, block_sizes, q.shape[-1], block_sizes_q_outer))
+    if backend == "numpy":
+        # one BLOCK_SIZE for both passes: the FA2 forward's rule (docs/conventions.md) unless given
+        sizes = list(resolve_block_sizes(M, block_sizes, q.shape[-1], block_sizes_q_outer))
+    else:
+        # the tensor-core kernels' tile, (64, 64) unless given (a tile they cannot run is retiled inside the op)
+        sizes = list(block_sizes) if block_sizes is not None else [64, 64]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    args = (alibi_slopes, causal, window[0], window[1], softcap, scale, sizes)
+    args = (alibi_slopes, causal, window[0], window[1], softcap, scale, sizes, backend)
     if _eager(q, k, v):
         O, L = _FlashFlex.apply(q, k, v, *args)
     else:

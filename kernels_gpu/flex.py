@@ -69,8 +69,54 @@ same classes, read as C[b, h, i, j] for each i: skipped pairs are not loaded, pa
 element, full pairs do not. It recomputes x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and
 multiplies dSᵀ by g after the softmax gradient, as :func:`fa2edu.flex.flex_attention_backward` defines it; a
 score_mod without a derivative (its attribute or the ``score_mod_grad`` argument) raises before any launch. The
-derivative's bound arrays take the next array slots. Not yet run on a GPU either. Left for later: the Hopper
-(wgmma) versions.
+derivative's bound arrays take the next array slots (an array already bound keeps its slot: ALiBi's slopes serve
+the score_mod and its derivative). A :func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is
+compiled part by part, its derivative by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Not yet run on a
+GPU either. Left for later: the Hopper (wgmma) versions.
+
+**The op.** ``fa2edu.torch.flex_attention`` (and ``flash_attention``'s ``window_size``, ``softcap``,
+``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
+padded to a multiple of 8, d_v = d; a BlockMask whose tile these kernels cannot run retiled from its classes).
+
+**Plan: the mods on the fastest rung (v11), with its prediction — not measured.** Issue 38 asks for ≥ 1.0×
+PyTorch's compiled FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). This kernel is v4 (58-90 TFLOP/s
+measured on an H100); the mma.sync ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
+``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each, and every
+one of them carries over to the mods, because the mods touch only the score tile between ``S = Q Kᵀ`` and the
+online softmax:
+
+1. v5's base-2 softmax with τ·log₂e folded into the scores and the rescale skipped when the maximum does not move:
+   here τ multiplies S before ``score_mod`` (a mod sees τ·q·k, as PyTorch's), so fold only log₂e into the final
+   scores (one multiply, which this kernel already does inside ``online_softmax``'s scale) and keep v5's lazy
+   rescale. v6 (masks only on the tiles that need them) is what the BlockMask's classes already give.
+2. v7's two 16-row MMA tiles per warp (B_r = 32·W) and v10's tile per head dimension ((R, B_c) = (2, 32) at
+   d ≤ 64, (2, 64) at d ≤ 128, (1, 32) above): the kernel's tile would no longer be the BlockMask's, so the walk reads
+   the classes of the BlockMask's blocks that a kernel tile overlaps — for BLOCK_SIZE (64, 64) or 128 and v10's
+   tiles, each kernel tile lies inside one block, so it takes that block's class (no retiling, no mask calls).
+3. v8's float32 online softmax and v9's copy arithmetic hoisted out of the loop: unchanged by the mods.
+4. v11's longest-row-first order, generalised from causal to any mask: the host sorts row blocks by their number
+   of visited blocks (a count per row of the classes, once per BlockMask) and the grid reads row block
+   ``order[blockIdx]``.
+5. The host path (v11's measurement: 400-900 µs of Python per call before the driver-level launch, 64-96 µs
+   after): today each call copies the classes and the bound arrays to the device and re-plans the mods. Keep the
+   device copy of the classes and of each bound array with the BlockMask (weakly, keyed by the object; documented:
+   mutate a BlockMask's arrays in place and you must make a new one), and a ``ForwardPlan`` per (shape, plan) as
+   ``launch.run`` does.
+
+Prediction (not measured): with 1-5, the mods' cost over v11 is one compare per score of a partial block, the
+score_mod's arithmetic per score, and the classes' byte per visited tile. Forward: causal, sliding window,
+prefix-LM and document within 10 % of v11-causal's 213-252 (d = 64) and 285-312 (d = 128) TFLOP/s at N ≥ 4096 on
+an H200 (GPU.md), counting model FLOPs of the kept scores; ALiBi and relative_bias (one cached load per score)
+within 15 %; softcap within 20-30 % at d = 64 (tanh is MUFU plus a few FMAs in float32 — compute ``c`` as a
+float32 constant so the mod does not run in float64, which alone would cost more than all the rest on an H100).
+PyTorch's compiled FlexAttention has not been measured here yet (``benchmarks/flex.py`` will, in the same run);
+if it runs near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where
+v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it. The backward is
+v1, while the ladder's fastest is v7 (``kernels_gpu.tensorcore.flash2_backward``; its lineage's gains are in
+``kernels_gpu/tensorcore/__init__.py``): moving it to v7 (v3's sums, longest blocks first, dQ in its own pass) is
+the same kind of port, with the classes read per (i, j) in both the key-block and the dQ kernels; until then the
+forward + backward target is not expected to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA
+ceiling from numba) are the route past PyTorch on sm_90.
 """
 
 from __future__ import annotations
@@ -91,7 +137,7 @@ from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
 __all__ = ["flex_forward", "flex_backward", "make_backward_kernel", "backward_config_for", "plan_backward_mods",
-           "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods",
+           "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods", "compile_score",
            "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
 
 #: Tile (B_r, B_c) used when no block mask is given (v4's).
@@ -181,20 +227,52 @@ def _typed_on_host(fn: _Fn, kind: str, types: tuple):
 
 def _leaf(mod, role: str, kind: str, arrays: list):
     """One mod without composition, as a plan node ``("leaf", _Fn(fn), slots)``: the function numba compiles, and
-    the kernel's array slots of the arrays bound to it (``bind``), appended to ``arrays``."""
+    the kernel's array slots of the arrays bound to it (``bind``). An array already in ``arrays`` (the same object:
+    ALiBi's slopes, bound to the score_mod and again to its derivative) keeps its slot; the others are appended."""
     fn, bound = (mod.mod, tuple(mod.arrays)) if hasattr(mod, "mod") and hasattr(mod, "arrays") else (mod, ())
-    slot = len(arrays)
-    if slot + len(bound) > ARRAY_SLOTS:
-        raise ValueError(f"the flex kernel takes at most {ARRAY_SLOTS} bound arrays over all mods together; "
-                         f"{role} {_name(mod)} would need slot {slot + len(bound) - 1}")
+    slots = []
+    for a in bound:
+        slot = next((s for s, held in enumerate(arrays) if held is a), None)
+        if slot is None:
+            if len(arrays) == ARRAY_SLOTS:
+                raise ValueError(f"the flex kernel takes at most {ARRAY_SLOTS} bound arrays over all mods together; "
+                                 f"{role} {_name(mod)} would need slot {len(arrays)}")
+            slot = len(arrays)
+            arrays.append(a)
+        slots.append(slot)
     key = _Fn(fn)
     message = _typed_on_host(key, kind, _host_types(kind, bound))
     if message is not None:
         raise TypeError(f"{role} {_name(mod)} cannot be compiled for the GPU by numba (a mod must be a scalar "
                         f"function of plain Python, math and NumPy ufuncs, indexing only the arrays bound to it "
                         f"with fa2edu.flex.bind): {message}")
-    arrays.extend(bound)
-    return ("leaf", key, tuple(range(slot, slot + len(bound))))
+    return ("leaf", key, tuple(slots))
+
+
+def _is_chain(mod) -> bool:
+    from fa2edu.flex import chain_score_mods
+    return getattr(mod, "combine", None) is chain_score_mods and bool(getattr(mod, "mods", None))
+
+
+def _score_plan(mod, arrays: list, role: str = "score_mod"):
+    """A score_mod as a plan: :func:`~fa2edu.flex.chain_score_mods` becomes ``("chain", part, part, …)`` (each part
+    compiled on its own, applied in turn: numba cannot loop over a tuple of different functions), recursively."""
+    if _is_chain(mod):
+        return ("chain",) + tuple(_score_plan(part, arrays, role) for part in mod.mods)
+    return _leaf(mod, role, "score", arrays)
+
+
+def _chain_grad_plan(mod, arrays: list):
+    """The derivative of a chain of score_mods as a plan, the chain rule: ``("chain_grad", (f₁, g₁), (f₂, g₂), …)``
+    with fₖ each part and gₖ its ``score_mod_grad``; d/ds f₂(f₁(s)) = g₁(s)·g₂(f₁(s)). A part that is a chain
+    itself is planned as one (its ``score_mod_grad`` is a chain's derivative too)."""
+    parts = []
+    for part in mod.mods:
+        f = _score_plan(part, arrays, "score_mod")
+        g = (_chain_grad_plan(part, arrays) if _is_chain(part)
+             else _leaf(part.score_mod_grad, "score_mod_grad", "score", arrays))
+        parts.append((f, g))
+    return ("chain_grad",) + tuple(parts)
 
 
 def _mask_plan(mod, arrays: list):
@@ -214,7 +292,7 @@ def plan_mods(mask_mod, score_mod):
     on the host first (a clear ``TypeError`` naming the mod if it cannot be compiled)."""
     arrays: list = []
     mask_plan = None if mask_mod is None else _mask_plan(mask_mod, arrays)
-    score_plan = None if score_mod is None else _leaf(score_mod, "score_mod", "score", arrays)
+    score_plan = None if score_mod is None else _score_plan(score_mod, arrays)
     return (mask_plan, score_plan), tuple(arrays)
 
 
@@ -256,6 +334,39 @@ def _compile_mask(node, jit):
     return call
 
 
+def _then(first, second, jit):
+    """Two compiled score_mods in turn: ``second(first(score, …), …)`` (:func:`~fa2edu.flex.chain_score_mods`)."""
+    def then(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
+        return second(first(score, b, h, q_idx, kv_idx, A0, A1, A2, A3), b, h, q_idx, kv_idx, A0, A1, A2, A3)
+    return jit(then)
+
+
+def _chain_rule(f, g, rest, jit):
+    """The derivative of ``rest ∘ f`` at score: ``g(score) · rest'(f(score))`` (compiled, the kernel's arity)."""
+    def chained(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
+        inner = f(score, b, h, q_idx, kv_idx, A0, A1, A2, A3)
+        return (g(score, b, h, q_idx, kv_idx, A0, A1, A2, A3)
+                * rest(inner, b, h, q_idx, kv_idx, A0, A1, A2, A3))
+    return jit(chained)
+
+
+def compile_score(node, jit):
+    """A score plan (a leaf, a ``"chain"`` or a ``"chain_grad"``) as one device function of the kernel's arity."""
+    if node[0] == "leaf":
+        return _device_call(node[1].fn, "score", node[2], jit)
+    if node[0] == "chain":
+        call = compile_score(node[1], jit)
+        for part in node[2:]:
+            call = _then(call, compile_score(part, jit), jit)
+        return call
+    # "chain_grad": from the last part back, d/ds (fₙ ∘ … ∘ f₁) = g₁(s) · (d/ds' fₙ ∘ … ∘ f₂)(f₁(s))
+    (f_last, g_last) = node[-1]
+    call = compile_score(g_last, jit)
+    for f, g in reversed(node[1:-1]):
+        call = _chain_rule(compile_score(f, jit), compile_score(g, jit), call, jit)
+    return call
+
+
 def compile_mods(plan, simulated: bool):
     """``(mask_call, score_call)``: a :func:`plan_mods` plan as device functions of the kernel's fixed arity. A
     missing mod gets a stand-in that keeps every score (mask) or returns it unchanged (score). The kernel never
@@ -273,7 +384,7 @@ def compile_mods(plan, simulated: bool):
             return score
         score_call = jit(unchanged)
     else:
-        score_call = _device_call(score_plan[1].fn, "score", score_plan[2], jit)
+        score_call = compile_score(score_plan, jit)
     return mask_call, score_call
 
 
@@ -555,10 +666,17 @@ def backward_config_for(d: int, dtype: str, block_size: tuple, simulated: bool) 
 
 def plan_backward_mods(mask_mod, score_mod, score_grad):
     """:func:`plan_mods` with the score_mod's derivative as a third plan entry (its bound arrays take the next
-    slots): ``((mask plan, score plan, grad plan), arrays)``."""
+    slots, or the slots they already have): ``((mask plan, score plan, grad plan), arrays)``. ``score_grad`` is a
+    function, or the string ``"chain"`` for the derivative a :func:`~fa2edu.flex.chain_score_mods` carries, which
+    is planned part by part (:func:`_chain_grad_plan`)."""
     (mask_plan, score_plan), arrays = plan_mods(mask_mod, score_mod)
     arrays = list(arrays)
-    grad_plan = None if score_grad is None else _leaf(score_grad, "score_mod_grad", "score", arrays)
+    if score_grad is None:
+        grad_plan = None
+    elif isinstance(score_grad, str) and score_grad == "chain":
+        grad_plan = _chain_grad_plan(score_mod, arrays)
+    else:
+        grad_plan = _leaf(score_grad, "score_mod_grad", "score", arrays)
     return (mask_plan, score_plan, grad_plan), tuple(arrays)
 
 
@@ -576,7 +694,7 @@ def make_backward_kernel(cfg: BackwardConfig, plan):
             return score
         grad_call = jit(unit)              # (never called: HAS_SCORE is a compile-time constant)
     else:
-        grad_call = _device_call(plan[2][1].fn, "score", plan[2][2], jit)
+        grad_call = compile_score(plan[2], jit)
     st = make_backward_steps(cfg)
     copy_kv, copy_q, copy_stats, zero = st["copy_kv_async"], st["copy_q_async"], st["copy_stats_async"], st["zero"]
     product_transposed, product_accumulate = st["product_transposed"], st["product_accumulate"]
@@ -753,7 +871,10 @@ def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None
     cfg = backward_config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
     mask_mod = None if block_mask is None else block_mask.mask_mod
     score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
-    grad = None if grad is None else at_lengths(grad, p.N_q, p.N_k)
+    if score_mod_grad is None and _is_chain(score_mod):
+        grad = "chain"                     # the chain's own derivative, compiled part by part
+    else:
+        grad = None if grad is None else at_lengths(grad, p.N_q, p.N_k)
     plan, arrays = plan_backward_mods(mask_mod, score_mod, grad)
     if block_mask is None:
         classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)

@@ -262,10 +262,18 @@ def test_a_mod_numba_cannot_compile_is_named():
 def test_too_many_bound_arrays():
     q, k, v = _small()
     ids = np.zeros(24, dtype=np.int64)
-    mask = F.and_masks(F.document(ids[:20], ids), F.document(ids[:20], ids), F.document(ids[:20], ids))
+    # three documents' masks over other id arrays: six arrays
+    mask = F.and_masks(*(F.document(ids[:20].copy(), ids.copy()) for _ in range(3)))
     bm = F.create_block_mask(mask, None, None, 20, 24, BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="at most 4 bound arrays"):
         kflex.flex_forward(q, k, v, block_mask=bm)
+    # the same arrays bound again keep their slot: three masks over one pair of id arrays need two
+    same = F.and_masks(*(F.document(ids[:20], ids) for _ in range(3)))
+    (_, arrays) = kflex.plan_mods(same, None)
+    assert len(arrays) == 4 and len({id(a) for a in arrays}) == 4       # ids[:20] is a new view each time
+    shared_q = ids[:20]
+    (plan, arrays) = kflex.plan_mods(F.and_masks(*(F.document(shared_q, ids) for _ in range(3))), None)
+    assert len(arrays) == 2 and all(leaf[2] == (0, 1) for leaf in plan[0][1:])
 
 
 def test_a_kernel_is_compiled_once_per_program_not_per_mask_object():

@@ -32,7 +32,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tolerances import assert_close_to_oracle  # noqa: E402
+from tolerances import assert_close_to_oracle, baseline_error  # noqa: E402
 
 import fa2edu  # noqa: E402
 import fa2edu.torch as op  # noqa: E402
@@ -351,19 +351,19 @@ def registered():
 def test_opcheck_flex_operators(registered):
     *_, key = registered
     q, k, v = make_inputs((1, 4, 5, 3), (1, 2, 7, 3), 4, requires_grad=True)
-    result = torch.library.opcheck(ops.flex_attention_fwd, (q, k, v, key, 0.4, True))
+    result = torch.library.opcheck(ops.flex_attention_fwd, (q, k, v, key, 0.4, True, "numpy"))
     assert set(result.values()) == {"SUCCESS"}, result
-    O, L = ops.flex_attention_fwd(q.detach(), k.detach(), v.detach(), key, 0.4, True)
+    O, L = ops.flex_attention_fwd(q.detach(), k.detach(), v.detach(), key, 0.4, True, "numpy")
     dO = torch.randn(O.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     result = torch.library.opcheck(ops.flex_attention_bwd, (dO, q.detach(), k.detach(), v.detach(), O, L, key, 0.4,
-                                                            True))
+                                                            True, "numpy"))
     assert set(result.values()) == {"SUCCESS"}, result
 
 
 @pytest.mark.parametrize("slopes", [None, torch.tensor([0.5, 0.4, 0.3, 0.2])])
 def test_opcheck_flash_attn_keyword_operators(slopes):
     q, k, v = make_inputs((1, 4, 5, 3), (1, 2, 7, 3), 4, dtype=torch.float32, requires_grad=True)
-    args = (slopes, True, 2, -1, 1.5, 0.4, [2, 3])
+    args = (slopes, True, 2, -1, 1.5, 0.4, [2, 3], "numpy")
     result = torch.library.opcheck(ops.flash_attention_flex_fwd, (q, k, v) + args)
     assert set(result.values()) == {"SUCCESS"}, result
     O, L = ops.flash_attention_flex_fwd(q.detach(), k.detach(), v.detach(), *args)
@@ -553,16 +553,220 @@ def test_flash_attn_keyword_errors_name_the_argument():
         flash_attention(q, k, v, alibi_slopes=torch.tensor([0.5, math.nan]))
     with pytest.raises(ValueError, match="algorithm must be 'flash2'"):
         flash_attention(q, k, v, algorithm="flash1", softcap=1.0)
-    with pytest.raises(ValueError, match="runs on the 'numpy' backend"):
+    with pytest.raises(ValueError, match="runs on the 'numpy' or 'tensorcore' backend"):
         flash_attention(q, k, v, backend="fast", window_size=(1, 1))
+    with pytest.raises(ValueError, match="M .* applies to the NumPy backend"):
+        flash_attention(q.half(), k.half(), v.half(), backend="tensorcore", window_size=(1, 1), M=4096)
 
 
-def test_cuda_tensors_get_a_clear_error_not_a_copy():
-    # Fake CUDA tensors (no GPU, no data): the device is refused before anything reads them.
+def test_cuda_float32_gets_a_clear_error_and_16_bit_cuda_tensors_trace():
+    # Fake CUDA tensors (no GPU, no data). float32: no FlexAttention kernel of float32's accuracy, so an error that
+    # names the two honest choices (cast to bfloat16, or the CPU), never a silent cast or copy. bfloat16 and
+    # float16: the traced road's operators, whose fakes give the shapes the kernels return.
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q = torch.empty(1, 2, 4, 3, device="cuda")
-        with pytest.raises(ValueError, match="fa2edu.torch.flex_attention runs on CPU tensors only for now"):
+        with pytest.raises(TypeError, match="fa2edu.torch.flex_attention on CUDA takes float16 or bfloat16.*"
+                                            "Cast q, k, v to torch.bfloat16"):
             flex_attention(q, q, q)
-        with pytest.raises(ValueError, match="window_size, softcap or alibi_slopes runs on CPU tensors only"):
+        with pytest.raises(TypeError, match="window_size, softcap or alibi_slopes on CUDA takes float16"):
             flash_attention(q, q, q, softcap=30.0)
+        with pytest.raises(ValueError, match="backend='numpy' runs on cpu, but q, k, v are on cuda"):
+            flex_attention(q, q, q, backend="numpy")
+        h = torch.empty(1, 4, 5, 12, device="cuda", dtype=torch.bfloat16)
+        kv = torch.empty(1, 2, 7, 12, device="cuda", dtype=torch.bfloat16)
+        v8 = torch.empty(1, 2, 7, 8, device="cuda", dtype=torch.bfloat16)
+        O, L = flex_attention(h, kv, v8, score_mod=flex.softcap(2.0), enable_gqa=True, return_lse=True)
+        assert (O.shape, O.dtype, O.device.type) == ((1, 4, 5, 8), torch.bfloat16, "cuda")
+        assert (L.shape, L.dtype) == ((1, 4, 5), torch.float32)
+        O = flash_attention(h.half(), kv.half(), kv.half(), window_size=(2, 0), alibi_slopes=torch.ones(4,
+                            device="cuda"))
+        assert (O.shape, O.dtype) == ((1, 4, 5, 12), torch.float16)
+    with pytest.raises(TypeError, match="on the CPU fa2edu.torch.flex_attention takes float32 or float64"):
+        flex_attention(*(torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16) for _ in range(3)))
+
+
+# -- the GPU route (kernels_gpu.flex) in numba's CUDA simulator: CPU tensors, backend="tensorcore" -------------------
+#
+# Each case is one small problem (16 × 16 tiles: one warp per block), forward and backward, against the float64 dense
+# reference (checked against fa2edu.flex's NumPy result first) by flash-attn's rule: within 2× the error of the same
+# computation in the inputs' own dtype, plus a floor (tests/tolerances.py). The simulator runs every CUDA thread as a
+# Python thread: a case takes a few seconds.
+
+_skip_without_simulator = pytest.mark.skipif(
+    not ops.simulator_enabled(), reason="CPU tensors reach the CUDA backends only in numba's CUDA simulator "
+    "(NUMBA_ENABLE_CUDASIM=1, the tests' default)")
+
+
+def needs_simulator(test):
+    """Simulator cases: skipped without the simulator, and in the `slow` tier (conftest.py; about 45 s here)."""
+    return pytest.mark.slow(_skip_without_simulator(test))
+
+
+def dense_low(q, k, v, keep=None, score=None, scale=None):
+    """The same function in the inputs' 16-bit dtype, as PyTorch's attention computes it: q kᵀ and P V in that
+    dtype, the scores, the mods and the softmax in float32 (the baseline of flash-attn's rule)."""
+    G = q.shape[-3] // k.shape[-3]
+    K, V = k.repeat_interleave(G, dim=-3), v.repeat_interleave(G, dim=-3)
+    tau = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    S = (q @ K.transpose(-1, -2)).float() * tau
+    B, H, N_q, N_k = S.shape
+    b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    i, j = torch.arange(N_q).view(1, 1, N_q, 1), torch.arange(N_k).view(1, 1, 1, N_k)
+    if score is not None:
+        S = score(S, b, h, i, j).float()
+    if keep is not None:
+        S = S.masked_fill(~keep(b, h, i, j), -INF)
+    P = torch.nan_to_num(torch.softmax(S, dim=-1)).to(q.dtype)
+    return P @ V
+
+
+def low_forward_backward(fn, q, k, v, dO):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    O = fn(q, k, v)
+    O.backward(dO)
+    return [O.detach(), q.grad, k.grad, v.grad]
+
+
+def check_gpu_route(fn_gpu, fn_numpy, keep, score, q, k, v, dO, scale=None, masked_rows=()):
+    """O, L, dQ, dK, dV of ``fn_gpu`` (16-bit CPU tensors, backend="tensorcore") against the float64 dense
+    reference, which must equal ``fn_numpy`` (fa2edu.flex on float64 tensors) first."""
+    wide = [x.detach().double() for x in (q, k, v, dO)]
+    expected = forward_backward(lambda q, k, v: dense(q, k, v, keep, score, scale=scale), *wide)
+    assert_all_close(forward_backward(fn_numpy, *wide), expected, "NumPy flex")
+    low = low_forward_backward(lambda q, k, v: dense_low(q, k, v, keep, score, scale=scale), q, k, v, dO)
+    got = forward_backward(fn_gpu, q, k, v, dO)
+    O, L = got[0], got[1]
+    assert O.dtype == q.dtype and L.dtype == torch.float32 and O.shape == dO.shape and L.shape == dO.shape[:-1]
+    assert [g.dtype for g in got[2:]] == [q.dtype] * 3 and [g.shape for g in got[2:]] == [q.shape, k.shape, v.shape]
+    finite = torch.isfinite(expected[1])
+    assert torch.equal(torch.isposinf(L), ~finite), "L = +inf exactly on the rows that keep no score"
+    np.testing.assert_allclose(L[finite].numpy(), expected[1][finite].numpy(), rtol=1e-4, atol=1e-4)
+    for name, ours, ref, base in zip(("O", "dQ", "dK", "dV"), [O] + got[2:], [expected[0]] + expected[2:], low):
+        ref = ref.numpy()
+        assert_close_to_oracle(ours.double().numpy(), ref, name, dtype=np.float16,
+                               baseline=baseline_error(base.double().numpy(), ref))
+    for row in masked_rows:
+        assert not finite[..., row].any() and (O[..., row, :] == 0).all() and (got[2][..., row, :] == 0).all()
+    return got
+
+
+def _low_inputs(q_shape, k_shape, d_v, dtype, seed):
+    q, k, v = make_inputs(q_shape, k_shape, d_v, dtype=torch.float64, seed=seed)
+    dO = torch.randn(q_shape[:-1] + (d_v,), dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    return [x.to(dtype) for x in (q, k, v, dO)]
+
+
+OFF_GPU = 13 - 20        # causal case: N_q = 20 > N_k = 13, offset −7: queries 0 … 6 see no key
+DOCS_Q, DOCS_K = np.repeat(np.arange(3), [7, 9, 8]), np.repeat(np.arange(3), [5, 12, 7])
+TABLE_GPU = np.linspace(-1.0, 1.0, 9)
+GPU_CASES = {  # name: (q shape, k shape, d_v, dtype, mask_mod, keep, score_mod, score, masked rows)
+    # GQA 2:1, N_q > N_k (bottom-right causal: 7 rows see nothing, a whole partial/skipped first row block)
+    "causal-gqa-ragged": ((1, 2, 20, 16), (1, 1, 13, 16), 16, torch.bfloat16, flex.causal,
+                          lambda b, h, i, j: j <= i + OFF_GPU, None, None, range(7)),
+    # d = 12, d_v = 8: both padded to 16 inside the op
+    "sliding_window-padded": ((1, 1, 24, 12), (1, 1, 24, 12), 8, torch.float16, flex.sliding_window(5),
+                              lambda b, h, i, j: (j <= i) & (j > i - 5), None, None, ()),
+    "prefix_lm": ((1, 1, 18, 16), (1, 1, 22, 16), 16, torch.bfloat16, flex.prefix_lm(6),
+                  lambda b, h, i, j: (j < 6) | (j <= i + 4), None, None, ()),
+    "document": ((1, 1, 24, 16), (1, 1, 24, 16), 16, torch.bfloat16, flex.document(DOCS_Q, DOCS_K),
+                 lambda b, h, i, j: torch.from_numpy(DOCS_Q)[i] == torch.from_numpy(DOCS_K)[j], None, None, ()),
+    "alibi-causal-gqa": ((1, 2, 17, 16), (1, 1, 17, 16), 16, torch.float16, flex.causal,
+                         lambda b, h, i, j: j <= i, flex.alibi(flex.alibi_slopes(2)),
+                         lambda S, b, h, i, j: S + torch.from_numpy(flex.alibi_slopes(2))[h] * (j - i), ()),
+    "softcap": ((1, 1, 16, 16), (1, 1, 20, 16), 16, torch.bfloat16, None, None, flex.softcap(1.5),
+                lambda S, b, h, i, j: 1.5 * torch.tanh(S / 1.5), ()),
+    "relative_bias-window": ((1, 1, 20, 16), (1, 1, 20, 16), 16, torch.bfloat16, flex.sliding_window(9),
+                             lambda b, h, i, j: (j <= i) & (j > i - 9), flex.relative_bias(TABLE_GPU),
+                             lambda S, b, h, i, j: S + torch.from_numpy(TABLE_GPU)[(j - i + 4).clamp(0, 8)], ()),
+}
+
+
+@needs_simulator
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_route_every_ready_mod_forward_and_gradients(name):
+    q_shape, k_shape, d_v, dtype, mask_mod, keep, score_mod, score, masked = GPU_CASES[name]
+    q, k, v, dO = _low_inputs(q_shape, k_shape, d_v, dtype, seed=len(name))
+    # a BlockMask of 16 × 16 blocks (one warp per block); none with a score_mod alone: every block full
+    bm = fa2edu.create_block_mask(mask_mod, None, None, q_shape[2], k_shape[2], BLOCK_SIZE=16)
+    gqa = q_shape[1] != k_shape[1]
+
+    def run(backend):
+        return lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                              return_lse=True, backend=backend)
+    check_gpu_route(run("tensorcore"), run(None), keep, score, q, k, v, dO, masked_rows=masked)
+
+
+@needs_simulator
+def test_gpu_route_flash_attn_keywords_all_three():
+    """window_size, softcap and alibi_slopes together on the tensor cores: the window's BlockMask, and softcap then
+    ALiBi as one chain of two score_mods, its derivative the chain rule (compiled part by part)."""
+    q, k, v, dO = _low_inputs((1, 2, 18, 16), (1, 2, 21, 16), 16, torch.bfloat16, seed=21)
+    keywords = dict(window_size=(6, 1), softcap=2.0, alibi_slopes=torch.tensor([0.3, 0.1]))
+
+    def run(backend, sizes):
+        return lambda q, k, v: flash_attention(q, k, v, return_lse=True, backend=backend, block_sizes=sizes,
+                                               **keywords)
+    wide = [x.detach().double() for x in (q, k, v, dO)]
+    expected = forward_backward(lambda q, k, v: dense_flash_attn(q, k, v, **keywords), *wide)
+    assert_all_close(forward_backward(run(None, (4, 8)), *wide), expected, "NumPy flash-attn keywords")
+    got = forward_backward(run("tensorcore", (16, 16)), q, k, v, dO)
+    low = low_forward_backward(lambda q, k, v: _dense_flash_attn_low(q, k, v, **keywords), q, k, v, dO)
+    np.testing.assert_allclose(got[1].numpy(), expected[1].numpy(), rtol=1e-4, atol=1e-4)
+    for name, ours, ref, base in zip(("O", "dQ", "dK", "dV"), [got[0]] + got[2:], [expected[0]] + expected[2:], low):
+        assert_close_to_oracle(ours.double().numpy(), ref.numpy(), name, dtype=np.float16,
+                               baseline=baseline_error(base.double().numpy(), ref.numpy()))
+
+
+def _dense_flash_attn_low(q, k, v, window_size, softcap, alibi_slopes):
+    N_q, N_k = q.shape[-2], k.shape[-2]
+    left, right = window_size
+
+    def keep(b, h, i, j):
+        p = i + N_k - N_q
+        return (j >= p - left) & (j <= p + right)
+
+    def score(S, b, h, i, j):
+        S = softcap * torch.tanh(S / softcap)
+        return S - alibi_slopes.reshape(-1, 1, 1) * (i + N_k - N_q - j).abs()
+    return dense_low(q, k, v, keep, score)
+
+
+@needs_simulator
+def test_gpu_route_retiles_a_block_mask_and_compiles():
+    """A BlockMask of 4 × 8 blocks (which the kernels cannot run) is retiled from its classes alone; the traced road
+    (torch.compile, fullgraph) runs the same kernels and gives the eager road's bits."""
+    torch._dynamo.reset()
+    q, k, v, dO = _low_inputs((1, 2, 16, 16), (1, 2, 16, 16), 16, torch.bfloat16, seed=30)
+    bm = fa2edu.create_block_mask(flex.sliding_window(6), None, None, 16, 16, BLOCK_SIZE=(4, 8))
+    retiled = ops.retile_block_mask(bm, (16, 16))
+    assert retiled.BLOCK_SIZE == (16, 16) and (retiled.classes == flex.PARTIAL).all()
+    exact = fa2edu.create_block_mask(flex.sliding_window(6), None, None, 16, 16, BLOCK_SIZE=(16, 16))
+    assert np.array_equal(retiled.classes, exact.classes)
+
+    capped = flex.softcap(3.0)                       # the mods made outside the traced code, kept alive by it
+
+    def attention(q, k, v):
+        return flex_attention(q, k, v, score_mod=capped, block_mask=bm, return_lse=True, backend="tensorcore")
+    eager = run_and_backward(attention, q, k, v)
+    compiled = run_and_backward(torch.compile(attention, fullgraph=True, backend="aot_eager"), q, k, v)
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    wide = [x.double() for x in (q, k, v)]
+    O_ref = flex_attention(*wide, score_mod=capped, block_mask=bm)
+    assert (eager[0].double() - O_ref).abs().max() < 2e-2
+
+
+def test_retile_block_mask_is_exact_for_full_and_skipped_blocks():
+    """Retiling keeps every score the mask keeps: a block is full or skipped only when every block it overlaps is,
+    and finer, coarser and unrelated tiles all cover the same mask (checked element by element)."""
+    mask_mod = flex.or_masks(flex.sliding_window(7), flex.prefix_lm(5))
+    bm = fa2edu.create_block_mask(mask_mod, None, None, 37, 45, BLOCK_SIZE=(8, 12))
+    truth = np.array([[bool(flex.at_lengths(mask_mod, 37, 45)(0, 0, i, j)) for j in range(45)] for i in range(37)])
+    for sizes in [(16, 16), (4, 4), (5, 7), (64, 64), (8, 12)]:
+        new = ops.retile_block_mask(bm, sizes)
+        assert new.BLOCK_SIZE == sizes and new.mask_mod is bm.mask_mod
+        for (i, rows), (j, cols) in ((a, b) for a in enumerate(new.row_tiles()) for b in enumerate(new.col_tiles())):
+            tile, kind = truth[rows, cols], new.classes[0, 0, i, j]
+            assert kind != flex.FULL or tile.all()
+            assert kind != flex.SKIPPED or not tile.any()
