@@ -19,15 +19,15 @@ step() {
     bench) timeout "${T_BENCH:-300}" python3 -m benchmarks.hopper --out "$OUT/${BENCH_NAME:-hopper_forward}.json" \
         ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tail -80 ;;
     timeline) timeout "${T_TIME:-150}" python3 -m benchmarks.hopper_timeline --out "$OUT/hopper_timeline.json" \
-        --rungs "${TIME_RUNGS:-h2,h4,h5}" ;;
+        --rungs "${TIME_RUNGS:-h2,h5,h6}" ;;
     ncu) timeout "${T_NCU:-150}" ncu --clock-control none --kernel-name regex:flash_forward_h --section SpeedOfLight \
         --section LaunchStats --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
-        python3 -m benchmarks.profilers.hopper_ncu --rungs "${NCU_RUNGS:-h2,h4,h5}" > "$OUT/hopper_ncu.log" 2>&1
+        python3 -m benchmarks.profilers.hopper_ncu --rungs "${NCU_RUNGS:-h2,h5,h6}" > "$OUT/hopper_ncu.log" 2>&1
         tail -5 "$OUT/hopper_ncu.log" ;;
     sanitize) for tool in memcheck racecheck synccheck; do
             extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
             timeout "${T_SAN:-100}" compute-sanitizer --tool $tool "${extra[@]}" python3 -m benchmarks.profilers.hopper_sanitize \
-                --rungs "${SAN_RUNGS:-h1,h2,h3,h4,b1}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
+                --rungs "${SAN_RUNGS:-h1,h2,h5,h6,b1}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
         done ;;
     backward) timeout "${T_BWD:-200}" python3 -m benchmarks.tensorcore_backward --out "$OUT/${BWD_NAME:-hopper_backward}.json" \
         --impls "${BWD_IMPLS:-hopper_b1,v7,sdpa_default,sdpa_flash}" ${BWD_ARGS:-} 2>&1 | grep -v "it/s" | tail -40 ;;

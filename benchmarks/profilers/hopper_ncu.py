@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     from kernels_gpu import hopper
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rungs", default="h2,h3,h4")
+    parser.add_argument("--rungs", default="h2,h5,h6")
     parser.add_argument("--N", type=int, default=4096)
     parser.add_argument("--d", type=int, default=128)
     args = parser.parse_args(argv)
