@@ -120,6 +120,10 @@ layouts are tabulated in :mod:`kernels_gpu.fragments`::
     ``make_setmaxnreg``        ``setmaxnreg.{inc,dec}.sync.aligned.u32 n``:      9.7.17.1 (setmaxnreg)
                                the warpgroup's register budget moved
     ``elect_one``              ``elect.sync``: 1 in one lane of the warp          9.7.13.10 (elect.sync)
+    ``opaque_u32``             ``mov.b32`` in a volatile asm: the value itself,   9.7.9.9 (mov)
+                               which the compiler can no longer hoist out of a
+                               loop (what is computed from it is recomputed in
+                               the loop instead of held in registers)
     ``named_barrier_sync``,    ``bar.sync id, n`` / ``bar.arrive id, n``: the    9.7.13.1 (bar, barrier)
     ``named_barrier_arrive``   n threads of barrier ``id`` meet (arrive: count
                                in without waiting)
@@ -173,7 +177,7 @@ __all__ = [
     "cluster_wait", "ld_cluster_f32", "make_wgmma", "wgmma_fence", "wgmma_commit", "make_wgmma_wait",
     "make_register_fence", "make_wgmma_fence", "descriptor", "shared_byte_address", "mbar_arrive",
     "make_setmaxnreg", "elect_one", "named_barrier_sync", "named_barrier_arrive", "globaltimer", "clock64",
-    "make_wgmma_fp8", "pack_e4m3x4",
+    "make_wgmma_fp8", "pack_e4m3x4", "opaque_u32",
 ]
 
 #: True when the names of this module are the simulator twins (decided once, at import).
@@ -748,6 +752,11 @@ def _wgmma_sync_twin(*args):
     products are complete when issued, so there is nothing to order."""
 
 
+def _opaque_u32_twin(x):
+    """Simulator twin of :func:`opaque_u32`: the value, as a uint32 (the simulator hoists nothing)."""
+    return np.uint32(int(x) & 0xFFFFFFFF)
+
+
 def _shared_byte_address_twin(smem, index):
     """Simulator twin of ``cvta.to.shared``: the byte offset of ``smem[index]`` from the start of ``smem`` (the
     twins read descriptors relative to the shared array they are given)."""
@@ -1129,6 +1138,13 @@ def _build_gpu() -> dict:
         return types.void(smem, index), codegen
 
     @intrinsic
+    def opaque_u32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            value = context.cast(builder, args[0], signature.args[0], types.uint32)
+            return asm(builder, i32, [value], "mov.b32 $0, $1;", "=r,r")
+        return types.uint32(x), codegen
+
+    @intrinsic
     def elect_one(typingctx):
         def codegen(context, builder, signature, args):
             return asm(builder, i32, [], "{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 $0, 1, 0, p; }",
@@ -1181,7 +1197,8 @@ def _build_gpu() -> dict:
                 wgmma_fence=make_simple("wgmma.fence.sync.aligned;"),
                 wgmma_commit=make_simple("wgmma.commit_group.sync.aligned;"),
                 shared_byte_address=shared_byte_address, mbar_arrive=mbar_arrive, elect_one=elect_one,
-                named_barrier_sync=make_bar("bar.sync"), named_barrier_arrive=make_bar("bar.arrive"),
+                opaque_u32=opaque_u32, named_barrier_sync=make_bar("bar.sync"),
+                named_barrier_arrive=make_bar("bar.arrive"),
                 globaltimer=globaltimer, clock64=clock64)
 
 
@@ -1205,7 +1222,7 @@ def _build_twins() -> dict:
                 red_add_v4_f32=_red_add_v4_f32_twin, cluster_arrive=_cluster_twin, cluster_wait=_cluster_twin,
                 ld_cluster_f32=_cluster_twin, wgmma_fence=_wgmma_sync_twin, wgmma_commit=_wgmma_sync_twin,
                 shared_byte_address=_shared_byte_address_twin, mbar_arrive=_mbar_arrive_twin,
-                elect_one=_elect_one_twin, named_barrier_sync=_named_barrier_sync_twin,
+                elect_one=_elect_one_twin, opaque_u32=_opaque_u32_twin, named_barrier_sync=_named_barrier_sync_twin,
                 named_barrier_arrive=_named_barrier_arrive_twin, globaltimer=_globaltimer_twin,
                 clock64=_clock64_twin)
 

@@ -1,10 +1,11 @@
 """The SASS of a Hopper rung without a GPU: compile it for sm_90a here, and read what ptxas made of its main loop.
 
-    python -m benchmarks.profilers.hopper_sass h4 h5 [--d 128] [--dtype bfloat16] [--causal] [--keep DIR]
+    python -m benchmarks.profilers.hopper_sass h4 h5 b1 [--d 128] [--dtype bfloat16] [--causal] [--keep DIR]
 
-For each rung: numba compiles the kernel to PTX for ``sm_90a`` (no driver needed: only NVVM), ``ptxas -v`` reports
-its registers and spills, ``cuobjdump --dump-sass`` disassembles the cubin, and the consumers' main loop — the
-shortest backward branch whose body holds an ``HGMMA`` — is printed as a list of its barriers, waits, wgmmas and
+For each rung (a forward rung, or a backward kernel: ``b1``, ``b1-kv``, ``b1-dq``): numba compiles the kernel to
+PTX for ``sm_90a`` (no driver needed: only NVVM), ``ptxas -v`` reports its registers and spills, ``cuobjdump
+--dump-sass`` disassembles the cubin, and the main loop — the backward branch whose body holds the most
+``HGMMA`` — is printed as a list of its barriers, waits, wgmmas and
 branches, with the instructions between two of them counted by opcode. That is enough to see, for example, that
 h4 computes 64 column masks per tile before its softmax whether or not the tile needs them (the segment after
 S = QKᵀ full of ``ISETP`` and ``LOP3``), and that h5 does not.
@@ -63,31 +64,53 @@ def _tool_path() -> None:
                 os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def kernel_ptx(rung: str, d: int, dtype: str, causal: bool) -> str:
-    """The PTX of forward rung ``rung`` for one configuration, compiled for sm_90a (no GPU needed)."""
+#: the backward kernels of a backward rung bN, by suffix: the key-block kernel (dQ by atomics), ``-kv`` its
+#: dK/dV-only kernel, ``-dq`` the deterministic mode's dQ pass
+BACKWARD_SUFFIXES = ("", "-kv", "-dq")
+
+
+def kernel_ptx(rung: str, d: int, dtype: str, causal: bool) -> tuple[str, int | None]:
+    """The PTX of one kernel for one configuration, compiled for sm_90a (no GPU needed): a forward rung ("h1" …)
+    or a backward kernel ("b1", "b1-kv", "b1-dq": :data:`BACKWARD_SUFFIXES`); and the kernel's register cap (numba
+    hands it to the assembler, so :func:`assemble` must too), or None."""
     from numba import cuda, types
 
-    module = importlib.import_module(f"kernels_gpu.hopper.flash_forward_{rung}")
-    cfg = module.config_for(d, dtype, causal, False)
-    kernel = module.make_kernel(cfg)
     words = types.Array(types.uint32, 4, "A")
-    maps = types.Array(types.uint64, 1, "C")
-    signature = (words, words, words, words, types.Array(types.float32, 3, "A"), types.int32, types.int32,
-                 types.int32, types.float32)
-    if rung != "h1":                                    # the TMA rungs: three tensor maps and the trace array
-        signature += (maps, maps, maps, types.Array(types.uint64, 4, "C"))
+    f32 = types.Array(types.float32, 4, "A")
+    scalars = (types.int32, types.int32, types.int32, types.float32)
+    if rung.startswith("b"):
+        name, _, kind = rung.partition("-")
+        module = importlib.import_module(f"kernels_gpu.hopper.flash_backward_{name}")
+        cfg = module.config_for(d, dtype, causal, False)
+        if not kind:
+            kernel, signature = module.make_kernel(cfg), (words, words, words, words, f32, f32, words, words)
+        elif kind == "kv":
+            kernel = module.make_kernel(cfg, atomic_dq=False)
+            signature = (words, words, words, words, f32, words, words)
+        else:
+            kernel, signature = module.make_dq_kernel(cfg), (words, words, words, words, f32, words)
+        signature += scalars + (types.float32,)
+    else:
+        module = importlib.import_module(f"kernels_gpu.hopper.flash_forward_{rung}")
+        cfg = module.config_for(d, dtype, causal, False)
+        kernel = module.make_kernel(cfg)
+        maps = types.Array(types.uint64, 1, "C")
+        signature = (words, words, words, words, types.Array(types.float32, 3, "A")) + scalars
+        if rung != "h1":                                # the TMA rungs: three tensor maps and the trace array
+            signature += (maps, maps, maps, types.Array(types.uint64, 4, "C"))
     options = kernel.targetoptions
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0, "a"), fastmath=bool(options.get("fastmath")),
                               launch_bounds=options.get("launch_bounds"))
-    return ptx
+    return ptx, options.get("max_registers")
 
 
-def assemble(ptx: str, folder: Path, name: str) -> tuple[str, str]:
-    """(ptxas's resource lines, the SASS listing) of ``ptx``."""
+def assemble(ptx: str, folder: Path, name: str, max_registers: int | None = None) -> tuple[str, str]:
+    """(ptxas's resource lines, the SASS listing) of ``ptx``, assembled under ``max_registers`` if given."""
     source, cubin = folder / f"{name}.ptx", folder / f"{name}.cubin"
     source.write_text(ptx)
-    report = subprocess.run(["ptxas", "-v", "-arch=sm_90a", "-o", str(cubin), str(source)], capture_output=True,
-                            text=True, check=True).stderr
+    cap = [f"-maxrregcount={max_registers}"] if max_registers else []
+    report = subprocess.run(["ptxas", "-v", "-arch=sm_90a", *cap, "-o", str(cubin), str(source)],
+                            capture_output=True, text=True, check=True).stderr
     resources = "\n".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
                           if "Used" in line or "spill" in line)
     sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True,
@@ -147,7 +170,7 @@ def segments(body: list[tuple[int, str]]) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rungs", nargs="+", help="forward rungs (h1, h2, …)")
+    parser.add_argument("rungs", nargs="+", help="forward rungs (h1, h2, …) or backward kernels (b1, b1-kv, b1-dq)")
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--causal", action="store_true")
@@ -166,7 +189,8 @@ def main(argv=None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for rung in args.rungs:
             name = f"{rung}_d{args.d}_{args.dtype}{'_causal' if args.causal else ''}"
-            resources, sass = assemble(kernel_ptx(rung, args.d, args.dtype, args.causal), folder, name)
+            ptx, cap = kernel_ptx(rung, args.d, args.dtype, args.causal)
+            resources, sass = assemble(ptx, folder, name, max_registers=cap)
             (folder / f"{name}.sass").write_text(sass)
             listing = instructions(sass)
             body = main_loop(listing)
