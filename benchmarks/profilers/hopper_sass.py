@@ -32,7 +32,9 @@ import tempfile
 from pathlib import Path
 
 #: the instructions that delimit the segments of a loop listing
-MARKERS = ("HGMMA", "BRA", "SYNCS", "BAR", "WARPGROUP")
+MARKERS = ("HGMMA", "QGMMA", "BRA", "SYNCS", "BAR", "WARPGROUP")
+#: the warpgroup MMAs in SASS: HGMMA (16-bit operands), QGMMA (8-bit: e4m3, e5m2)
+GMMA = ("HGMMA", "QGMMA")
 
 
 def _offline_compiler() -> None:
@@ -71,8 +73,8 @@ BACKWARD_SUFFIXES = ("", "-kv", "-dq")
 
 def kernel_ptx(rung: str, d: int, dtype: str, causal: bool) -> tuple[str, int | None]:
     """The PTX of one kernel for one configuration, compiled for sm_90a (no GPU needed): a forward rung ("h1" …)
-    or a backward kernel ("b1", "b1-kv", "b1-dq": :data:`BACKWARD_SUFFIXES`); and the kernel's register cap (numba
-    hands it to the assembler, so :func:`assemble` must too), or None."""
+    a backward kernel ("b1", "b1-kv", "b1-dq": :data:`BACKWARD_SUFFIXES`) or the FP8 rung ("fp8"); and the
+    kernel's register cap (numba hands it to the assembler, so :func:`assemble` must too), or None."""
     from numba import cuda, types
 
     words = types.Array(types.uint32, 4, "A")
@@ -90,6 +92,12 @@ def kernel_ptx(rung: str, d: int, dtype: str, causal: bool) -> tuple[str, int | 
         else:
             kernel, signature = module.make_dq_kernel(cfg), (words, words, words, words, f32, words)
         signature += scalars + (types.float32,)
+    elif rung == "fp8":                                 # e4m3 inputs, per-(batch, head) descales, three maps
+        module = importlib.import_module("kernels_gpu.hopper.flash_forward_fp8")
+        kernel = module.make_kernel(module.config_for(d, causal, False))
+        maps, descales = types.Array(types.uint64, 1, "C"), types.Array(types.float32, 2, "A")
+        signature = ((words, words, words, words, types.Array(types.float32, 3, "A")) + scalars
+                     + (descales, descales, descales, maps, maps, maps))
     else:
         module = importlib.import_module(f"kernels_gpu.hopper.flash_forward_{rung}")
         cfg = module.config_for(d, dtype, causal, False)
@@ -134,7 +142,7 @@ def opcode(text: str) -> str:
 
 
 def main_loop(listing: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The loop (a backward branch and what lies between its target and it) that holds the most HGMMAs, the
+    """The loop (a backward branch and what lies between its target and it) that holds the most wgmmas, the
     shortest of those: the consumers' loop over K/V tiles, not a retry loop around an epilogue's product."""
     index = {address: i for i, (address, _) in enumerate(listing)}
     best, best_key = [], None
@@ -142,7 +150,7 @@ def main_loop(listing: list[tuple[int, str]]) -> list[tuple[int, str]]:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
             body = listing[index[int(target.group(1), 16)]:i + 1]
-            key = (sum(opcode(t) == "HGMMA" for _, t in body), -len(body))
+            key = (sum(opcode(t) in GMMA for _, t in body), -len(body))
             if key[0] and (best_key is None or key > best_key):
                 best, best_key = body, key
     return best
