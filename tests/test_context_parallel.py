@@ -539,8 +539,10 @@ def test_benchmark_script_help_needs_no_gpu():
 
 @pytest.mark.skipif(not HAS_TORCH, reason="the benchmark needs PyTorch")
 def test_benchmark_dry_run_on_gloo(tmp_path):
-    """--dry-run: a world of 2 CPU processes on gloo, tiny sizes: the check against one-device attention, strong
-    and weak scaling over W = 1, 2, both layouts, the simulator's predictions beside the times, the JSON."""
+    """--dry-run: a world of 2 CPU processes on gloo, tiny sizes: the check of output and gradients against
+    one-device attention, strong and weak scaling over W = 1, 2, both layouts, forward and forward + backward, the
+    simulator's predictions (pass by pass) beside the times, PyTorch's context parallelism listed as not run (CUDA
+    only), the JSON."""
     out_file = tmp_path / "cp.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--dry-run", "--out", str(out_file)],
@@ -553,17 +555,32 @@ def test_benchmark_dry_run_on_gloo(tmp_path):
     assert {"device", "versions", "date"} <= set(header)
     checks = summary["checks"]
     assert len(checks) == 2 * 2 * 2 and all(c["status"] == "ok" for c in checks), checks
+    for c in checks:
+        assert set(c["errors"]) == {"o", "dq", "dk", "dv"} == set(c["sdpa_errors"]) == set(c["tolerances"])
+        assert all(c["errors"][n] <= c["tolerances"][n] for n in c["errors"])
     timed = [r for r in records if r["kind"] == "ring" and r["status"] == "ok"]
-    seen = {(r["scaling"], r["world_size"], r["layout"]) for r in timed}
-    assert {(s, w, lay) for s in ("strong", "weak") for w in (1, 2) for lay in ("contiguous", "zigzag")} <= seen
+    seen = {(r["scaling"], r["world_size"], r["layout"], r["pass"]) for r in timed}
+    assert {(s, w, lay, p) for s in ("strong", "weak") for w in (1, 2) for lay in ("contiguous", "zigzag")
+            for p in ("forward", "forward+backward")} <= seen
+    rates = {(r["dtype"], r["N_local"]): r for r in summary["step_flop_rate"]}
     for r in timed:
         assert len(r["rank_ms"]) == r["world_size"] == len(r["predicted_rank_ms"])
         assert len(r["predicted_idle_fraction"]) == r["world_size"] and isinstance(r["predicted_comm_hidden"], bool)
         assert r["ms"] == max(r["rank_ms"]) > 0 and r["predicted_comm_ms"] >= 0
+        assert r["flop_rate"] == rates[r["dtype"], r["rate_N_local"]]["flop_rate"]
         predicted = simulate_context_parallel(r["N"], r["d"], r["world_size"], causal=r["causal"],
                                               layout=r["layout"], batch=r["batch"], heads=r["heads"],
                                               dtype_bytes=r["dtype_bytes"], link=r["link_bytes_per_s"],
-                                              flop_rate=r["flop_rate"])
+                                              flop_rate=r["flop_rate"], backward_flop_rate=r["backward_flop_rate"],
+                                              pass_=r["pass"])
         assert r["predicted_idle_fraction"] == pytest.approx(predicted.idle_fractions)
-    assert summary["link_bytes_per_s"] > 0 and summary["not_run"] == []
-    assert {r["N"] for r in records if r["kind"] == "single"} == {8, 16}
+        assert r["predicted_ms"] == pytest.approx(predicted.time_s * 1e3, rel=1e-12)
+        if r["pass"] == "forward+backward" and r["world_size"] > 1:
+            assert r["predicted_comm_ms"] > 0          # the last dK, dV transfer is never hidden
+    assert summary["link_bytes_per_s"] > 0
+    assert summary["not_run"] == [{"kind": "torch_cp", "reason": summary["not_run"][0]["reason"]}]
+    assert "CUDA only" in summary["not_run"][0]["reason"]
+    singles = {(r["N"], r["pass"]) for r in records if r["kind"] == "single" and r["status"] == "ok"}
+    assert singles == {(N, p) for N in (8, 16) for p in ("forward", "forward+backward")}
+    efficiencies = {(e["layout"], e["dtype"], e["pass"]) for e in summary["scaling"]}
+    assert ("zigzag", "bfloat16", "forward+backward") in efficiencies and summary["comparisons"] == []
