@@ -154,6 +154,9 @@ def build_parser():
                         help="processes to start without torchrun (default: one per visible GPU; 2 with --dry-run)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU only: gloo, 2 processes, tiny sizes; proves the logic, times nothing useful")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", default=None,
+                        help="run nothing: merge results files of this script (parts of one run, e.g. one per "
+                             "dtype, each within a command's time limit) into --out")
     return parser
 
 
@@ -751,8 +754,34 @@ def _print(payload) -> None:
         print(f"not run: {item}")
 
 
+def merge(paths, out) -> dict:
+    """One results file from parts of a run: the first part's header (with every part's command and date), every
+    record, the checks, the not-run items and the rates of all parts, comparisons and efficiencies recomputed."""
+    import json
+    parts = [json.loads(open(path).read()) for path in paths]
+    header = dict(parts[0]["header"], parts=[{"command": p["header"]["command"], "date": p["header"]["date"],
+                                              "settings": p["header"]["settings"]} for p in parts])
+    records = [r for p in parts for r in p["records"]]
+    summary = {"checks": [c for p in parts for c in p["summary"]["checks"]],
+               "not_run": [n for p in parts for n in p["summary"]["not_run"]],
+               "link_bytes_per_s": min(p["summary"]["link_bytes_per_s"] or math.inf for p in parts),
+               "step_flop_rate": [r for p in parts for r in p["summary"]["step_flop_rate"]],
+               "comparisons": _comparisons(records), "scaling": _scaling(records),
+               "seconds": sum(p["summary"]["seconds"] for p in parts)}
+    if math.isinf(summary["link_bytes_per_s"]):
+        summary["link_bytes_per_s"] = None
+    payload = {"header": header, "records": records, "summary": summary}
+    results_io.write_results(out, header, records, summary)
+    return payload
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        payload = merge(args.merge, args.out)
+        _print(payload)
+        print(f"wrote {args.out}")
+        return 0
     os.environ["NCCL_NVLS_ENABLE"] = "0"              # inherited by every process started from here
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:          # started by torchrun: one rank of the world
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

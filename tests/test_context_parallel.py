@@ -584,3 +584,12 @@ def test_benchmark_dry_run_on_gloo(tmp_path):
     assert singles == {(N, p) for N in (8, 16) for p in ("forward", "forward+backward")}
     efficiencies = {(e["layout"], e["dtype"], e["pass"]) for e in summary["scaling"]}
     assert ("zigzag", "bfloat16", "forward+backward") in efficiencies and summary["comparisons"] == []
+    # --merge: parts of one run (one per dtype on the device) into one file.
+    merged = tmp_path / "merged.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--merge", str(out_file),
+                          str(out_file), "--out", str(merged)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    both = json.loads(merged.read_text())
+    assert len(both["records"]) == 2 * len(records) and len(both["header"]["parts"]) == 2
+    assert len(both["summary"]["checks"]) == 2 * len(checks)
