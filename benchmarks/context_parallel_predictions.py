@@ -23,10 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-from fa2edu.flops import model_flops
-
 from benchmarks.harness.results_io import utc_now
 from fa2edu import simulate_context_parallel
+from fa2edu.flops import model_flops
 
 
 def predictions(d: int = 128, heads: int = 16, strong_N: int = 65536, weak_N_local: int = 16384) -> list[dict]:

@@ -462,13 +462,14 @@ class ContextParallelReport:
         The smallest link bandwidth (bytes/s per direction) at which the predicted run time equals
         ``compute_time_s``: communication costs nothing on top. 0 for W = 1; inf if no finite link does it (a
         backward with W > 1: its last dK, dV transfer runs after the last step, under no computation).
-    pass_ : str
+    pass_ : str, default "forward"
         ``"forward"``, ``"backward"`` or ``"forward+backward"``: the passes modelled.
-    grad_dtype_bytes : int
+    grad_dtype_bytes : int, default 4
         Bytes per element of the dK, dV accumulators that travel in the backward (4: float32; 8 for float64).
-    backward_flop_rate : float
-        FLOP/s of one rank's backward block computations (the forward's ``flop_rate`` unless given).
-    backward_block_sizes : tuple of int
+    backward_flop_rate : float, default None
+        FLOP/s of one rank's backward block computations (the forward's ``flop_rate`` unless given; None in a
+        report built by hand without one).
+    backward_block_sizes : tuple of int, default None
         FA2 backward's (B_r, B_c) of the HBM model (its K/V-outer rule).
     """
 

@@ -347,7 +347,7 @@ def test_trace_records_every_backward_step(group_run):
             continue
         Wc, n = case["W"], case["N"] // case["W"]
         block = case["B"] * case["H_kv"] * n * (case["d"] + case["d_v"])
-        for rank, result in results[name].items():
+        for result in results[name].values():
             forward, both = result["trace"], result["trace_both"]
             assert [s["pass"] for s in both] == ["forward"] * Wc + ["backward"] * Wc, name
             assert [{k: v for k, v in s.items() if k != "pass"} for s in both[:Wc]] == forward, name

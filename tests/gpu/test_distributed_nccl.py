@@ -4,8 +4,9 @@ Each world size W starts **one** NCCL process group in fresh processes (one GPU 
 on one device), whose workers run every case in turn and write their shards to files; the checks run here, in
 the test process, on the unsharded results. W = 1 runs on any machine with a GPU (the ring of one rank: every
 step's arithmetic on kernels_gpu, the agreement check gathered through NCCL); W = 2 and W = 4 need two and four
-GPUs and are skipped otherwise (``FA2EDU_NCCL_WORLD_SIZES=2,4`` picks the sizes). Every process runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``), every collective and
-point-to-point wait under the group's timeout, and the workers are killed past a deadline: nothing can hang.
+GPUs and are skipped otherwise (``FA2EDU_NCCL_WORLD_SIZES=2,4`` picks the sizes). Every process runs with
+NVLink multicast off (``NCCL_NVLS_ENABLE=0``), every collective and point-to-point wait under the group's
+timeout, and the workers are killed past a deadline: nothing can hang.
 
 The rule is flash-attn's: in float16, bfloat16 and float32 the output and the three gradients are within twice
 the error of PyTorch's own attention in the same dtype (``scaled_dot_product_attention``, with autograd), plus a
