@@ -33,6 +33,13 @@ FLOP/s — d cancels: the block and its work both grow with d. The ring couples 
 step only when its computation, its send and its receive are done, and a transfer starts when both of its ends have
 posted it. The report carries the resulting start and end of every step, the predicted run time, and the smallest
 link bandwidth at which communication no longer lengthens the run.
+
+**The backward** (``pass_="backward"`` or ``"forward+backward"``): FA2 Alg. 2 around the ring, as
+``fa2edu.distributed`` runs it. The K/V blocks travel once more, and the dK, dV accumulators travel too, in
+float32 (4-byte elements whatever the input dtype, 8 for float64), once per step: a backward step computes
+2.5 times a forward step's FLOPs (``10·d`` per visible pair) and moves up to ``1 + 4/e`` times its bytes, so
+with 2-byte inputs its overlap bound is ``(1 + 2)/2.5 = 1.2`` times the forward's; and the last accumulators
+arrive after the last step, under no computation: the backward's communication is never entirely hidden.
 """
 
 from __future__ import annotations
@@ -46,10 +53,10 @@ from typing import NamedTuple
 import numpy as np
 
 from fa2edu import hardware
-from fa2edu.blocks import block_sizes_q_outer, resolve_block_sizes
+from fa2edu.blocks import block_sizes_kv_outer, block_sizes_q_outer, resolve_block_sizes
 from fa2edu.io import block_visits, visit_form
 
-__all__ = ["LAYOUTS", "chunk_ranges", "BlockStep", "ring_step_plan", "visible_pairs", "RingStep", "RankTotal",
+__all__ = ["LAYOUTS", "PASSES", "chunk_ranges", "BlockStep", "ring_step_plan", "visible_pairs", "RingStep", "RankTotal",
            "ContextParallelReport", "simulate_context_parallel"]
 
 #: How the N tokens are dealt to the W ranks (the layouts of :mod:`fa2edu.distributed`).
@@ -301,6 +308,16 @@ class RingStep(NamedTuple):
         When the rank starts the step (the time model: module docstring).
     end_s : float
         When the rank moves on: its computation, its send and its receive are all done.
+    pass_ : str
+        ``"forward"`` or ``"backward"``: which pass of the ring the step belongs to.
+    grad_elements_sent : int
+        Backward only: dK and dV accumulator elements sent to rank + 1 after the step's computation (every step
+        when W > 1), in the compute dtype (``grad_dtype_bytes`` each); 0 in the forward.
+    grad_elements_received : int
+        Backward only: the accumulators received from rank − 1 in the same exchange.
+    grad_transfer_s : float
+        Backward only: grad_elements_sent × grad_dtype_bytes / link bandwidth; that transfer runs under the
+        *next* step's computation (the last one under none).
     """
 
     rank: int
@@ -319,6 +336,10 @@ class RingStep(NamedTuple):
     min_link_bandwidth: float
     start_s: float
     end_s: float
+    pass_: str = "forward"
+    grad_elements_sent: int = 0
+    grad_elements_received: int = 0
+    grad_transfer_s: float = 0.0
 
 
 class RankTotal(NamedTuple):
@@ -351,6 +372,10 @@ class RankTotal(NamedTuple):
     idle_fraction : float
         1 − compute / the busiest rank's compute: the share of the busiest rank's work time this rank has nothing
         to do (0 for the busiest rank).
+    grad_elements_sent : int
+        dK, dV accumulator elements sent, over the backward's steps (0 for a forward-only report).
+    grad_elements_received : int
+        dK, dV accumulator elements received, over the backward's steps.
     """
 
     rank: int
@@ -365,6 +390,8 @@ class RankTotal(NamedTuple):
     compute_s: float
     finish_s: float
     idle_fraction: float
+    grad_elements_sent: int = 0
+    grad_elements_received: int = 0
 
 
 def _gb(x: float) -> str:
@@ -433,7 +460,17 @@ class ContextParallelReport:
         The same with an infinitely fast link: the ring's compute and synchronisation alone.
     bandwidth_to_hide : float
         The smallest link bandwidth (bytes/s per direction) at which the predicted run time equals
-        ``compute_time_s``: communication costs nothing on top. 0 for W = 1; inf if no finite link does it.
+        ``compute_time_s``: communication costs nothing on top. 0 for W = 1; inf if no finite link does it (a
+        backward with W > 1: its last dK, dV transfer runs after the last step, under no computation).
+    pass_ : str, default "forward"
+        ``"forward"``, ``"backward"`` or ``"forward+backward"``: the passes modelled.
+    grad_dtype_bytes : int, default 4
+        Bytes per element of the dK, dV accumulators that travel in the backward (4: float32; 8 for float64).
+    backward_flop_rate : float, default None
+        FLOP/s of one rank's backward block computations (the forward's ``flop_rate`` unless given; None in a
+        report built by hand without one).
+    backward_block_sizes : tuple of int, default None
+        FA2 backward's (B_r, B_c) of the HBM model (its K/V-outer rule).
     """
 
     N: int
@@ -453,6 +490,10 @@ class ContextParallelReport:
     time_s: float
     compute_time_s: float
     bandwidth_to_hide: float
+    pass_: str = "forward"
+    grad_dtype_bytes: int = 4
+    backward_flop_rate: float | None = None
+    backward_block_sizes: tuple | None = None
 
     # -- views ---------------------------------------------------------------------------------------------------
     @property
@@ -460,12 +501,23 @@ class ContextParallelReport:
         """Tokens per rank, N / W."""
         return self.N // self.world_size
 
-    def step(self, rank: int, step: int) -> RingStep:
-        """The row of ``rank`` at ring step ``step``."""
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The passes in ``steps``, in order: ("forward",), ("backward",) or ("forward", "backward")."""
+        return tuple(self.pass_.split("+"))
+
+    def step(self, rank: int, step: int, pass_: str | None = None) -> RingStep:
+        """The row of ``rank`` at ring step ``step`` of ``pass_`` (default: the report's first pass).
+
+        ``steps`` holds each pass's W × W rows rank-major, the passes one after the other."""
         W = self.world_size
         if not (0 <= rank < W and 0 <= step < W):
             raise ValueError(f"rank and step must be in [0, {W}), got rank {rank}, step {step}")
-        return self.steps[rank * W + step]
+        passes = self.passes
+        pass_ = passes[0] if pass_ is None else pass_
+        if pass_ not in passes:
+            raise ValueError(f"pass_ must be one of {passes} for this report, got {pass_!r}")
+        return self.steps[passes.index(pass_) * W * W + rank * W + step]
 
     @property
     def flops_per_rank(self) -> list[int]:
@@ -493,7 +545,7 @@ class ContextParallelReport:
         return max(s.min_link_bandwidth for s in self.steps)
 
     def to_rows(self) -> list[dict]:
-        """One dict per (rank, step), with the fields of :class:`RingStep` and the run's parameters."""
+        """One dict per (pass, rank, step), with the fields of :class:`RingStep` and the run's parameters."""
         common = {"N": self.N, "d": self.d, "world_size": self.world_size, "layout": self.layout,
                   "causal": self.causal}
         return [dict(common, **s._asdict()) for s in self.steps]
@@ -519,7 +571,8 @@ class ContextParallelReport:
     def title(self) -> str:
         mask = "causal" if self.causal else "no mask"
         kv = f" ({self.heads_kv} K/V)" if self.heads_kv != self.heads else ""
-        return (f"Ring attention, {self.layout}, {mask}: N = {self.N:,} on W = {self.world_size} ranks, "
+        what = "" if self.pass_ == "forward" else f" ({self.pass_})"
+        return (f"Ring attention{what}, {self.layout}, {mask}: N = {self.N:,} on W = {self.world_size} ranks, "
                 f"chunks of {self._chunk_size():,} tokens\n"
                 f"d = {self.d}, {self.batch} × {self.heads} heads{kv}, {self.dtype_bytes}-byte elements; "
                 f"counts over batch and heads")
@@ -550,6 +603,10 @@ class ContextParallelReport:
                  _num(s.hbm_reads + s.hbm_writes), _num(s.elements_sent), _time(s.compute_s), _time(s.transfer_s),
                  "skipped" if s.skipped else ("yes" if s.hidden else "no"), _gb(s.min_link_bandwidth)]
                 for s in self.steps]
+        if "backward" in self.passes:              # which pass, and the dK, dV accumulators sent
+            head = head[:2] + ["pass", "dK/dV sent"] + head[2:]
+            for row, s in zip(body, self.steps):
+                row[2:2] = [s.pass_[:3], _num(s.grad_elements_sent)]
         return head, body
 
     @staticmethod
@@ -588,47 +645,87 @@ class ContextParallelReport:
 
 # -- the time model -----------------------------------------------------------------------------------------------
 
-def _schedule(compute: np.ndarray, transfer_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end times (W, W) of every (rank, step), from the compute times (W, W) and one transfer time.
+def _schedule(compute: np.ndarray, transfer_s: float, start=None, grad_transfer_s: float | None = None):
+    """Start and end times (W, W) of every (rank, step) of one pass, and each rank's finish (W,).
 
-    At step s < W − 1 rank r posts the send of its block to r + 1 and the receive from r − 1, then computes. A
-    transfer r → r + 1 runs once both ends have posted it: it ends at max(t_r, t_{r+1}) + transfer. Rank r moves
-    on when its computation, its send and its receive are done. The last step moves nothing.
+    ``compute`` (W, W) holds the step times; ``transfer_s`` the time of one K/V block on a link; ``start`` (W,)
+    when each rank begins the pass (default 0). ``grad_transfer_s`` None: the forward. Else the backward, whose
+    dK, dV accumulators (``grad_transfer_s`` each) leave after each step's computation.
+
+    Forward, at step s < W − 1: rank r posts the exchange of its block (send to r + 1, receive from r − 1), then
+    computes. Backward, at step s: the same K/V exchange, the computation, then the wait for the accumulators of
+    step s − 1 (send and receive), then the post of this step's accumulators; after the last step, the wait for
+    them. A transfer r → r + 1 runs once both ends have posted it and both ranks' previous exchanges are done
+    (NCCL runs a rank's grouped sends and receives one exchange after the other): it ends at
+    max(posts, both ranks free) + its time. A rank moves on when its computation, its send and its receive of
+    the step's K/V exchange are done. The last forward step moves nothing.
     """
     W = compute.shape[0]
-    start, end = np.zeros((W, W)), np.zeros((W, W))
-    t = np.zeros(W)
+    starts, ends = np.zeros((W, W)), np.zeros((W, W))
+    t = np.zeros(W) if start is None else np.asarray(start, dtype=float).copy()
     ranks = np.arange(W)
+    nxt, prv = (ranks + 1) % W, (ranks - 1) % W
+    free = np.zeros(W)                                   # when each rank's previous exchange is done
+
+    def exchange(posted: np.ndarray, seconds: float):
+        """Rank r's send to r + 1 and rank r's whole exchange (its send and its receive from r − 1) done."""
+        sent = np.maximum(np.maximum(posted, posted[nxt]), np.maximum(free, free[nxt])) + seconds
+        return sent, np.maximum(sent, sent[prv])
+
+    grads_done = None                                   # the previous step's accumulator exchange, per rank
     for s in range(W):
-        start[:, s] = t
+        starts[:, s] = t
         done = t + compute[:, s]
+        kv_done = None
         if s < W - 1:
-            sent = np.maximum(t, t[(ranks + 1) % W]) + transfer_s        # rank r's send to r + 1 is done
-            received = sent[(ranks - 1) % W]                              # rank r's receive from r − 1 is done
-            done = np.maximum(done, np.maximum(sent, received))
-        end[:, s] = done
+            _, kv_done = exchange(t, transfer_s)
+            free = kv_done
+        if grad_transfer_s is not None and W > 1:
+            posted = done if grads_done is None else np.maximum(done, grads_done)
+            _, grads_done = exchange(posted, grad_transfer_s)
+            free = np.maximum(free, grads_done)
+            done = posted
+        if kv_done is not None:
+            done = np.maximum(done, kv_done)
+        ends[:, s] = done
         t = done
-    return start, end
+    finish = t if grads_done is None else np.maximum(t, grads_done)
+    return starts, ends, finish
 
 
-def _bandwidth_to_hide(compute: np.ndarray, block_bytes: int) -> float:
+def _run(passes, link_s_per_byte: float):
+    """Each pass's (starts, ends, finish) at ``link_s_per_byte`` seconds per byte, the passes back to back: a
+    rank starts its backward when its forward finishes. ``passes``: (compute, kv_bytes, grad_bytes or None)."""
+    out, begin = [], None
+    for compute, kv_bytes, grad_bytes in passes:
+        grad_s = None if grad_bytes is None else grad_bytes * link_s_per_byte
+        starts, ends, finish = _schedule(compute, kv_bytes * link_s_per_byte, begin, grad_s)
+        out.append((starts, ends, finish))
+        begin = finish
+    return out
+
+
+def _bandwidth_to_hide(passes) -> float:
     """The smallest bandwidth at which the ring's run time equals its run time with free transfers.
 
     The run time is a maximum of sums of compute times and transfer times (a max-plus expression), so it grows
-    with the transfer time τ, piecewise linearly. Bisect for the largest τ at which it has not grown yet.
+    with the time per byte x, piecewise linearly. Bisect for the largest x at which it has not grown yet.
     """
-    W = compute.shape[0]
-    if W == 1 or block_bytes == 0:
+    W = passes[0][0].shape[0]
+    if W == 1 or all(kv == 0 and not grad for _, kv, grad in passes):
         return 0.0
-    base = float(_schedule(compute, 0.0)[1].max())
+    if any(grad for _, _, grad in passes):
+        return math.inf               # the backward's last dK, dV transfer runs after its last step, exposed
+    base = float(_run(passes, 0.0)[-1][2].max())
     tolerance = 1e-12 * max(base, 1e-300)
+    largest = max(max(kv, grad or 0) for _, kv, grad in passes)
 
-    def grows(tau: float) -> bool:
-        return float(_schedule(compute, tau)[1].max()) > base + tolerance
+    def grows(x: float) -> bool:
+        return float(_run(passes, x)[-1][2].max()) > base + tolerance
 
-    lo, hi = 0.0, max(base, 1e-300)
+    lo, hi = 0.0, max(base, 1e-300) / largest          # at hi one transfer alone takes the whole run time
     if not grows(hi):                         # cannot happen with a transfer on the path, kept for safety
-        return block_bytes / hi
+        return 1.0 / hi
     for _ in range(200):
         mid = 0.5 * (lo + hi)
         if grows(mid):
@@ -637,7 +734,7 @@ def _bandwidth_to_hide(compute: np.ndarray, block_bytes: int) -> float:
             lo = mid
         if hi - lo <= 1e-15 * hi:
             break
-    return math.inf if lo == 0.0 else block_bytes / lo
+    return math.inf if lo == 0.0 else 1.0 / lo
 
 
 # -- the simulation -----------------------------------------------------------------------------------------------
@@ -657,10 +754,42 @@ def _resolve_rate(flop_rate, dtype_bytes: int) -> float:
     return _check_rate(flop_rate, "flop_rate (FLOP/s)")
 
 
+#: The passes :func:`simulate_context_parallel` models.
+PASSES = ("forward", "backward", "forward+backward")
+
+
+def _step_hbm(pass_: str, d: int, plan, n: int, step: int, world_size: int, blocks, cache: dict) -> tuple[int, int]:
+    """HBM (reads, writes) per (batch, head) of one ring step on the book's memory model.
+
+    Forward: FA2 Alg. 1 on each block computation (:func:`fa2edu.io.visit_form`) and its merge into the running
+    (O, L): read O, L, O_j, L_j, write O, L, i.e. 2(d + 1) reads and d + 1 writes per query row. Backward: FA2
+    Alg. 2 on each block computation (line 4's D pass included: the kernel recomputes it from O and dO), and the
+    accumulation of its dQ_j, dK_j, dV_j into the running dQ and the block's dK, dV (read both, write the sum:
+    2d reads and d writes per query row, 4d reads and 2d writes per key row); from step 1 on (W > 1), the
+    accumulators received are added in too: 4·n·d reads and 2·n·d writes."""
+    B_r, B_c = blocks
+    reads = writes = 0
+    for item in plan:
+        rows = item.rows[1] - item.rows[0]
+        key = (pass_, rows, item.keys, item.causal)
+        if key not in cache:
+            r_, w_ = visit_form("flash2", pass_, d, block_visits(rows, item.keys, B_r, B_c, causal=item.causal))
+            if pass_ == "forward":
+                cache[key] = (r_ + 2 * (d + 1) * rows, w_ + (d + 1) * rows)
+            else:
+                cache[key] = (r_ + 2 * d * rows + 4 * d * item.keys, w_ + d * rows + 2 * d * item.keys)
+        reads += cache[key][0]
+        writes += cache[key][1]
+    if pass_ == "backward" and step > 0 and world_size > 1:
+        reads, writes = reads + 4 * n * d, writes + 2 * n * d
+    return reads, writes
+
+
 def simulate_context_parallel(N: int, d: int, world_size: int, causal: bool = True, layout: str = "zigzag", *,
                               batch: int = 1, heads: int = 1, heads_kv: int | None = None, dtype_bytes: int = 2,
                               link="NVLink4-H100", flop_rate="H100-SXM", M: int | None = None,
-                              block_sizes=None) -> ContextParallelReport:
+                              block_sizes=None, pass_: str = "forward", grad_dtype_bytes: int | None = None,
+                              backward_flop_rate=None) -> ContextParallelReport:
     """Predict ring attention's work, traffic and time, per rank and per ring step, without running it.
 
     The counts are those ``fa2edu.distributed.trace()`` records when :func:`fa2edu.distributed.ring_attention`
@@ -672,8 +801,20 @@ def simulate_context_parallel(N: int, d: int, world_size: int, causal: bool = Tr
     bytes at ``link`` bytes/s per direction. The transfer is posted before the step's computation, so the step
     hides it when compute ≥ transfer (``RingStep.hidden``); its ``min_link_bandwidth`` is the link that would just
     do it. Ranks move to the next step when their computation, send and receive are done; a transfer starts when
-    both ends have posted it. No latency, no contention, one rate for every block shape: the real run adds kernel
-    launch and merge overheads that grow with W, and small blocks run below the rate.
+    both ends have posted it and both ranks' previous exchanges are done. No latency, no contention, one rate for
+    every block shape: the real run adds kernel launch and merge overheads that grow with W, and small blocks run
+    below the rate.
+
+    **The backward** (``pass_="backward"``), as ``fa2edu.distributed`` runs it (FA2 Alg. 2 around the ring): at
+    step s the rank posts the exchange of the K/V block (steps 0 … W − 2, as in the forward), computes its
+    share of the gradients for the block it holds, ``10·d·visible·batch·heads`` FLOPs (five products, 2.5 times
+    the forward's: :func:`fa2edu.flops.model_flops`), waits for the dK, dV accumulators of step s − 1 to arrive,
+    adds its share and posts them on to rank + 1: ``batch·heads_kv·N_local·2d`` elements of ``grad_dtype_bytes``
+    at every step (W transfers), the last of them after the last step, under no computation. A backward step is
+    ``hidden`` when its computation covers both transfers that run under it: the K/V block and the accumulators
+    of the step before. ``"forward+backward"``: the forward, then each rank's backward from the moment its
+    forward finishes (autograd's ``ring_attention(...).backward(dO)``); ``steps`` holds the forward's rows, then
+    the backward's.
 
     Parameters
     ----------
@@ -703,96 +844,121 @@ def simulate_context_parallel(N: int, d: int, world_size: int, causal: bool = Tr
         tensor cores for 2 bytes, TF32 for 4, :func:`fa2edu.hardware.peak_flops`) or a number, such as a measured
         single-GPU rate.
     M : int, optional
-        SRAM size in elements for the HBM model's block sizes (FA2 forward's rule). Default None:
-        :data:`fa2edu.blocks.DEFAULT_M`.
+        SRAM size in elements for the HBM model's block sizes (FA2 forward's rule; the backward's K/V-outer rule).
+        Default None: :data:`fa2edu.blocks.DEFAULT_M`.
     block_sizes : tuple of int, optional
-        ``(B_r, B_c)`` of the HBM model, overriding M's rule. Default None.
+        ``(B_r, B_c)`` of the HBM model, overriding M's rule (both passes). Default None.
+    pass_ : {"forward", "backward", "forward+backward"}, default "forward"
+        The passes to model (keyword only).
+    grad_dtype_bytes : int, optional
+        Bytes per element of the travelling dK, dV accumulators. Default None: 8 when ``dtype_bytes`` is 8
+        (float64), else 4 (float32: the ring accumulates in its compute dtype). Unused in the forward.
+    backward_flop_rate : str, DeviceProfile or float, optional
+        The FLOP/s of the backward's block computations (the backward kernels run at their own rate). Default
+        None: ``flop_rate``.
 
     Returns
     -------
     ContextParallelReport
-        ``steps`` (one :class:`RingStep` per rank and step, rank-major), ``ranks`` (one :class:`RankTotal` per
-        rank), ``time_s``, ``compute_time_s``, ``bandwidth_to_hide``. Cost: O(W²) block plans and HBM forms, each
-        O(N_local / B) NumPy, plus O(W²) per time-model evaluation (about 200 of them for ``bandwidth_to_hide``).
+        ``steps`` (one :class:`RingStep` per pass, rank and step: each pass rank-major, the passes in order),
+        ``ranks`` (one :class:`RankTotal` per rank, over the passes), ``time_s``, ``compute_time_s``,
+        ``bandwidth_to_hide``. Cost: O(W²) block plans and HBM forms per pass, each O(N_local / B) NumPy, plus
+        O(W²) per time-model evaluation (about 200 of them for ``bandwidth_to_hide``).
 
     Raises
     ------
     ValueError
         N not divisible by W (contiguous) or 2W (zigzag), a size below 1, ``heads`` not a multiple of
-        ``heads_kv``, an unknown layout or link, a non-positive rate or bandwidth. TypeError: a non-integer size,
-        a non-bool ``causal``.
+        ``heads_kv``, an unknown layout, link or pass, a non-positive rate or bandwidth. TypeError: a non-integer
+        size, a non-bool ``causal``.
     """
     N, d, world_size = _check_int(N, "N"), _check_int(d, "d"), _check_int(world_size, "world_size")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     causal = bool(causal)
     layout = _check_layout(layout)
+    if pass_ not in PASSES:
+        raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
     _check_divisible(N, world_size, layout)
     batch, heads = _check_int(batch, "batch"), _check_int(heads, "heads")
     heads_kv = heads if heads_kv is None else _check_int(heads_kv, "heads_kv")
     if heads % heads_kv:
         raise ValueError(f"heads = {heads} query heads must be a multiple of heads_kv = {heads_kv} K/V heads")
     dtype_bytes = _check_int(dtype_bytes, "dtype_bytes")
+    grad_dtype_bytes = (8 if dtype_bytes == 8 else 4) if grad_dtype_bytes is None else \
+        _check_int(grad_dtype_bytes, "grad_dtype_bytes")
     link_bandwidth = _resolve_link(link)
     rate = _resolve_rate(flop_rate, dtype_bytes)
-    B_r, B_c = resolve_block_sizes(M, block_sizes, d, block_sizes_q_outer)
+    backward_rate = rate if backward_flop_rate is None else _resolve_rate(backward_flop_rate, dtype_bytes)
+    forward_blocks = resolve_block_sizes(M, block_sizes, d, block_sizes_q_outer)
+    backward_blocks = resolve_block_sizes(M, block_sizes, d, block_sizes_kv_outer)
 
     W, n = world_size, N // world_size
     programs = batch * heads
-    # One K/V block: batch · heads_kv · N_local rows of K and of V, d wide each.
+    # One K/V block: batch · heads_kv · N_local rows of K and of V, d wide each (the dK, dV accumulators alike).
     block_elements = batch * heads_kv * n * 2 * d
     block_bytes = block_elements * dtype_bytes
-    transfer_s = block_bytes / link_bandwidth
+    grad_bytes = block_elements * grad_dtype_bytes
+    passes = tuple(pass_.split("+"))
 
-    counts = []                      # (rank, step, source, visible, reads, writes, sent)
-    compute = np.zeros((W, W))
-    hbm_cache: dict[tuple[int, int, bool], tuple[int, int]] = {}
-    for rank in range(W):
-        for step in range(W):
-            source = (rank - step) % W
-            plan = ring_step_plan(N, rank, source, W, layout, causal)
-            visible = sum(item.visible for item in plan)
-            reads = writes = 0
-            for item in plan:
-                rows = item.rows[1] - item.rows[0]
-                key = (rows, item.keys, item.causal)
-                if key not in hbm_cache:
-                    # FA2 Alg. 1 on the item: Q_i in, K_j, V_j per visited block, O_i, L_i out (io.visit_form).
-                    r_, w_ = visit_form("flash2", "forward", d,
-                                        block_visits(rows, item.keys, B_r, B_c, causal=item.causal))
-                    # The merge into the running (O, L) (FA1 Section 3.1): read O, L and O_j, L_j; write O, L.
-                    hbm_cache[key] = (r_ + 2 * (d + 1) * rows, w_ + (d + 1) * rows)
-                reads += hbm_cache[key][0]
-                writes += hbm_cache[key][1]
-            sent = block_elements if step < W - 1 else 0
-            flops = 4 * d * visible * programs
-            compute[rank, step] = flops / rate
-            counts.append((rank, step, source, visible, flops, reads * programs, writes * programs, sent, not plan))
+    hbm_cache: dict = {}
+    counted = []                      # per pass: (counts, compute)
+    for this in passes:
+        backward = this == "backward"
+        compute = np.zeros((W, W))
+        counts = []                   # (rank, step, source, visible, flops, reads, writes, sent, grads, skipped)
+        for rank in range(W):
+            for step in range(W):
+                source = (rank - step) % W
+                plan = ring_step_plan(N, rank, source, W, layout, causal)
+                visible = sum(item.visible for item in plan)
+                reads, writes = _step_hbm(this, d, plan, n, step, W, backward_blocks if backward else
+                                          forward_blocks, hbm_cache)
+                sent = block_elements if step < W - 1 else 0
+                grads = block_elements if backward and W > 1 else 0
+                # FA2's products per visible pair: S = QKᵀ and O = PV (4d); the backward's five (10d).
+                flops = (10 if backward else 4) * d * visible * programs
+                compute[rank, step] = flops / (backward_rate if backward else rate)
+                counts.append((rank, step, source, visible, flops, reads * programs, writes * programs, sent, grads,
+                               not plan))
+        counted.append((counts, compute))
 
-    start, end = _schedule(compute, transfer_s)
+    model = [(compute, block_bytes, grad_bytes if this == "backward" else None)
+             for this, (_, compute) in zip(passes, counted)]
+    timed = _run(model, 1.0 / link_bandwidth)
+    transfer_s, grad_transfer_s = block_bytes / link_bandwidth, grad_bytes / link_bandwidth
     steps = []
-    for rank, step, source, visible, flops, reads, writes, sent, skipped in counts:
-        c_s = float(compute[rank, step])
-        t_s = transfer_s if sent else 0.0
-        if not sent:
-            need = 0.0
-        else:
-            need = math.inf if c_s == 0.0 else sent * dtype_bytes / c_s
-        steps.append(RingStep(rank, step, source, visible, flops, reads, writes, sent, sent, skipped, c_s, t_s,
-                              c_s >= t_s, need, float(start[rank, step]), float(end[rank, step])))
-    busiest = max(float(compute[r].sum()) for r in range(W))
+    for this, (counts, compute), (start, end, _) in zip(passes, counted, timed):
+        for rank, step, source, visible, flops, reads, writes, sent, grads, skipped in counts:
+            c_s = float(compute[rank, step])
+            t_s = transfer_s if sent else 0.0
+            # What runs on the link under this step: its K/V block, and in the backward the accumulators posted
+            # at the end of the step before.
+            under_bytes = sent * dtype_bytes + (block_elements * grad_dtype_bytes if grads and step > 0 else 0)
+            under_s = t_s + (grad_transfer_s if grads and step > 0 else 0.0)
+            if not under_bytes:
+                need = 0.0
+            else:
+                need = math.inf if c_s == 0.0 else under_bytes / c_s
+            steps.append(RingStep(rank, step, source, visible, flops, reads, writes, sent, sent, skipped, c_s, t_s,
+                                  c_s >= under_s, need, float(start[rank, step]), float(end[rank, step]), this,
+                                  grads, grads, grad_transfer_s if grads else 0.0))
+    finish = timed[-1][2]
+    totals = [sum(float(compute[r].sum()) for _, compute in counted) for r in range(W)]
+    busiest = max(totals)
     ranks = []
     for rank in range(W):
-        mine = steps[rank * W:(rank + 1) * W]
-        c_total = float(compute[rank].sum())
+        mine = [s for s in steps if s.rank == rank]
         ranks.append(RankTotal(
             rank, tuple(chunk_ranges(N, rank, W, layout)), sum(s.visible for s in mine), sum(s.flops for s in mine),
             sum(s.hbm_reads for s in mine), sum(s.hbm_writes for s in mine), sum(s.elements_sent for s in mine),
-            sum(s.elements_received for s in mine), sum(s.skipped for s in mine), c_total, float(end[rank, -1]),
-            0.0 if busiest == 0 else 1.0 - c_total / busiest))
+            sum(s.elements_received for s in mine), sum(s.skipped for s in mine), totals[rank],
+            float(finish[rank]), 0.0 if busiest == 0 else 1.0 - totals[rank] / busiest,
+            sum(s.grad_elements_sent for s in mine), sum(s.grad_elements_received for s in mine)))
     return ContextParallelReport(
         N=N, d=d, world_size=W, causal=causal, layout=layout, batch=batch, heads=heads, heads_kv=heads_kv,
-        dtype_bytes=dtype_bytes, link_bandwidth=link_bandwidth, flop_rate=rate, block_sizes=(B_r, B_c),
-        steps=tuple(steps), ranks=tuple(ranks), time_s=float(end.max()),
-        compute_time_s=float(_schedule(compute, 0.0)[1].max()),
-        bandwidth_to_hide=_bandwidth_to_hide(compute, block_bytes))
+        dtype_bytes=dtype_bytes, link_bandwidth=link_bandwidth, flop_rate=rate, block_sizes=forward_blocks,
+        steps=tuple(steps), ranks=tuple(ranks), time_s=float(finish.max()),
+        compute_time_s=float(_run(model, 0.0)[-1][2].max()), bandwidth_to_hide=_bandwidth_to_hide(model),
+        pass_=pass_, grad_dtype_bytes=grad_dtype_bytes, backward_flop_rate=backward_rate,
+        backward_block_sizes=backward_blocks)

@@ -36,7 +36,9 @@ float16/bfloat16 on tensor cores (``kernels_gpu.hopper``'s forward on an sm_90 G
 mma.sync ladder elsewhere and for the backward), float32 in 3xTF32.
 
 **Instrumentation.** :func:`trace` records what each forward step did (FLOPs, elements sent and received,
-skipped or not): the figures :func:`fa2edu.simulate_context_parallel` predicts without running anything.
+skipped or not), and with ``backward=True`` each backward step too (its FLOPs, the K/V block and the dK, dV
+accumulators sent and received): the figures :func:`fa2edu.simulate_context_parallel` predicts without running
+anything.
 
 This module needs PyTorch; ``import fa2edu`` never imports it.
 """
@@ -227,6 +229,17 @@ def unshard(shards, layout: str = "zigzag"):
 _TRACES = threading.local()
 
 
+class _Trace:
+    """One active :func:`trace`: its list of records, whether it records backward steps, whether it is open."""
+
+    __slots__ = ("records", "backward", "open")
+
+    def __init__(self, backward: bool):
+        self.records: list[dict] = []
+        self.backward = backward
+        self.open = True
+
+
 def _active_traces() -> list:
     if not hasattr(_TRACES, "stack"):
         _TRACES.stack = []
@@ -234,14 +247,25 @@ def _active_traces() -> list:
 
 
 @contextlib.contextmanager
-def trace():
-    """Record, for the calling rank, one dict per ring step of every :func:`ring_attention` forward pass.
+def trace(backward: bool = False):
+    """Record, for the calling rank, one dict per ring step of every :func:`ring_attention` call.
 
     ::
 
         with cp.trace() as steps:
             o = cp.ring_attention(q_local, k_local, v_local, causal=True)
         # steps: W dicts for this rank, in step order
+
+        with cp.trace(backward=True) as steps:
+            o = cp.ring_attention(q_local, k_local, v_local, causal=True)
+            o.backward(dO)
+        # steps: W forward dicts, then W backward dicts, each with a "pass" key
+
+    Parameters
+    ----------
+    backward : bool, default False
+        Also record the steps of the backward passes (the autograd backward of a ring run inside the trace, or
+        run while it is open), and give every record a ``"pass"`` key, ``"forward"`` or ``"backward"``.
 
     The context yields a list; each forward call made while it is active appends W dicts (one per step
     s = 0 … W − 1, in order) with exactly these keys:
@@ -273,22 +297,52 @@ def trace():
         True when no query of this rank sees any key of the block (causal only): the step computes nothing, its
         ``"flops"`` and ``"visible"`` are 0, and the block still travels on.
 
-    Only forward passes are recorded (the backward pass recomputes the same steps and sends the dK, dV
-    accumulators as well). Traces nest: every active trace receives every record. Per thread.
+    With ``backward=True`` each backward pass appends W more dicts, one per step of the backward ring, with the
+    keys above (``"elements_sent"``/``"elements_received"``: the K/V block again, at steps 0 … W − 2) meaning the
+    same, except:
+
+    ``"flops"`` : int
+        The backward's matmul FLOPs on the visible entries, ``(6·d + 4·d_v)·visible·B·H_q``: five products
+        (S = QKᵀ, dV = PᵀdO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀQ), 2.5 times the forward's when d_v = d.
+    ``"grad_elements_sent"`` : int
+        dK and dV accumulator elements sent to rank + 1 after the step's computation, ``B·H_kv·N_local·(d + d_v)``
+        at every step when W > 1 (W transfers: the last one brings every block's gradients home), 0 when W = 1.
+        They travel in the compute dtype: float32 (4 bytes), float64 for float64 inputs.
+    ``"grad_elements_received"`` : int
+        The accumulators received from rank − 1 in the same exchange: the same figure.
+    ``"pass"`` : str
+        ``"backward"`` (and ``"forward"`` on the forward records of such a trace).
+
+    Traces nest: every active trace receives every record. Per thread for the forward; a backward is recorded by
+    the traces that were open around its forward call and are still open, and by those open in the thread that
+    runs it (PyTorch runs the backward of CUDA tensors on a thread of its own).
     """
-    records: list[dict] = []
+    if not isinstance(backward, (bool, np.bool_)):
+        raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
+    entry = _Trace(bool(backward))
     stack = _active_traces()
-    stack.append(records)
+    stack.append(entry)
     try:
-        yield records
+        yield entry.records
     finally:
-        # Remove this very list (by identity: two empty lists compare equal).
-        del stack[next(i for i, r in enumerate(stack) if r is records)]
+        entry.open = False
+        # Remove this very trace (by identity).
+        del stack[next(i for i, t in enumerate(stack) if t is entry)]
 
 
-def _record(entry: dict) -> None:
-    for records in _active_traces():
-        records.append(dict(entry))
+def _record(entry: dict, pass_: str = "forward", traces=()) -> None:
+    """Append ``entry`` to the open traces of this thread and to ``traces`` (those open around the forward call
+    of a backward); backward steps go only to traces opened with ``backward=True``."""
+    targets, seen = [], set()
+    for t in list(_active_traces()) + list(traces):
+        if t.open and id(t) not in seen:
+            seen.add(id(t))
+            targets.append(t)
+    for t in targets:
+        if t.backward:
+            t.records.append(dict(entry, **{"pass": pass_}))
+        elif pass_ == "forward":
+            t.records.append(dict(entry))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -678,9 +732,11 @@ def _ring_forward(q, k, v, causal: bool, scale, ring: _Ring, layout: str):
     return O.to(q.dtype), L
 
 
-def _ring_backward(dO, q, k, v, O, L, causal: bool, scale, ring: _Ring, layout: str):
-    """The backward ring: dQ computed locally, dK, dV accumulated as they travel back to their owners."""
+def _ring_backward(dO, q, k, v, O, L, causal: bool, scale, ring: _Ring, layout: str, traces=()):
+    """The backward ring: dQ computed locally, dK, dV accumulated as they travel back to their owners. Each step
+    is recorded (:func:`trace` with ``backward=True``) in the traces of this thread and in ``traces``."""
     B, H_q, n, _ = q.shape
+    H_kv, d, d_v = k.shape[1], k.shape[-1], v.shape[-1]
     W, rank = ring.world_size, ring.rank
     N = n * W
     work = _work_dtype(q.dtype)
@@ -696,7 +752,8 @@ def _ring_backward(dO, q, k, v, O, L, causal: bool, scale, ring: _Ring, layout: 
         # This step's share of the gradients of `source`'s K and V, in the compute dtype.
         dK = torch.zeros(block[0].shape, dtype=work, device=q.device)
         dV = torch.zeros(block[1].shape, dtype=work, device=q.device)
-        for item in step_plan(N, rank, source, W, layout, causal):
+        plan = step_plan(N, rank, source, W, layout, causal)
+        for item in plan:
             a, b, m = item.rows[0], item.rows[1], item.keys
             dQ_j, dK_j, dV_j = _step_backward(q[:, :, a:b], block[0][:, :, :m], block[1][:, :, :m],
                                               O[:, :, a:b], L[:, :, a:b], D[:, :, a:b], dO[:, :, a:b],
@@ -712,6 +769,13 @@ def _ring_backward(dO, q, k, v, O, L, causal: bool, scale, ring: _Ring, layout: 
             dK, dV = dK + dK_in, dV + dV_in
         if W > 1:
             grads_in_flight = ring.exchange((dK, dV), _GRAD_TAG)
+        visible = sum(item.visible for item in plan)
+        sent = B * H_kv * n * (d + d_v) if pending is not None else 0
+        grads_sent = B * H_kv * n * (d + d_v) if W > 1 else 0
+        # FA2 Alg. 2's five products per visible entry: S, dV, dP, dQ, dK (2·d, 2·d_v, 2·d_v, 2·d, 2·d FLOPs).
+        _record({"rank": rank, "step": step, "source_rank": source, "flops": (6 * d + 4 * d_v) * visible * B * H_q,
+                 "visible": visible, "elements_sent": sent, "elements_received": sent, "skipped": not plan,
+                 "grad_elements_sent": grads_sent, "grad_elements_received": grads_sent}, "backward", traces)
         if pending is not None:
             block = tuple(pending.wait())
     # After W hops the accumulators that arrive are those of this rank's own block, complete.
@@ -729,13 +793,15 @@ class _RingAttention(torch.autograd.Function):
         O, L = _ring_forward(q, k, v, causal, scale, ring, layout)
         ctx.save_for_backward(q, k, v, O, L)
         ctx.config = (causal, scale, ring, layout)
+        # The traces that record backward steps, open now: the backward may run on another thread.
+        ctx.traces = tuple(t for t in _active_traces() if t.backward)
         return O
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dO):
         q, k, v, O, L = ctx.saved_tensors
-        dQ, dK, dV = _ring_backward(dO, q, k, v, O, L, *ctx.config)
+        dQ, dK, dV = _ring_backward(dO, q, k, v, O, L, *ctx.config, traces=ctx.traces)
         return dQ, dK, dV, None, None, None, None
 
 

@@ -238,6 +238,136 @@ def test_contiguous_waits_zigzag_does_not():
     assert contiguous.time_s / zigzag.time_s == pytest.approx((2 * 8 - 1) / 8, rel=0.01)
 
 
+# -- the backward ------------------------------------------------------------------------------------------------
+
+def test_backward_two_ranks_by_hand():
+    """N = 8, W = 2, zigzag, c = 2, d = 4, batch 2 × 3 heads: the visible pairs of the forward (10, 8 per rank),
+    FA2 Alg. 2's 10·d FLOPs on each, the K/V block (2·3·4·2·4 = 192 elements) at step 0 only, the float32 dK, dV
+    accumulators (192 elements, 4 bytes) at both steps; "forward+backward" is both, the forward first."""
+    N, W, d, programs, block = 8, 2, 4, 6, 2 * 3 * 4 * 2 * 4
+    b = simulate_context_parallel(N, d, W, layout="zigzag", batch=2, heads=3, pass_="backward")
+    assert b.passes == ("backward",) and b.grad_dtype_bytes == 4 and len(b.steps) == W * W
+    assert [s.visible for s in b.steps] == [10, 8, 10, 8]
+    assert [s.flops for s in b.steps] == [10 * d * v * programs for v in (10, 8, 10, 8)]
+    assert [s.elements_sent for s in b.steps] == [block, 0, block, 0]
+    assert all(s.grad_elements_sent == s.grad_elements_received == block and s.pass_ == "backward"
+               for s in b.steps)
+    assert [t.grad_elements_sent for t in b.ranks] == [2 * block] * 2
+    both = simulate_context_parallel(N, d, W, layout="zigzag", batch=2, heads=3, pass_="forward+backward")
+    fwd = simulate_context_parallel(N, d, W, layout="zigzag", batch=2, heads=3)
+    assert both.step(1, 0, "forward") == fwd.step(1, 0) and both.step(1, 0) == fwd.step(1, 0)
+    assert both.step(1, 1, "backward")._replace(start_s=0, end_s=0) == b.step(1, 1)._replace(start_s=0, end_s=0)
+    assert both.flops_per_rank == [f + g for f, g in zip(fwd.flops_per_rank, b.flops_per_rank)]
+    with pytest.raises(ValueError, match="pass_ must be one of"):
+        fwd.step(0, 0, "backward")
+    assert "(backward)" in b.title() and "dK/dV sent" in b.to_text(steps=True)
+    assert max(len(line) for line in both.to_text(steps=True).splitlines()) <= 110
+
+
+def test_backward_time_model_by_hand():
+    """N = 4, W = 2, contiguous, no mask, d = 2, 4-byte elements: every step 2 × 2 pairs, 10·2·4 = 80 FLOPs at
+    1 GFLOP/s = 80 ns; the K/V block and the accumulators are 8 elements, 32 bytes.
+
+    Fast link (1 GB/s, 32 ns a transfer): step 0's K/V and step 0's accumulators (posted at 80 ns) hide under
+    the computation; the accumulators of step 1 leave at 160 ns and arrive at 192: the exposed tail.
+    Slow link (0.25 GB/s, 128 ns): K/V done at 128; step 0's accumulators wait for the exchange before them,
+    128 → 256; step 1 computes 128 → 208, waits for them to 256, sends its own: 384 ns."""
+    kw = dict(N=4, d=2, world_size=2, causal=False, layout="contiguous", dtype_bytes=4, flop_rate=1e9,
+              pass_="backward")
+    fast = simulate_context_parallel(**kw, link=1e9)
+    assert fast.compute_time_s == pytest.approx(160e-9) and fast.time_s == pytest.approx(192e-9)
+    assert fast.step(0, 0).hidden and fast.step(0, 1).hidden and fast.hides_communication
+    assert fast.step(0, 1).min_link_bandwidth == pytest.approx(32 / 80e-9)     # step 0's accumulators under it
+    assert fast.step(0, 0).grad_transfer_s == pytest.approx(32e-9)
+    assert fast.bandwidth_to_hide == math.inf            # the last accumulators are never under a computation
+    slow = simulate_context_parallel(**kw, link=0.25e9)
+    assert [slow.step(0, s).end_s for s in range(2)] == pytest.approx([128e-9, 256e-9])
+    assert slow.time_s == pytest.approx(384e-9) and not slow.hides_communication
+    # forward + backward: the backward starts where the forward ends (forward: 32 ns a step at 4·2·4 FLOPs,
+    # its one exchange 32 ns: 64 ns), and the ring of one rank is compute alone.
+    both = simulate_context_parallel(**dict(kw, pass_="forward+backward"), link=1e9)
+    assert both.step(0, 0, "backward").start_s == pytest.approx(64e-9) and both.time_s == pytest.approx(256e-9)
+    solo = simulate_context_parallel(64, 8, 1, heads=2, flop_rate=1e12, backward_flop_rate=0.5e12,
+                                     pass_="forward+backward", link=1.0)
+    fwd_flops = 4 * 8 * (64 * 65 // 2) * 2
+    assert solo.time_s == solo.compute_time_s == pytest.approx(fwd_flops / 1e12 + 2.5 * fwd_flops / 0.5e12)
+    assert solo.bandwidth_to_hide == 0.0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+def test_backward_totals_are_2_5_times_the_forward(W, layout):
+    """The backward's FLOPs are exactly 2.5 times the forward's on every rank and step (the same visible pairs);
+    over the ranks, model_flops(pass_="backward") without a mask; K/V traffic as the forward, plus W accumulator
+    transfers per rank (W > 1)."""
+    N, d, batch, heads = 2 * W * 6, 8, 2, 3
+    for causal in (False, True):
+        fwd = simulate_context_parallel(N, d, W, causal=causal, layout=layout, batch=batch, heads=heads)
+        bwd = simulate_context_parallel(N, d, W, causal=causal, layout=layout, batch=batch, heads=heads,
+                                        pass_="backward")
+        assert [2 * b.flops for b in bwd.steps] == [5 * f.flops for f in fwd.steps]
+        assert [b.skipped for b in bwd.steps] == [f.skipped for f in fwd.steps]
+        assert [t.elements_sent for t in bwd.ranks] == [t.elements_sent for t in fwd.ranks]
+        assert all(t.grad_elements_sent == (W * batch * heads * (N // W) * 2 * d if W > 1 else 0)
+                   for t in bwd.ranks)
+        if not causal:
+            assert bwd.total_flops == model_flops(batch, heads, N, d, causal=False, pass_="backward")
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_backward_zigzag_balance_and_contiguous_imbalance(W):
+    """Causal backward: zigzag ranks compute the same FLOPs and finish together; contiguous ranks idle as in the
+    forward (1 − work_r / work_{W−1})."""
+    zig = simulate_context_parallel(W * 512, 64, W, layout="zigzag", heads=2, pass_="backward")
+    assert len(set(zig.flops_per_rank)) == 1 and zig.idle_fractions == [0.0] * W
+    assert len({round(t.finish_s, 18) for t in zig.ranks}) == 1
+    cont = simulate_context_parallel(W * 512, 64, W, layout="contiguous", heads=2, pass_="backward")
+    fwd = simulate_context_parallel(W * 512, 64, W, layout="contiguous", heads=2)
+    assert cont.idle_fractions == pytest.approx(fwd.idle_fractions, abs=1e-15)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward", "forward+backward"])
+def test_strong_scaling_ratios(pass_):
+    """Zigzag causal at N = 32768, d = 128, 16 heads, a free link: W ranks run W times faster up to the diagonal's
+    c(c + 1) pairs (efficiency time(1) / (W·time(W)) within 0.1 % of 1); on a real link the backward's exposed
+    last accumulators and the forward's transfers keep it at or below 1."""
+    kw = dict(N=32768, d=128, causal=True, layout="zigzag", heads=16, flop_rate=300e12, pass_=pass_)
+    one = simulate_context_parallel(world_size=1, link=1e30, **kw).time_s
+    for W in (2, 4, 8):
+        free = simulate_context_parallel(world_size=W, link=1e30, **kw)
+        assert one / (W * free.time_s) == pytest.approx(1.0, abs=1e-3)
+        real = simulate_context_parallel(world_size=W, link=235e9, **kw)
+        assert real.time_s >= free.time_s * (1 - 1e-12)
+        assert one / (W * real.time_s) <= 1.0 + 1e-3
+
+
+def test_backward_hbm_is_the_executed_flash2_ledger():
+    """The backward's HBM model of a step is FA2 Alg. 2's executed ledger on the step's items (line 4 included),
+    plus the accumulation of dQ_j, dK_j, dV_j (2d reads and d writes per query row, 4d and 2d per key row) and,
+    from step 1, the received accumulators added (4nd reads, 2nd writes)."""
+    N, W, d, block_sizes = 24, 2, 3, (4, 5)
+    r = simulate_context_parallel(N, d, W, layout="zigzag", block_sizes=block_sizes, pass_="backward")
+    assert r.backward_block_sizes == block_sizes
+    rng = np.random.default_rng(1)
+    n = N // W
+    Q, K, V, dO = (rng.standard_normal((n, d)) for _ in range(4))
+    for rank in range(W):
+        for step in range(W):
+            reads = writes = 0
+            for item in ring_step_plan(N, rank, (rank - step) % W, W, "zigzag"):
+                a, b = item.rows
+                fwd = fa2edu.flash2_forward(Q[a:b], K[:item.keys], V[:item.keys], causal=item.causal)
+                hbm = HBM()
+                fa2edu.flash2_backward(Q[a:b], K[:item.keys], V[:item.keys], fwd.O, fwd.L, dO[a:b],
+                                       block_sizes=block_sizes, causal=item.causal, hbm=hbm)
+                reads += hbm.reads + 2 * d * (b - a) + 4 * d * item.keys
+                writes += hbm.writes + d * (b - a) + 2 * d * item.keys
+            if step > 0:
+                reads, writes = reads + 4 * n * d, writes + 2 * n * d
+            s = r.step(rank, step)
+            assert (s.hbm_reads, s.hbm_writes) == (reads, writes), (rank, step)
+
+
 # -- reports and arguments ----------------------------------------------------------------------------------------
 
 def test_report_views():
@@ -280,6 +410,9 @@ def test_report_views():
     (dict(N=12, d=8, world_size=2, flop_rate=0), ValueError, "flop_rate"),
     (dict(N=12, d=8, world_size=2, dtype_bytes=3), ValueError, "dtype_bytes"),
     (dict(N=12, d=8, world_size=2, block_sizes=(0, 4)), ValueError, "B_r must be at least 1"),
+    (dict(N=12, d=8, world_size=2, pass_="bwd"), ValueError, "pass_ must be one of"),
+    (dict(N=12, d=8, world_size=2, pass_="backward", grad_dtype_bytes=0), ValueError, "grad_dtype_bytes"),
+    (dict(N=12, d=8, world_size=2, backward_flop_rate=-1.0), ValueError, "flop_rate"),
 ])
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -328,9 +461,10 @@ TRACE_CASES = [  # (layout, causal, B, H_q, H_kv, c, d): N = 2·W·c
 
 @pytest.mark.skipif(not HAS_TORCH, reason="fa2edu.distributed needs PyTorch")
 def test_simulator_equals_the_traced_ring(tmp_path):
-    """Run ring_attention on a real gloo group of 3 processes, and on a ring of 2 of them (global ranks 1 and 2,
-    group ranks 0 and 1), under fa2edu.distributed.trace(), and compare every rank's every step with the
-    simulator: source, visible pairs, FLOPs, elements sent and received, skipped."""
+    """Run ring_attention, forward and backward, on a real gloo group of 3 processes, and on a ring of 2 of them
+    (global ranks 1 and 2, group ranks 0 and 1), under fa2edu.distributed.trace(backward=True), and compare every
+    rank's every step of both passes with the simulator: source, visible pairs, FLOPs, elements sent and
+    received (K/V and the dK, dV accumulators), skipped."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
@@ -345,10 +479,12 @@ def test_simulator_equals_the_traced_ring(tmp_path):
                               logit_gain=1.0, seed=500 + 10 * W + i, **group))
     results = _run_group(3, cases, tmp_path)
     keys = ("rank", "step", "source_rank", "visible", "flops", "elements_sent", "elements_received", "skipped")
+    grad_keys = keys + ("grad_elements_sent", "grad_elements_received")
     for case in cases:
         W = case["W"]
         report = simulate_context_parallel(case["N"], case["d"], W, causal=case["causal"], layout=case["layout"],
-                                           batch=case["B"], heads=case["H_q"], heads_kv=case["H_kv"])
+                                           batch=case["B"], heads=case["H_q"], heads_kv=case["H_kv"],
+                                           pass_="forward+backward")
         assert sorted(results[case["name"]]) == list(range(W))
         for rank in range(W):
             traced = results[case["name"]][rank]["trace"]
@@ -356,6 +492,12 @@ def test_simulator_equals_the_traced_ring(tmp_path):
             for s, record in enumerate(traced):
                 predicted = report.step(rank, s)._asdict()
                 assert {k: record[k] for k in keys} == {k: predicted[k] for k in keys}, (case["name"], rank, s)
+            backward = [r for r in results[case["name"]][rank]["trace_both"] if r["pass"] == "backward"]
+            assert len(backward) == W
+            for s, record in enumerate(backward):
+                predicted = report.step(rank, s, "backward")._asdict()
+                assert {k: record[k] for k in grad_keys} == {k: predicted[k] for k in grad_keys}, \
+                    (case["name"], rank, s)
 
 
 # -- exercise 15.1's checker --------------------------------------------------------------------------------------
@@ -397,8 +539,10 @@ def test_benchmark_script_help_needs_no_gpu():
 
 @pytest.mark.skipif(not HAS_TORCH, reason="the benchmark needs PyTorch")
 def test_benchmark_dry_run_on_gloo(tmp_path):
-    """--dry-run: a world of 2 CPU processes on gloo, tiny sizes: the check against one-device attention, strong
-    and weak scaling over W = 1, 2, both layouts, the simulator's predictions beside the times, the JSON."""
+    """--dry-run: a world of 2 CPU processes on gloo, tiny sizes: the check of output and gradients against
+    one-device attention, strong and weak scaling over W = 1, 2, both layouts, forward and forward + backward, the
+    simulator's predictions (pass by pass) beside the times, PyTorch's context parallelism listed as not run (CUDA
+    only), the JSON."""
     out_file = tmp_path / "cp.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--dry-run", "--out", str(out_file)],
@@ -411,17 +555,41 @@ def test_benchmark_dry_run_on_gloo(tmp_path):
     assert {"device", "versions", "date"} <= set(header)
     checks = summary["checks"]
     assert len(checks) == 2 * 2 * 2 and all(c["status"] == "ok" for c in checks), checks
+    for c in checks:
+        assert set(c["errors"]) == {"o", "dq", "dk", "dv"} == set(c["sdpa_errors"]) == set(c["tolerances"])
+        assert all(c["errors"][n] <= c["tolerances"][n] for n in c["errors"])
     timed = [r for r in records if r["kind"] == "ring" and r["status"] == "ok"]
-    seen = {(r["scaling"], r["world_size"], r["layout"]) for r in timed}
-    assert {(s, w, lay) for s in ("strong", "weak") for w in (1, 2) for lay in ("contiguous", "zigzag")} <= seen
+    seen = {(r["scaling"], r["world_size"], r["layout"], r["pass"]) for r in timed}
+    assert {(s, w, lay, p) for s in ("strong", "weak") for w in (1, 2) for lay in ("contiguous", "zigzag")
+            for p in ("forward", "forward+backward")} <= seen
+    rates = {(r["dtype"], r["N_local"]): r for r in summary["step_flop_rate"]}
     for r in timed:
         assert len(r["rank_ms"]) == r["world_size"] == len(r["predicted_rank_ms"])
         assert len(r["predicted_idle_fraction"]) == r["world_size"] and isinstance(r["predicted_comm_hidden"], bool)
         assert r["ms"] == max(r["rank_ms"]) > 0 and r["predicted_comm_ms"] >= 0
+        assert r["flop_rate"] == rates[r["dtype"], r["rate_N_local"]]["flop_rate"]
         predicted = simulate_context_parallel(r["N"], r["d"], r["world_size"], causal=r["causal"],
                                               layout=r["layout"], batch=r["batch"], heads=r["heads"],
                                               dtype_bytes=r["dtype_bytes"], link=r["link_bytes_per_s"],
-                                              flop_rate=r["flop_rate"])
+                                              flop_rate=r["flop_rate"], backward_flop_rate=r["backward_flop_rate"],
+                                              pass_=r["pass"])
         assert r["predicted_idle_fraction"] == pytest.approx(predicted.idle_fractions)
-    assert summary["link_bytes_per_s"] > 0 and summary["not_run"] == []
-    assert {r["N"] for r in records if r["kind"] == "single"} == {8, 16}
+        assert r["predicted_ms"] == pytest.approx(predicted.time_s * 1e3, rel=1e-12)
+        if r["pass"] == "forward+backward" and r["world_size"] > 1:
+            assert r["predicted_comm_ms"] > 0          # the last dK, dV transfer is never hidden
+    assert summary["link_bytes_per_s"] > 0
+    assert summary["not_run"] == [{"kind": "torch_cp", "reason": summary["not_run"][0]["reason"]}]
+    assert "CUDA only" in summary["not_run"][0]["reason"]
+    singles = {(r["N"], r["pass"]) for r in records if r["kind"] == "single" and r["status"] == "ok"}
+    assert singles == {(N, p) for N in (8, 16) for p in ("forward", "forward+backward")}
+    efficiencies = {(e["layout"], e["dtype"], e["pass"]) for e in summary["scaling"]}
+    assert ("zigzag", "bfloat16", "forward+backward") in efficiencies and summary["comparisons"] == []
+    # --merge: parts of one run (one per dtype on the device) into one file.
+    merged = tmp_path / "merged.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.context_parallel", "--merge", str(out_file),
+                          str(out_file), "--out", str(merged)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    both = json.loads(merged.read_text())
+    assert len(both["records"]) == 2 * len(records) and len(both["header"]["parts"]) == 2
+    assert len(both["summary"]["checks"]) == 2 * len(checks)

@@ -110,13 +110,15 @@ def _run_ring(case: dict, group, rank: int) -> dict:
     x = _inputs(case)
     local = {name: torch.from_numpy(cp.shard(a, rank, W, layout)).to(dtype) for name, a in x.items()}
     q, k, v = (local[name].requires_grad_() for name in ("q", "k", "v"))
-    with cp.trace() as steps:
-        o = cp.ring_attention(q, k, v, causal=case["causal"], scale=case["scale"], group=group, layout=layout,
-                              check=case.get("check", True))
-    o.backward(local["do"])
+    # Two nested traces: the forward-only one (its records as they always were) and one with the backward.
+    with cp.trace(backward=True) as both:
+        with cp.trace() as steps:
+            o = cp.ring_attention(q, k, v, causal=case["causal"], scale=case["scale"], group=group, layout=layout,
+                                  check=case.get("check", True))
+        o.backward(local["do"])
     assert o.dtype == dtype and q.grad.dtype == dtype and k.grad.dtype == dtype
     return {"o": o.detach().double().numpy(), "dq": q.grad.double().numpy(), "dk": k.grad.double().numpy(),
-            "dv": v.grad.double().numpy(), "trace": steps}
+            "dv": v.grad.double().numpy(), "trace": steps, "trace_both": both}
 
 
 def _run_error(case: dict, group, rank: int) -> dict:
@@ -332,6 +334,30 @@ def test_trace_records_every_forward_step(group_run):
         N = case["N"]
         total = sum(s["visible"] for r in results[name].values() for s in r["trace"])
         assert total == (N * (N + 1) // 2 if case["causal"] else N * N), name
+
+
+def test_trace_records_every_backward_step(group_run):
+    """trace(backward=True): the W forward records (with "pass": "forward"), then W backward records: FA2 Alg. 2's
+    (6d + 4d_v) FLOPs per visible pair, the K/V block on every step but the last, the dK, dV accumulators on every
+    step (W > 1), the same sources and skipped steps as the forward."""
+    W, cases, results = group_run
+    for name in _ring_case_names(cases):
+        case = cases[name]
+        if case["group"] == "self":
+            continue
+        Wc, n = case["W"], case["N"] // case["W"]
+        block = case["B"] * case["H_kv"] * n * (case["d"] + case["d_v"])
+        for result in results[name].values():
+            forward, both = result["trace"], result["trace_both"]
+            assert [s["pass"] for s in both] == ["forward"] * Wc + ["backward"] * Wc, name
+            assert [{k: v for k, v in s.items() if k != "pass"} for s in both[:Wc]] == forward, name
+            for f, b in zip(forward, both[Wc:]):
+                assert set(b) == set(f) | {"pass", "grad_elements_sent", "grad_elements_received"}
+                assert (b["rank"], b["step"], b["source_rank"], b["visible"], b["skipped"]) == \
+                    (f["rank"], f["step"], f["source_rank"], f["visible"], f["skipped"]), (name, b)
+                assert b["flops"] == (6 * case["d"] + 4 * case["d_v"]) * b["visible"] * case["B"] * case["H_q"]
+                assert b["elements_sent"] == b["elements_received"] == f["elements_sent"], (name, b)
+                assert b["grad_elements_sent"] == b["grad_elements_received"] == (block if Wc > 1 else 0)
 
 
 def test_trace_shows_the_causal_imbalance_and_zigzag_balance(group_run):
@@ -556,6 +582,33 @@ def test_ring_of_one_with_more_batch_axes(group_of_one):
         assert_close_to_oracle(got.detach().numpy(), want, name)
     assert len(steps) == 1 and steps[0]["elements_sent"] == 0 and steps[0]["visible"] == 6 * 7 // 2
     assert steps[0]["flops"] == 2 * (5 + 3) * 21 * 2 * 3 * 4
+
+
+def test_trace_backward_on_another_thread(group_of_one):
+    """A backward run on another thread (as autograd runs CUDA tensors' backward) is recorded by the trace that was
+    open around the forward call; a trace(backward=True) opened around the backward alone records only it; a
+    forward-only trace records no backward step; a closed trace receives nothing."""
+    import threading
+    q, k, v = (torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    with cp.trace() as forward_only, cp.trace(backward=True) as both:
+        o = cp.ring_attention(q, k, v, causal=True)
+        worker = threading.Thread(target=lambda: o.backward(torch.ones_like(o)))
+        worker.start()
+        worker.join(30)
+    assert [s["pass"] for s in both] == ["forward", "backward"]
+    assert both[1]["flops"] == 10 * 3 * (4 * 5 // 2) * 2 and both[1]["grad_elements_sent"] == 0
+    assert len(forward_only) == 1 and "pass" not in forward_only[0]
+    o = cp.ring_attention(q, k, v, causal=True)
+    with cp.trace(backward=True) as later:
+        o.backward(torch.ones_like(o))
+    assert [s["pass"] for s in later] == ["backward"]
+    with cp.trace(backward=True) as closed:
+        o = cp.ring_attention(q, k, v, causal=True)
+    o.backward(torch.ones_like(o))
+    assert len(both) == 2 and len(later) == 1 and [s["pass"] for s in closed] == ["forward"]
+    with pytest.raises(TypeError, match="backward must be a bool"):
+        with cp.trace(backward="yes"):
+            pass
 
 
 def test_ring_attention_bad_arguments(group_of_one):

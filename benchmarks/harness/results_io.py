@@ -94,8 +94,9 @@ def validate_record(record):
             raise ValueError(f"record[{key!r}] must be a positive int, got {record[key]!r}")
     if not isinstance(record["causal"], bool):
         raise ValueError(f"record['causal'] must be a bool, got {record['causal']!r}")
-    if record["pass"] not in ("forward", "backward"):
-        raise ValueError(f"record['pass'] must be 'forward' or 'backward', got {record['pass']!r}")
+    if record["pass"] not in ("forward", "backward", "forward+backward"):
+        raise ValueError(f"record['pass'] must be 'forward', 'backward' or 'forward+backward' (FA2's \"fwd + bwd\"), "
+                         f"got {record['pass']!r}")
     status = record.get("status", "ok")
     if status not in STATUSES:
         raise ValueError(f"record['status'] must be one of {STATUSES}, got {status!r}")

@@ -3,9 +3,10 @@
 Each world size W starts **one** NCCL process group in fresh processes (one GPU per rank: NCCL refuses two ranks
 on one device), whose workers run every case in turn and write their shards to files; the checks run here, in
 the test process, on the unsharded results. W = 1 runs on any machine with a GPU (the ring of one rank: every
-step's arithmetic on kernels_gpu, the agreement check gathered through NCCL); W = 2 needs two GPUs and is skipped
-otherwise. Every process runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``), every collective and
-point-to-point wait under the group's timeout, and the workers are killed past a deadline: nothing can hang.
+step's arithmetic on kernels_gpu, the agreement check gathered through NCCL); W = 2 and W = 4 need two and four
+GPUs and are skipped otherwise (``FA2EDU_NCCL_WORLD_SIZES=2,4`` picks the sizes). Every process runs with
+NVLink multicast off (``NCCL_NVLS_ENABLE=0``), every collective and point-to-point wait under the group's
+timeout, and the workers are killed past a deadline: nothing can hang.
 
 The rule is flash-attn's: in float16, bfloat16 and float32 the output and the three gradients are within twice
 the error of PyTorch's own attention in the same dtype (``scaled_dot_product_attention``, with autograd), plus a
@@ -67,7 +68,7 @@ SLACK = {"float16": 1e-3, "bfloat16": 1e-3, "float32": 1e-5}
 # Cases: each one a dict, run by every rank of the ring
 # ----------------------------------------------------------------------------------------------------------------
 
-SHAPES = [  # (B, H_q, H_kv, N, d): N divisible by 2W for W = 1, 2 (both layouts) and by no tile size
+SHAPES = [  # (B, H_q, H_kv, N, d): N divisible by 2W for W = 1, 2, 4 (both layouts) and by no tile size
     (1, 8, 2, 1000, 64),      # GQA, 4 query heads per K/V head; zigzag chunks of 250 tokens at W = 2
     (2, 4, 2, 520, 128),      # GQA at d = 128, two sequences
     (1, 6, 1, 264, 64),       # MQA, chunks of 66 tokens
@@ -196,7 +197,11 @@ def _run_group(W: int, cases: list, tmp_path: Path) -> dict:
     return received
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda W: f"W{W}")
+#: The ring sizes to run, from FA2EDU_NCCL_WORLD_SIZES (default "1,2,4"); those beyond the GPUs are skipped.
+WORLD_SIZES = [int(w) for w in os.environ.get("FA2EDU_NCCL_WORLD_SIZES", "1,2,4").split(",") if w.strip()]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda W: f"W{W}")
 def nccl_run(request, tmp_path_factory):
     W = request.param
     if torch.cuda.device_count() < W:
