@@ -37,6 +37,12 @@ with all of it), and the transpose done by the producer (FA3's LDSM.T/STSM) rath
 Registers: as h2 plus four packed P̃ registers per step (≤ 212 + ~8 at d = 128); at d = 256 with B_c = 64 about
 h2's 230. Risk: the byte transpose's shared-memory traffic may conflict in banks (consecutive threads write words
 of one Vᵀ row, 4 bytes apart: conflict-free; their loads read four key rows, swizzled: ≤ 2-way).
+
+**What ptxas made of it** (read without a GPU, ``python -m benchmarks.profilers.hopper_sass fp8``, CUDA 13.0's
+ptxas for sm_90a): the inline PTX assembles, the products are ``QGMMA.64x128x32.F32.E4M3.E4M3``; 214 registers at
+d = 128 (200 at 256, 167 at 64), no local memory. The V transpose is a loop of 362 instructions a tile per thread,
+mostly integer (addresses: IMAD, IADD3, SHF, LOP3, LEA) — about as many as the unmasked softmax, so the
+transpose may cost more than the few percent the model allows.
 """
 
 from __future__ import annotations
