@@ -40,9 +40,9 @@ of one Vᵀ row, 4 bytes apart: conflict-free; their loads read four key rows, s
 
 **What ptxas made of it** (read without a GPU, ``python -m benchmarks.profilers.hopper_sass fp8``, CUDA 13.0's
 ptxas for sm_90a): the inline PTX assembles, the products are ``QGMMA.64x128x32.F32.E4M3.E4M3``; 214 registers at
-d = 128 (200 at 256, 167 at 64), no local memory. The V transpose is a loop of 362 instructions a tile per thread,
-mostly integer (addresses: IMAD, IADD3, SHF, LOP3, LEA) — about as many as the unmasked softmax, so the
-transpose may cost more than the few percent the model allows.
+d = 128 (200 at 256, 167 at 64), no local memory. The V transpose, run for every tile, is a loop whose body alone
+holds 362 instructions, mostly integer address arithmetic (IMAD, IADD3, SHF, LOP3, LEA) — more than the unmasked
+softmax of a tile — so it may cost more than the few percent the model allows.
 """
 
 from __future__ import annotations
