@@ -123,6 +123,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -136,12 +138,17 @@ from kernels_gpu.tensorcore import flash2_backward_v1 as backward_v1
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
-__all__ = ["flex_forward", "flex_backward", "make_backward_kernel", "backward_config_for", "plan_backward_mods",
-           "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods", "compile_score",
-           "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
+__all__ = ["flex_forward", "FORWARD_VERSIONS", "flex_forward_v11", "flex_forward_v4", "flex_backward",
+           "make_backward_kernel", "backward_config_for", "plan_backward_mods", "make_kernel", "config_for",
+           "make_kernel_v4", "config_for_v4", "shared_words", "visit_table", "walk_for", "planned_mods", "grid_for",
+           "next_visited", "plan_mods", "compile_mods", "compile_score", "DEFAULT_BLOCK_SIZE", "V4_BLOCK_SIZE",
+           "ARRAY_SLOTS"]
 
-#: Tile (B_r, B_c) used when no block mask is given (v4's).
-DEFAULT_BLOCK_SIZE = (64, 64)
+#: The BlockMask tile (B_r, B_c) a mask is retiled to when the default rung cannot run its own (``fa2edu._torch_ops``);
+#: v11's kernel tiles (v10's table) lie inside it at every head dimension.
+DEFAULT_BLOCK_SIZE = (128, 64)
+#: Rung v4's tile when no block mask is given.
+V4_BLOCK_SIZE = (64, 64)
 #: Bound arrays the kernel takes, over all mods together (its arguments A0 … A3).
 ARRAY_SLOTS = 4
 _SLOT_NAMES = ", ".join(f"A{k}" for k in range(ARRAY_SLOTS))
@@ -153,10 +160,10 @@ def _name(mod) -> str:
     return getattr(mod, "__name__", type(mod).__name__)
 
 
-# -- the tile ---------------------------------------------------------------------------------------------------
+# -- rung v4's tile --------------------------------------------------------------------------------------------
 
-def config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
-    """The kernel's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): W = B_r / 16 warps of one 16-row MMA tile
+def config_for_v4(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
+    """Rung v4's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): W = B_r / 16 warps of one 16-row MMA tile
     each, B_c keys per K/V tile. Raises ValueError naming the sizes it can run."""
     B_r, B_c = block_size
     if B_r % 16 or not 16 <= B_r <= 128 or B_c % 16 or not 16 <= B_c <= 128:
@@ -388,7 +395,7 @@ def compile_mods(plan, simulated: bool):
     return mask_call, score_call
 
 
-# -- the kernel -------------------------------------------------------------------------------------------------
+# -- rung v4: the kernel ----------------------------------------------------------------------------------------
 
 def next_visited(classes: np.ndarray, i: int, j: int) -> int:
     """Host twin of the kernel's walk: the first key block j' ≥ j of row block i that is not skipped (T_c if none).
@@ -400,8 +407,8 @@ def next_visited(classes: np.ndarray, i: int, j: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def make_kernel(cfg: Config, plan):
-    """The flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
+def make_kernel_v4(cfg: Config, plan):
+    """Rung v4's flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
     argument types). The arrays bound to the mods are its arguments A0 … A3: new document ids, slopes or tables
     reuse the kernel."""
     mask_call, score_call = compile_mods(plan, cfg.simulated)
@@ -563,7 +570,496 @@ def _on_device(a):
     return cuda.to_device(np.ascontiguousarray(a))
 
 
-def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+def _device_copy(a):
+    """:func:`_on_device` with the copies of host arrays (NumPy arrays, CPU tensors) kept per array object, so that
+    a repeated call with the same bound arrays copies nothing: a host array is read once, when first seen (change
+    its contents in place and the kernel keeps reading the old copy: bind a new array instead). Device arrays and
+    CUDA tensors are used in place, as :func:`_on_device` does; lists (no weak references) are copied per call."""
+    if getattr(a, "__cuda_ndarray__", False) or (hasattr(a, "__cuda_array_interface__")
+                                                  and not rt.simulator_in_use()):
+        return _on_device(a)
+    key = id(a)
+    found = _DEVICE_COPIES.get(key)
+    if found is not None and found[0]() is a:
+        return found[1]
+    try:
+        ref = weakref.ref(a, lambda _, key=key: _DEVICE_COPIES.pop(key, None))
+    except TypeError:                            # (no weak references: a list, a tuple)
+        return _on_device(a)
+    copy = _on_device(a)
+    _DEVICE_COPIES[key] = (ref, copy)
+    return copy
+
+
+#: device copies of bound host arrays: id(array) → (weak reference to it, its device copy)
+_DEVICE_COPIES: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_slot(simulated: bool):
+    """The 1-element device array that fills the array slots no mod uses (made once)."""
+    return cuda.to_device(np.zeros(1, np.float32))
+
+
+def _bound_on_device(arrays: tuple) -> list:
+    """The kernel's arguments A0 … A3: the bound arrays on the device (:func:`_device_copy`), then fillers."""
+    bound = [_device_copy(a) for a in arrays]
+    return bound + [_unused_slot(rt.simulator_in_use())] * (ARRAY_SLOTS - len(bound))
+
+
+def _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa):
+    """The checks every forward rung makes, and ``(problem, block_mask)`` (:func:`launch.prepare`'s Problem)."""
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if Q.shape[1] != K.shape[1] and not enable_gqa:
+        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention, or give K and V Q's heads")
+    p = launch.prepare(Q, K, V, causal=False, scale=scale)
+    return p, _check_mods(score_mod, block_mask, p)
+
+
+def _launch_mods(kernel, grid, threads, p, args, nbytes, mask_mod, score_mod) -> None:
+    """Launch a flex kernel; numba's compile errors (a mod the kernel's types break) become a TypeError naming
+    the mods."""
+    try:
+        driver_launch.launch(kernel, grid, threads, p.stream, args, nbytes)
+    except Exception as error:
+        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
+            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
+        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
+            raise
+        raise TypeError(f"numba could not compile the flex kernel with mask_mod "
+                        f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
+                        f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
+
+
+def flex_forward_v4(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+    """Rung v4's FlexAttention forward (:func:`make_kernel_v4`), kept so that its measurements stay reproducible:
+    :func:`flex_forward`'s arguments and result. The BlockMask's BLOCK_SIZE is the kernel's tile
+    (:func:`config_for_v4`); no block mask: every block full at (64, 64). Host cost per call: the classes and the
+    bound arrays copied to the device, the mods planned."""
+    from kernels_gpu.flash2 import Flash2Forward
+
+    p, block_mask = _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa)
+    block_size = V4_BLOCK_SIZE if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    cfg = config_for_v4(p.d, p.dtype, block_size, rt.simulator_in_use())
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
+    plan, arrays = plan_mods(mask_mod, score_mod)
+    kernel = make_kernel_v4(cfg, plan)
+    if block_mask is None:
+        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
+    else:
+        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
+    bound = [_on_device(a) for a in arrays]
+    bound += [cuda.to_device(np.zeros(1, np.float32))] * (ARRAY_SLOTS - len(bound))
+    args = (p.Q, p.K, p.V, p.O, p.L, cuda.to_device(classes), np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *bound)
+    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
+    _launch_mods(kernel, grid, cfg.threads, p, args, 4 * shared_words(cfg), mask_mod, score_mod)
+    return Flash2Forward(*launch.finish(p))
+
+
+# -- rung v11: the mods on the ladder's fastest forward -----------------------------------------------------------
+
+def _v10_tile(d: int) -> tuple:
+    """v10's tile for head dimension d (:mod:`kernels_gpu.tensorcore.flash2_forward_v10`'s table): (row tiles per
+    warp R, B_r, B_c) with 4 warps."""
+    return (2, 128, 32) if d <= 64 else (2, 128, 64) if d <= 128 else (1, 64, 32)
+
+
+def config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
+    """Rung v11's kernel constants for a BlockMask's BLOCK_SIZE = (B_r, B_c), both multiples of 16.
+
+    The kernel tile is v10's for ``d`` ((128, 32) at d ≤ 64, (128, 64) at d ≤ 128, (64, 32) above, 2 row tiles
+    per warp up to d = 128), shrunk to the largest tile that divides the BlockMask's block, gcd(v10's B_r, B_r) ×
+    gcd(v10's B_c, B_c), so that every kernel tile lies inside one block and takes its class: BLOCK_SIZE = 128
+    (PyTorch's default) runs v10's tiles unchanged, (64, 64) runs 64-row tiles (2 warps of 2 row tiles), (16, 16)
+    one warp of one. Raises ValueError naming the sizes it can run."""
+    B_r, B_c = block_size
+    if B_r % 16 or B_r < 16 or B_c % 16 or B_c < 16:
+        raise ValueError(f"the flex kernel runs block masks whose BLOCK_SIZE (B_r, B_c) are multiples of 16; the "
+                         f"block mask has BLOCK_SIZE = {(B_r, B_c)}: make it with create_block_mask(..., "
+                         f"BLOCK_SIZE=128) (PyTorch's default, the kernel's fastest tiles), or (16, 16) for small "
+                         f"problems")
+    R, pref_r, pref_c = _v10_tile(d)
+    tile_r, tile_c = math.gcd(pref_r, B_r), math.gcd(pref_c, B_c)
+    if tile_r < 16 * R:
+        R = 1
+    cfg = Config(d=d, warps=tile_r // (16 * R), B_c=tile_c, dtype=dtype, causal=False, simulated=simulated,
+                 row_tiles=R)
+    nbytes = 4 * shared_words(cfg)
+    if nbytes > MAX_DYNAMIC_BYTES:            # (not reached by v10's tiles at d ≤ 256; kept as the guard)
+        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c)} at d = {d} needs {nbytes} bytes of shared memory, a block may "
+                         f"have {MAX_DYNAMIC_BYTES}")
+    return cfg
+
+
+def visit_table(classes: np.ndarray, block_size: tuple, tile: tuple, N_q: int, N_k: int) -> tuple:
+    """The walk of every kernel row block, worked out on the host once per BlockMask and tile (FA1 Alg. 5 line 8's
+    "skip the zero blocks", as a list: PyTorch's ``kv_num_blocks`` / ``kv_indices``).
+
+    ``classes`` (B, H, T_r, T_c) are the BlockMask's, of blocks ``block_size``; the kernel's tile (B_r', B_c')
+    divides them, so kernel tile (i', j') lies inside block (i'·B_r' // B_r, j'·B_c' // B_c) and takes its class.
+    Returns ``(counts, visits, order)``, int32: ``counts[b, h, i']`` the tiles row block i' visits;
+    ``visits[b, h, i', t]`` the t-th of them, in increasing j', coded 2·j' + 1 for a partial tile and 2·j' for a
+    full one (−1 past the count); ``order[b, h, :]`` the row blocks by decreasing count (longest first, ties in
+    index order). Cost O(B·H·T_r'·T_c'·log T_c'), memory B·H·T_r'·max(counts) words."""
+    B_r, B_c = block_size
+    tile_r, tile_c = tile
+    T_r, T_c = -(-N_q // tile_r), -(-N_k // tile_c)
+    rows = (np.arange(T_r) * tile_r) // B_r               # the block each kernel row block lies in
+    cols = (np.arange(T_c) * tile_c) // B_c
+    kinds = np.asarray(classes, dtype=np.int8)[:, :, rows][:, :, :, cols]       # (B, H, T_r', T_c')
+    visited = kinds != SKIPPED
+    counts = visited.sum(axis=-1).astype(np.int32)
+    width = max(1, int(counts.max()))
+    # the visited tiles first, each group in increasing j' (a stable sort of "not visited")
+    index = np.argsort(~visited, axis=-1, kind="stable")[..., :width]
+    codes = 2 * index + (np.take_along_axis(kinds, index, axis=-1) == PARTIAL)
+    codes[np.arange(width) >= counts[..., None]] = -1
+    order = np.argsort(-counts, axis=-1, kind="stable")
+    return tuple(np.ascontiguousarray(x, dtype=np.int32) for x in (counts, codes, order))
+
+
+class _Walk:
+    """A :func:`visit_table` on the device, with the classes array it was made from (``source``) and whether its
+    row blocks differ in length (``ordered``: then the kernel launches the longest first)."""
+
+    __slots__ = ("source", "host", "counts", "visits", "order", "ordered")
+
+    def __init__(self, source, counts, visits, order):
+        self.source, self.host = source, (counts, visits, order)
+        self.counts, self.visits, self.order = (cuda.to_device(x) for x in (counts, visits, order))
+        self.ordered = bool((counts != counts[..., :1]).any())
+
+
+#: walks per BlockMask (weakly: a walk lives as long as its BlockMask), {(B_r', B_c'): _Walk}
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WALKS_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _full_walk(N_q: int, N_k: int, tile: tuple, simulated: bool) -> _Walk:
+    """The walk without a block mask: every tile full, every row block alike."""
+    classes = np.full((1, 1, -(-N_q // tile[0]), -(-N_k // tile[1])), FULL, np.int8)
+    return _Walk(None, *visit_table(classes, tile, tile, N_q, N_k))
+
+
+def walk_for(block_mask, cfg: Config, N_q: int, N_k: int) -> _Walk:
+    """The device walk of ``block_mask`` (None: every block full) at ``cfg``'s tile, made on the first call and
+    kept with the BlockMask: a repeated call copies nothing. (A BlockMask whose ``classes`` attribute is replaced
+    gets a new walk; one whose classes are changed in place keeps the old one: make a new BlockMask.)"""
+    tile = (cfg.B_r, cfg.B_c)
+    if block_mask is None:
+        return _full_walk(N_q, N_k, tile, cfg.simulated)
+    with _WALKS_LOCK:
+        found = _WALKS.get(block_mask, {}).get(tile)
+    if found is not None and found.source is block_mask.classes:
+        return found
+    walk = _Walk(block_mask.classes, *visit_table(block_mask.classes, block_mask.BLOCK_SIZE, tile, N_q, N_k))
+    with _WALKS_LOCK:
+        _WALKS.setdefault(block_mask, {})[tile] = walk
+    return walk
+
+
+#: mod plans by (mask_mod, score_mod, N_q, N_k) identity: (mask_mod, score_mod, plan, arrays), the mods held so
+#: that their ids stay theirs while the entry lives
+_MOD_PLANS = driver_launch.PlanCache(64)
+
+
+def planned_mods(mask_mod, score_mod, N_q: int, N_k: int) -> tuple:
+    """:func:`plan_mods` of ``mask_mod`` and ``score_mod`` specialised to the lengths (:func:`at_lengths`), made
+    once per pair of mod objects: ``(plan, arrays)``. (A mod is planned when first seen: a closure whose captured
+    variables are rebound afterwards keeps its first plan; make a new mod.)"""
+    key = (id(mask_mod), id(score_mod), N_q, N_k)
+    found = _MOD_PLANS.get(key)
+    if found is not None and found[0] is mask_mod and found[1] is score_mod:
+        return found[2], found[3]
+    plan, arrays = plan_mods(mask_mod, None if score_mod is None else at_lengths(score_mod, N_q, N_k))
+    _MOD_PLANS[key] = (mask_mod, score_mod, plan, arrays)
+    return plan, arrays
+
+
+@functools.lru_cache(maxsize=64)
+def make_kernel(cfg: Config, plan, ordered: bool = False):
+    """Rung v11's flex kernel for one tile shape (:func:`config_for`), one :func:`plan_mods` plan and one launch
+    order (compiled on first launch, once per argument types). ``ordered``: the grid is (heads, batch, row
+    blocks) and row block ``order[b, h, blockIdx.z]`` runs, the longest first; otherwise (row blocks, heads,
+    batch), v10's. Arguments: Q, K, V, O, L (uint32 words, float32 L), the walk (``counts``, ``visits``,
+    ``order``: :func:`visit_table`), N_q, N_k, G, τ, and the bound arrays A0 … A3."""
+    mask_call, score_call = compile_mods(plan, cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    ORDERED = bool(ordered)
+    st = make_steps(cfg)
+    jit = device(cfg.simulated)
+    copy_q, copy_kv, zero, init_stats = st["copy_q_async_inc"], st["copy_kv_async_inc"], st["zero"], st["init_stats"]
+    online_softmax, finish_rows, mma_into = st["online_softmax_f32"], st["finish_rows_exp2"], st["mma_into"]
+    ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
+    pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
+    B_r, B_c, RS, NT, NO, R = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO, cfg.row_tiles
+    KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
+    KV = B_c // 16                           # 16-wide k-steps of O += P V
+    K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
+    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
+    STAGE = 2 * B_c * RS
+    S_LEN, O_LEN = 4 * NT, 4 * NO           # register-array lengths (compile-time constants)
+    S1_LEN, O1_LEN = (S_LEN, O_LEN) if R == 2 else (1, 1)   # the second row tile's arrays (a stub when R = 1)
+    neg_inf = float32(-math.inf)
+    log2e = float32(LOG2E)
+
+    @jit
+    def modify_half(s, hr, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3):
+        """Alg. 1 line 8, FlexAttention's part, for one of the lane's two rows of a row tile (hr = 0: row g,
+        1: row g + 8; a constant, so that every index into ``s`` is one), in place. With a score_mod: S ← τ·S,
+        then score_mod on each kept score; without one, S stays raw (τ is folded into the softmax's exponent, as
+        v5). A partial tile drops what mask_mod drops (−∞). ``edge`` (the tile reaches past N_q or N_k): padding
+        rows and keys get −∞ and no mod call — a mod may index arrays of N_q or N_k entries."""
+        for n in range(NT):
+            for e in range(2):
+                k = 4 * n + 2 * hr + e
+                col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                x = s[k]
+                if HAS_SCORE:
+                    x = x * scale
+                if edge and (row >= N_q or col >= N_k):
+                    x = neg_inf
+                elif HAS_MASK and partial and not mask_call(z, head, row, col, A0, A1, A2, A3):
+                    x = neg_inf
+                elif HAS_SCORE:
+                    x = float32(score_call(x, z, head, row, col, A0, A1, A2, A3))
+                s[k] = x
+
+    @jit
+    def modify_tile(s, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3):
+        """:func:`modify_half` for both rows of a lane in one 16-row tile (rows ``row`` and ``row + 8``)."""
+        modify_half(s, 0, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3)
+        modify_half(s, 1, row + 8, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3)
+
+    @cuda.jit
+    def flex_forward_tc_v11(Q, K, V, O, L, counts, visits, order, N_q, N_k, G, scale, A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = lane // 4
+        if ORDERED:                           # grid (heads, batch, row blocks): the longest row blocks first
+            h = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+        else:                                 # grid (row blocks, heads, batch), as up to v10
+            h = cuda.blockIdx.y
+            z = cuda.blockIdx.z
+        bz = z if counts.shape[0] > 1 else 0  # a BlockMask of B = 1 or H = 1 broadcasts
+        bh = h if counts.shape[1] > 1 else 0
+        if ORDERED:
+            i = order[bz, bh, cuda.blockIdx.z]
+        else:
+            i = cuda.blockIdx.x               # row block i (FA2 Alg. 1 line 3: one block per i, in parallel)
+        hk = h // G                           # GQA: query head h reads key/value head h // G
+        sm = cuda.shared.array(0, uint32)     # dynamic shared memory, as 32-bit words
+        # The warp's R row tiles (v7), each with its own S/P̃ and Õ accumulators and statistics: rows
+        # 16R·w … 16R·w + 15 (suffix 0), and 16 more (suffix 1; stubs when R = 1).
+        s0 = cuda.local.array(S_LEN, float32)
+        s1 = cuda.local.array(S1_LEN, float32)
+        o0 = cuda.local.array(O_LEN, float32)
+        o1 = cuda.local.array(O1_LEN, float32)
+        m0 = cuda.local.array(2, float32)
+        m1 = cuda.local.array(2, float32)
+        l0 = cuda.local.array(2, float32)
+        l1 = cuda.local.array(2, float32)
+        row0 = i * B_r + 16 * R * warp + g    # this lane's first row of tile 0; tile 1's is row0 + 16
+        q_row = (16 * R * warp + lane % 16) * RS   # the row this lane addresses in ldmatrix of Q (tile 0)
+        # The statistics' units: raw scores (τ·log₂e in the exponent, v5) without a score_mod, the modified
+        # scores (log₂e) with one — the same for every tile of the row.
+        soft_scale = log2e if HAS_SCORE else scale * log2e
+        rows_edge = (i + 1) * B_r > N_q       # the last row block holds padding rows
+        n_visits = counts[bz, bh, i]          # FA1 Alg. 5 line 8: the tiles not skipped, listed on the host
+
+        # Alg. 1 lines 4 and 7 (first visited tile): start the copies of Q_i, K_j, V_j, as one group.
+        copy_q(sm, 0, Q, z, h, i * B_r, N_q, tid)
+        code = visits[bz, bh, i, 0]           # 2·j + 1 for a partial tile, 2·j for a full one
+        if n_visits > 0:
+            copy_kv(sm, K_OFF, K, z, hk, (code >> 1) * B_c, N_k, tid)
+            copy_kv(sm, V_OFF, V, z, hk, (code >> 1) * B_c, N_k, tid)
+        ptx.cp_async_commit()
+        # Alg. 1 line 5: O_i = 0, ℓ_i = 0, m_i = −∞ (in registers), for each row tile.
+        zero(o0, O_LEN)
+        init_stats(m0, l0)
+        if R == 2:
+            zero(o1, O_LEN)
+            init_stats(m1, l1)
+        # Alg. 1 line 6: for the visited j (skipped blocks never loaded: FA1 Alg. 5 line 8).
+        for t in range(n_visits):
+            stage = (t % 2) * STAGE
+            j = code >> 1
+            partial = (code & 1) != 0
+            # Line 7 for the next visited tile, started now, lands while tile j is computed.
+            code_next = code
+            if t + 1 < n_visits:
+                code_next = visits[bz, bh, i, t + 1]
+                copy_kv(sm, K_OFF + STAGE - stage, K, z, hk, (code_next >> 1) * B_c, N_k, tid)
+                copy_kv(sm, V_OFF + STAGE - stage, V, z, hk, (code_next >> 1) * B_c, N_k, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_one()           # this thread's copies of tile j (and Q_i) have landed ...
+            cuda.syncthreads()                # ... and everyone's
+
+            # Line 8: S_ij = Q_i K_jᵀ for the warp's rows: each K fragment (two 16 × 8 tiles of keys) is
+            # multiplied into every row tile.
+            zero(s0, S_LEN)
+            if R == 2:
+                zero(s1, S_LEN)
+            for kk in range(KS):
+                # A: lanes 0-15 address rows 0-15 of the tile at word 8kk, lanes 16-31 the same rows 4 words on.
+                a0, a1, a2, a3 = ldmatrix(sm, q_row + 8 * kk + 4 * (lane // 16))
+                if R == 2:
+                    c0, c1, c2, c3 = ldmatrix(sm, q_row + 16 * RS + 8 * kk + 4 * (lane // 16))
+                for p in range(NT // 2):
+                    # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
+                    k_row = K_OFF + stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    b0, b1, b2, b3 = ldmatrix(sm, k_row)
+                    mma_into(s0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(s0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    if R == 2:
+                        mma_into(s1, 2 * p, c0, c1, c2, c3, b0, b1)
+                        mma_into(s1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+
+            # Line 8, FlexAttention: S ← MASK(score_mod(τS)) — mask_mod only in a partial tile, score_mod on every
+            # kept score; a full tile without a score_mod is left as it is (v11's inner loop exactly).
+            ragged = (j + 1) * B_c > N_k      # the last tile holds keys past N_k
+            if HAS_SCORE or (HAS_MASK and partial):
+                edge = ragged or rows_edge
+                modify_tile(s0, row0, j * B_c, N_q, N_k, partial, edge, scale, z, h, A0, A1, A2, A3)
+                if R == 2:
+                    modify_tile(s1, row0 + 16, j * B_c, N_q, N_k, partial, edge, scale, z, h, A0, A1, A2, A3)
+            # Lines 9-10: the online softmax of each row tile (base 2, rescale only when the maximum moves; keys
+            # past N_k masked on the ragged tile alone, v6).
+            online_softmax(s0, o0, m0, l0, row0, j * B_c, N_k, soft_scale, 0, ragged)
+            if R == 2:
+                online_softmax(s1, o1, m1, l1, row0 + 16, j * B_c, N_k, soft_scale, 0, ragged)
+
+            # Line 10 (second half): Õ_i += P̃_ij V_j, 16 keys per k-step; A comes straight from S's accumulators,
+            # and each V fragment serves every row tile.
+            for kk in range(KV):
+                a0 = pack(s0[8 * kk], s0[8 * kk + 1])
+                a1 = pack(s0[8 * kk + 2], s0[8 * kk + 3])
+                a2 = pack(s0[8 * kk + 4], s0[8 * kk + 5])
+                a3 = pack(s0[8 * kk + 6], s0[8 * kk + 7])
+                if R == 2:
+                    c0 = pack(s1[8 * kk], s1[8 * kk + 1])
+                    c1 = pack(s1[8 * kk + 2], s1[8 * kk + 3])
+                    c2 = pack(s1[8 * kk + 4], s1[8 * kk + 5])
+                    c3 = pack(s1[8 * kk + 6], s1[8 * kk + 7])
+                for p in range(NO // 2):
+                    # B (transposed on the way): lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7,
+                    # columns 16p + 8(u // 2) …
+                    v_row = V_OFF + stage + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p + 4 * (lane // 16)
+                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                    mma_into(o0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(o0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    if R == 2:
+                        mma_into(o1, 2 * p, c0, c1, c2, c3, b0, b1)
+                        mma_into(o1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+            cuda.syncthreads()                # this stage is free for the visit after next
+            code = code_next
+
+        ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)
+        # Lines 12-15: O_i = diag(ℓ_i)⁻¹ Õ_i, L_i = m_i + log ℓ_i (O = 0, L = +∞ for a row that kept no score),
+        # written to HBM once, per row tile.
+        finish_rows(o0, m0, l0, O, L, z, h, row0, N_q, soft_scale)
+        if R == 2:
+            finish_rows(o1, m1, l1, O, L, z, h, row0 + 16, N_q, soft_scale)
+
+    return flex_forward_tc_v11
+
+
+def grid_for(cfg: Config, p, ordered: bool) -> tuple:
+    """v11's launch grid: (heads, batch, row blocks) when the row blocks differ in length (the kernel reads
+    ``order``: the longest first), else v10's (row blocks, heads, batch), whose consecutive blocks share a head's
+    K and V in L2."""
+    T_r = rt.grid_size(p.N_q, cfg.B_r)
+    return (p.H_q, p.Z, T_r) if ordered else (T_r, p.H_q, p.Z)
+
+
+#: plans of repeated calls on PyTorch CUDA tensors (the driver-level launch): what a call needs beyond its outputs
+_PLANS = driver_launch.PlanCache()
+
+
+def _plan_key(tensors, score_mod, block_mask, scale, enable_gqa):
+    """The key of a call's :class:`_FlexPlan` (None when the call cannot take the short road: not PyTorch CUDA
+    tensors, or no driver-level launch). The mods and the BlockMask by identity (the plan holds them, so their
+    ids stay theirs); the tensors as :func:`kernels_gpu.tensorcore.launch.run`'s plans key them."""
+    if not driver_launch.enabled():
+        return None
+    try:
+        import torch
+    except ImportError:                       # (torch is optional: no tensors to plan for)
+        return None
+    parts = []
+    for x in tensors:
+        if type(x) is not torch.Tensor or not x.is_cuda:
+            return None
+        parts.append((x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0))
+    return ("v11", id(score_mod), id(block_mask), type(scale), scale, bool(enable_gqa), tuple(parts))
+
+
+class _FlexPlan:
+    """A v11 forward on PyTorch CUDA tensors of fixed shapes with fixed mods and BlockMask: the first call's
+    :class:`~kernels_gpu.tensorcore.launch.ForwardPlan` (outputs allocated, five addresses written, one driver
+    launch), holding the mods, the BlockMask and the device walk and bound arrays that its parameters point to."""
+
+    __slots__ = ("forward", "keep")
+
+    def __init__(self, forward, keep):
+        self.forward, self.keep = forward, keep
+
+    def __call__(self, Q, K, V):
+        return self.forward(Q, K, V)
+
+
+def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+    """Rung v11's FlexAttention forward (:func:`make_kernel`): :func:`flex_forward`'s arguments and result.
+
+    Host cost: on the first call with a BlockMask, its walk (:func:`visit_table`) is built and copied to the
+    device, and the mods are planned; both are kept (per BlockMask, per mod object), as are the device copies of
+    bound host arrays. PyTorch CUDA tensors take the short road from the second call with the same shapes, mods
+    and BlockMask: one plan lookup, the outputs allocated, one driver-level launch."""
+    from kernels_gpu.flash2 import Flash2Forward
+
+    key = _plan_key((Q, K, V), score_mod, block_mask, scale, enable_gqa)
+    if key is not None:
+        found = _PLANS.get(key)
+        if found is not None:
+            return found(Q, K, V)
+    p, block_mask = _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa)
+    simulated = rt.simulator_in_use()
+    if block_mask is None:
+        R, B_r, B_c = _v10_tile(p.d)
+        cfg = Config(d=p.d, warps=B_r // (16 * R), B_c=B_c, dtype=p.dtype, causal=False, simulated=simulated,
+                     row_tiles=R)
+    else:
+        cfg = config_for(p.d, p.dtype, tuple(block_mask.BLOCK_SIZE), simulated)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    plan, arrays = planned_mods(mask_mod, score_mod, p.N_q, p.N_k)
+    walk = walk_for(block_mask, cfg, p.N_q, p.N_k)
+    kernel = make_kernel(cfg, plan, walk.ordered)
+    args = (p.Q, p.K, p.V, p.O, p.L, walk.counts, walk.visits, walk.order, np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *_bound_on_device(arrays))
+    grid, nbytes = grid_for(cfg, p, walk.ordered), 4 * shared_words(cfg)
+    _launch_mods(kernel, grid, cfg.threads, p, args, nbytes, mask_mod, score_mod)
+    if key is not None:
+        prepared = driver_launch.Prepared(kernel, grid, cfg.threads, args, nbytes)
+        _PLANS[key] = _FlexPlan(launch.ForwardPlan(p, prepared, Q, K, V), (score_mod, block_mask, walk, args))
+    return Flash2Forward(*launch.finish(p))
+
+
+#: the flex forward rungs: name → ``f(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False)``
+FORWARD_VERSIONS = {"v4": flex_forward_v4, "v11": flex_forward_v11}
+
+
+def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, rung="v11"):
     """FlexAttention forward on tensor cores: FA2 Algorithm 1 over a BlockMask, the mods compiled into the kernel.
 
     O = softmax(MASK(score_mod(τ·QKᵀ)))·V, the same function as :func:`fa2edu.flex.flex_attention`. Skipped blocks
@@ -585,13 +1081,16 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
         ``score_mod(score, b, h, q_idx, kv_idx) -> score``, a scalar function numba compiles (``bind`` for arrays
         it indexes). Default None: the scores unchanged.
     block_mask : fa2edu.BlockMask, optional
-        From ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)``. Its BLOCK_SIZE is the kernel's
-        tile (see the module docstring for the sizes it runs), its B and H are Q's or 1. Default None: no mask,
-        tile (64, 64).
+        From ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)``; its B and H are Q's or 1. Rung
+        v11 runs any BLOCK_SIZE of multiples of 16 (its tile divides the block: :func:`config_for`); rung v4 runs
+        the BLOCK_SIZE as its tile (:func:`config_for_v4`). Default None: no mask.
     scale : float, optional
         The softmax scale τ. Default None: 1/√d.
     enable_gqa : bool, default False
         Allow H_q ≠ H_kv (a divisor of H_q): query head h reads key/value head h // (H_q / H_kv).
+    rung : str, keyword only, default "v11"
+        Which kernel: a key of :data:`FORWARD_VERSIONS` ("v11": the ladder's fastest rung with the mods; "v4":
+        the first flex kernel, kept for its measurements).
 
     Returns
     -------
@@ -599,46 +1098,10 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
         ``(O, L)``: O (B, H_q, N_q, d) in Q's dtype and kind (0 on a fully masked row), L (B, H_q, N_q) float32
         natural-log log-sum-exp of the modified, masked scores (+inf on a fully masked row).
     """
-    from kernels_gpu.flash2 import Flash2Forward
-
-    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
-        if len(getattr(x, "shape", ())) != 4:
-            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
-                             f"{tuple(getattr(x, 'shape', ()))}")
-    if not isinstance(enable_gqa, (bool, np.bool_)):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if Q.shape[1] != K.shape[1] and not enable_gqa:
-        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
-                         f"grouped-query attention, or give K and V Q's heads")
-    p = launch.prepare(Q, K, V, causal=False, scale=scale)
-    block_mask = _check_mods(score_mod, block_mask, p)
-    block_size = DEFAULT_BLOCK_SIZE if block_mask is None else tuple(block_mask.BLOCK_SIZE)
-    cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
-    plan, arrays = plan_mods(mask_mod, score_mod)
-    kernel = make_kernel(cfg, plan)
-    if block_mask is None:
-        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
-    else:
-        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
-    bound = [_on_device(a) for a in arrays]
-    dummy = cuda.to_device(np.zeros(1, np.float32))
-    bound += [dummy] * (ARRAY_SLOTS - len(bound))
-    args = (p.Q, p.K, p.V, p.O, p.L, cuda.to_device(classes), np.int32(p.N_q), np.int32(p.N_k),
-            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *bound)
-    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
-    try:
-        driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, 4 * shared_words(cfg))
-    except Exception as error:
-        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
-            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
-        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
-            raise
-        raise TypeError(f"numba could not compile the flex kernel with mask_mod "
-                        f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
-                        f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
-    return Flash2Forward(*launch.finish(p))
+    forward = FORWARD_VERSIONS.get(rung) if isinstance(rung, str) else None
+    if forward is None:
+        raise ValueError(f"rung must be one of {sorted(FORWARD_VERSIONS)}, got {rung!r}")
+    return forward(Q, K, V, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 # -- the backward pass ------------------------------------------------------------------------------------------

@@ -213,8 +213,13 @@ def test_block_size_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="BLOCK_SIZE = \\(24, 16\\)"):
         kflex.flex_forward(q, k, v, block_mask=bm)
     big = _inputs(1, 1, 1, 20, 24, 256, seed=8)
-    with pytest.raises(ValueError, match="shared memory"):
-        kflex.flex_forward(*big, block_mask=F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=128))
+    with pytest.raises(ValueError, match="shared memory"):               # v4: the BlockMask's block is its tile
+        kflex.flex_forward(*big, block_mask=F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=128),
+                           rung="v4")
+    cfg = kflex.config_for(256, "float16", (128, 128), True)           # v11: v10's (64, 32) tile inside the block
+    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == (64, 32, 1, 4)
+    with pytest.raises(ValueError, match="rung must be one of"):
+        kflex.flex_forward(q, k, v, rung="v99")
 
 
 def test_block_mask_for_other_lengths_or_programs():
