@@ -8,18 +8,24 @@ on the GPU. numba compiles each mod, a plain Python scalar function, as a device
 (``cuda.jit(device=True)(mod)``) and the kernel calls it from inside its loop, where LLVM inlines it. No code is
 generated from the mods' text, and nothing is traced: it is the same function that the NumPy path calls.
 
-The kernel is rung v4 of :mod:`kernels_gpu.tensorcore` (``cp.async`` with K_j, V_j double-buffered, ``ldmatrix``,
-``mma.sync.m16n8k16``, P̃ kept in registers), with the online softmax and the final rescale of
-:mod:`kernels_gpu.tensorcore.steps`, and three changes from the BlockMask (FA1 Algorithm 5 inside FA2's loops):
+Two forward rungs, :data:`FORWARD_VERSIONS` (same arguments, same results): **v11**, the default
+(:func:`flex_forward_v11`, :func:`make_kernel`), is the mma.sync ladder's fastest forward
+(:mod:`kernels_gpu.tensorcore.flash2_forward_v11`) with the mods — its section below says what changed and what it
+predicts; **v4** (:func:`flex_forward_v4`, :func:`make_kernel_v4`), the first flex kernel, is rung v4 of
+:mod:`kernels_gpu.tensorcore` (``cp.async`` with K_j, V_j double-buffered, ``ldmatrix``, ``mma.sync.m16n8k16``, P̃
+kept in registers), kept so that its measurements stay reproducible (``flex_forward(..., rung="v4")``). Both use the
+online softmax and the final rescale of :mod:`kernels_gpu.tensorcore.steps`, and make three changes from the
+BlockMask (FA1 Algorithm 5 inside FA2's loops):
 
-* **skipped blocks are never loaded.** A row block i walks only the key blocks whose class is not SKIPPED
-  (:func:`next_visited`). The copy of the next visited tile starts while the current one is computed, as in v4. A
-  row block that visits nothing stores O = 0, L = +inf;
+* **skipped blocks are never loaded.** A row block i visits only the key blocks whose class is not SKIPPED — v4
+  walks the classes in the kernel (:func:`next_visited`), v11 reads a list made on the host (:func:`visit_table`).
+  The copy of the next visited tile starts while the current one is computed. A row block that visits nothing
+  stores O = 0, L = +inf;
 * **partial blocks** call ``mask_mod`` once per score of the tile, and a dropped score becomes −inf before the
   online softmax (Alg. 1 line 9). **Full blocks** do not call it at all;
 * **score_mod** rewrites every visible score after scaling, ``score_mod(τ·q·k, b, h, q_idx, kv_idx)``, exactly as
   :func:`fa2edu.flex.flex_attention` does. The softmax then runs on the modified scores (scale 1: τ has already
-  been applied).
+  been applied; without a score_mod, v11 leaves τ folded into the softmax's exponent, as the ladder's v5).
 
 Mods that index arrays (document ids, a bias table, ALiBi's slopes), bound with :func:`fa2edu.flex.bind`, take them
 as kernel arguments. The kernel's signature is fixed: four array slots A0 … A3 (dummy 1-element arrays where
@@ -37,12 +43,15 @@ accepts: q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d); τ = 1/√d by default; ``e
 key/value head h // (H_q / H_kv); d a multiple of 8 up to 256 (up to 128 at the largest tiles); any N_q, N_k.
 A fully masked row gets O = 0, L = +inf (natural log, float32).
 
-**Tiles.** The BlockMask's BLOCK_SIZE = (B_r, B_c) *is* the kernel's tile. B_r = 16·W for W = 1 … 8 warps (one
-16-row MMA tile per warp), and B_c is a multiple of 16 up to 128. PyTorch's default 128 works (8 warps, B_c = 128,
-174 KB of shared memory at d = 128), and so do v4's (64, 64). The simulator tests use (16, 16) (one warp). A
-BLOCK_SIZE the kernel cannot run raises an error that says which sizes it can run. The block mask is not
-re-classified behind the caller's back, because that costs a mask_mod call per score. No block mask means every
-block is full, at (64, 64).
+**Tiles.** v11: the kernel tile lies inside one BlockMask block and takes its class (:func:`config_for`): the
+ladder's v10 tile for the head dimension (:func:`flex_tile`), shrunk to divide the BLOCK_SIZE, which may be any
+multiples of 16. PyTorch's default 128 runs the preferred tiles — (128, 32) with 4 warps of two 16-row MMA tiles at
+d ≤ 128, (64, 32) of one above —, (64, 64) runs 64-row tiles of 2 warps, and the simulator tests' (16, 16) one
+warp. v4: the BlockMask's BLOCK_SIZE = (B_r, B_c) *is* the kernel's tile, B_r = 16·W for W = 1 … 8 warps (one
+16-row MMA tile per warp), B_c a multiple of 16 up to 128 (:func:`config_for_v4`; 174 KB of shared memory at
+BLOCK_SIZE 128 and d = 128). A BLOCK_SIZE a rung cannot run raises an error that says which sizes it can run. The
+block mask is not re-classified behind the caller's back, because that costs a mask_mod call per score. No block
+mask means every block is full (v11: the preferred tile; v4: (64, 64)).
 
 **Costs, per (batch, head).** The MMAs of the visited blocks, 4·d·(their area) FLOPs. One ``mask_mod`` call per
 score of a partial block, one ``score_mod`` call per visible score. HBM reads N_q·d + 2·d·CV elements, CV being the
@@ -51,7 +60,7 @@ byte of block class per (i, j) that a row block's walk inspects, plus whatever t
 arrays. Those reads go through L1 and L2 by ordinary loads, once per call: a document mask reads 2 ids per score of
 a partial block. Writes: N_q·d elements of O (16-bit) and N_q of L (float32).
 
-**Prediction (this kernel has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
+**Rung v4's prediction (it has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
 plus a multiply by τ and a compare per score. v4 measured 58 TFLOP/s at d = 64 and 90 at d = 128 on an H100
 (non-causal, N = 16k), and this kernel should come within 10 % of that when score_mod is None. With causal as a
 mask_mod, about half of the blocks are skipped, and the diagonal's partial blocks (a fraction B/N of the visited
@@ -78,45 +87,73 @@ GPU either. Left for later: the Hopper (wgmma) versions.
 ``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
 padded to a multiple of 8, d_v = d; a BlockMask whose tile these kernels cannot run retiled from its classes).
 
-**Plan: the mods on the fastest rung (v11), with its prediction — not measured.** Issue 38 asks for ≥ 1.0×
-PyTorch's compiled FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). This kernel is v4 (58-90 TFLOP/s
-measured on an H100); the mma.sync ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
-``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each, and every
-one of them carries over to the mods, because the mods touch only the score tile between ``S = Q Kᵀ`` and the
-online softmax:
+**Rung v11 (the default): the mods on the ladder's fastest forward.** Issue 38 asks for ≥ 1.0× PyTorch's compiled
+FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). v4 is the ladder's v4 (58-90 TFLOP/s measured on an
+H100); the ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
+``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each; the mods
+touch only the score tile between ``S = Q Kᵀ`` and the online softmax, so each carries over. What v11 changes from
+v4 (:func:`make_kernel` against :func:`make_kernel_v4`):
 
-1. v5's base-2 softmax with τ·log₂e folded into the scores and the rescale skipped when the maximum does not move:
-   here τ multiplies S before ``score_mod`` (a mod sees τ·q·k, as PyTorch's), so fold only log₂e into the final
-   scores (one multiply, which this kernel already does inside ``online_softmax``'s scale) and keep v5's lazy
-   rescale. v6 (masks only on the tiles that need them) is what the BlockMask's classes already give.
-2. v7's two 16-row MMA tiles per warp (B_r = 32·W) and v10's tile per head dimension ((R, B_c) = (2, 32) at
-   d ≤ 64, (2, 64) at d ≤ 128, (1, 32) above): the kernel's tile would no longer be the BlockMask's, so the walk reads
-   the classes of the BlockMask's blocks that a kernel tile overlaps — for BLOCK_SIZE (64, 64) or 128 and v10's
-   tiles, each kernel tile lies inside one block, so it takes that block's class (no retiling, no mask calls).
-3. v8's float32 online softmax and v9's copy arithmetic hoisted out of the loop: unchanged by the mods.
-4. v11's longest-row-first order, generalised from causal to any mask: the host sorts row blocks by their number
-   of visited blocks (a count per row of the classes, once per BlockMask) and the grid reads row block
-   ``order[blockIdx]``.
-5. The host path (v11's measurement: 400-900 µs of Python per call before the driver-level launch, 64-96 µs
-   after): today each call copies the classes and the bound arrays to the device and re-plans the mods. Keep the
-   device copy of the classes and of each bound array with the BlockMask (weakly, keyed by the object; documented:
-   mutate a BlockMask's arrays in place and you must make a new one), and a ``ForwardPlan`` per (shape, plan) as
-   ``launch.run`` does.
+1. **v5's base-2 softmax** with the scale folded into one FMA and the rescale skipped when the maximum does not
+   move. A score_mod must see τ·q·k (PyTorch's convention), so with one the tile is multiplied by τ, modified,
+   and the softmax runs with log₂e; without one, τ·log₂e stays in the exponent and a full tile is not touched at
+   all (the statistics keep one unit per kernel: a compile-time choice). **v6** (masks only on the tiles that
+   need them) is the classes: a full tile runs no mask and no column test except keys past N_k on the last tile.
+2. **v7's two 16-row MMA tiles per warp and v10's tile per head dimension** (:func:`flex_tile`). The kernel tile
+   is no longer the BlockMask's block: it is the largest preferred tile that divides the block
+   (:func:`config_for`), so each kernel tile lies inside one block and takes its class, mask_mod still runs on
+   exactly the partial blocks' scores, and no retiling is needed for BLOCK_SIZE 128 (PyTorch's) or (64, 64).
+   One departure from v10's table, from ptxas's report (sm_90a, no GPU): at 64 < d ≤ 128 the B_c = 64 tile
+   spills 56-228 bytes once mods are compiled in (255 registers; the ladder's own v11: 8 bytes, outside its
+   loop), the B_c = 32 tile none (241-254 registers) — so kernels with mods take B_c = 32 there, and
+   ``flex_forward(..., B_c=64)`` measures the other choice. At d = 64: 156-170 registers, no spills, for every
+   ready mod (the ladder's v11 causal: 163).
+3. **v8's float32 softmax and v9's copies with stepped addresses** (``copy_*_async_inc``), unchanged by the mods.
+4. **v11's longest row blocks first, for any mask.** The host counts the tiles each kernel row block visits
+   (:func:`visit_table`, per (b, h) of the BlockMask) and sorts the row blocks by that count; when they differ
+   (causal, windows near the start, documents), the grid is (heads, batch, row blocks) and the block runs row
+   block ``order[b, h, blockIdx.z]``; when every row block is alike (no mask, all full), v10's grid (row blocks,
+   heads, batch), whose consecutive blocks share a head's K and V in L2.
+5. **The walk as a list, and the host path.** v4 read the classes in the kernel and stepped over skipped blocks
+   one byte at a time, in the critical path of the next tile's copy. v11 reads the next visited tile's index from
+   a list made on the host (``visits[b, h, i, t] = 2·j + partial``, PyTorch's ``kv_indices`` in one array): one
+   load per tile, issued before the copy it addresses. The host work that v4 repeated on every call — the classes
+   copied to the device, the bound arrays copied, the mods planned — is done once: the walk is kept with its
+   BlockMask (weakly: :func:`walk_for`; a BlockMask whose classes are changed in place keeps its old walk), the
+   plan per pair of mod objects (:func:`planned_mods`), the device copy per bound host array (:func:`_device_copy`:
+   bind a new array rather than change one in place). PyTorch CUDA tensors then take the short road of the
+   ladder's ``launch.run``: a plan per (shapes, strides, dtype, mods, BlockMask, τ) holding the packed launch, so a
+   repeated call allocates O and L and makes one driver-level launch.
 
-Prediction (not measured): with 1-5, the mods' cost over v11 is one compare per score of a partial block, the
-score_mod's arithmetic per score, and the classes' byte per visited tile. Forward: causal, sliding window,
-prefix-LM and document within 10 % of v11-causal's 213-252 (d = 64) and 285-312 (d = 128) TFLOP/s at N ≥ 4096 on
-an H200 (GPU.md), counting model FLOPs of the kept scores; ALiBi and relative_bias (one cached load per score)
-within 15 %; softcap within 20-30 % at d = 64 (tanh is MUFU plus a few FMAs in float32 — compute ``c`` as a
-float32 constant so the mod does not run in float64, which alone would cost more than all the rest on an H100).
-PyTorch's compiled FlexAttention has not been measured here yet (``benchmarks/flex.py`` will, in the same run);
-if it runs near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where
-v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it. The backward is
-v1, while the ladder's fastest is v7 (``kernels_gpu.tensorcore.flash2_backward``; its lineage's gains are in
-``kernels_gpu/tensorcore/__init__.py``): moving it to v7 (v3's sums, longest blocks first, dQ in its own pass) is
-the same kind of port, with the classes read per (i, j) in both the key-block and the dQ kernels; until then the
-forward + backward target is not expected to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA
-ceiling from numba) are the route past PyTorch on sm_90.
+Not carried over: the ladder's ``causal=True`` specialisation (causal is a mask_mod here: its diagonal tiles are
+partial blocks that call the mod per score, where the ladder tests a column index).
+
+**Prediction (before any GPU run; nothing here is measured).** With 1-5 the mods' cost over the ladder's v11 is a
+compare per score of a partial tile, the score_mod's arithmetic per score, one list load per visited tile, and at d
+= 128 with mods the narrower B_c = 32 tile, which v10's sweep measured 9 % slower on v9 (193 against 211 TFLOP/s at
+N = 4096). Forward, bf16, N ≥ 4096 on an H200, counting model FLOPs of the kept scores: causal, sliding window,
+prefix-LM and document within 10 % of the ladder's v11-causal at d = 64 (213-252 TFLOP/s, GPU.md) and within 15 % at
+d = 128 (285-312); ALiBi and relative_bias (one cached load per score) within 15 % / 20 %; softcap 20-35 % below at
+d = 64 — :func:`fa2edu.flex.softcap` closes over a Python float, which numba types float64, so its ``c·tanh(s/c)``
+runs in double precision (FP64 at half the FP32 rate on an H100; a float32 ``c`` would remove most of that cost, and
+is fa2edu.flex's change to make). Sliding window 1024 against causal at N = 16384, BLOCK_SIZE 128: a row block
+visits ≈ 9 blocks of the window (1024 + 128 keys) against causal's 64.5 on average, so ≈ 7.2× less work; in wall
+time 6.5-7.5×, below issue 38's 8×. Even elementwise the ratio is exactly 8 (8192 kept keys per row on average
+against 1024), so the block granularity alone puts the target out of reach unless causal runs less efficiently per
+FLOP than the window (its longer rows should make it, if anything, more efficient); (64, 64) blocks bring the count
+to ≈ 7.5× at the price of half-height tiles. Host: a repeated call on CUDA tensors should cost about what the
+ladder's planned launch does (64-96 µs measured, ``tensorcore_launch_overhead.json``), against v4's copies and
+planning per call. What could break it: a mod that numba does not inline (``s`` to local memory), the spills of d =
+128 coming back with a heavier mod, or a partial-tile path that ptxas schedules around the full-tile one. Against
+PyTorch's compiled FlexAttention (not yet measured here; ``benchmarks/flex.py`` will, in the same run): if it runs
+near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where the
+ladder's v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it.
+
+**The backward is still v1** (the ladder's fastest is v7, ``kernels_gpu.tensorcore.flash2_backward``): moving it to
+v7 (v3's two passes with dQ in its own kernel over query blocks, longest blocks first, stepped copies, Sᵀ and dPᵀ
+in one loop) is the same kind of port, with the walk listed per key block for the key-block kernel and per row
+block for the dQ kernel; until then the forward + backward target is not expected to be met. Beyond mma.sync,
+the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past PyTorch on sm_90.
 """
 
 from __future__ import annotations
@@ -140,9 +177,9 @@ from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
 __all__ = ["flex_forward", "FORWARD_VERSIONS", "flex_forward_v11", "flex_forward_v4", "flex_backward",
            "make_backward_kernel", "backward_config_for", "plan_backward_mods", "make_kernel", "config_for",
-           "make_kernel_v4", "config_for_v4", "shared_words", "visit_table", "walk_for", "planned_mods", "grid_for",
-           "next_visited", "plan_mods", "compile_mods", "compile_score", "DEFAULT_BLOCK_SIZE", "V4_BLOCK_SIZE",
-           "ARRAY_SLOTS"]
+           "make_kernel_v4", "config_for_v4", "flex_tile", "shared_words", "visit_table", "walk_for", "planned_mods",
+           "grid_for", "next_visited", "plan_mods", "compile_mods", "compile_score", "DEFAULT_BLOCK_SIZE",
+           "V4_BLOCK_SIZE", "ARRAY_SLOTS"]
 
 #: The BlockMask tile (B_r, B_c) a mask is retiled to when the default rung cannot run its own (``fa2edu._torch_ops``);
 #: v11's kernel tiles (v10's table) lie inside it at every head dimension.
@@ -666,36 +703,50 @@ def flex_forward_v4(Q, K, V, score_mod=None, block_mask=None, scale=None, enable
 
 # -- rung v11: the mods on the ladder's fastest forward -----------------------------------------------------------
 
-def _v10_tile(d: int) -> tuple:
-    """v10's tile for head dimension d (:mod:`kernels_gpu.tensorcore.flash2_forward_v10`'s table): (row tiles per
-    warp R, B_r, B_c) with 4 warps."""
-    return (2, 128, 32) if d <= 64 else (2, 128, 64) if d <= 128 else (1, 64, 32)
+def flex_tile(d: int, mods: bool = True) -> tuple:
+    """Rung v11's preferred tile for head dimension d: (row tiles per warp R, B_r, B_c), 4 warps. v10's table
+    (:mod:`kernels_gpu.tensorcore.flash2_forward_v10`: (2, 128, 32) at d ≤ 64, (2, 128, 64) at d ≤ 128, (1, 64, 32)
+    above) with one change: at 64 < d ≤ 128 a kernel that calls mods takes B_c = 32. ptxas (sm_90a, no GPU) gives
+    the B_c = 64 kernel 255 registers and 56-228 bytes of spills once a mask_mod or score_mod is compiled in (the
+    ladder's v11: 8 bytes, outside its loop), and the B_c = 32 kernel 241-254 registers and none; without mods,
+    v10's B_c = 64 (255 registers, 4 bytes of spills, none stored in the loop)."""
+    if d <= 64:
+        return (2, 128, 32)
+    if d <= 128:
+        return (2, 128, 32 if mods else 64)
+    return (1, 64, 32)
 
 
-def config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
+def config_for(d: int, dtype: str, block_size: tuple, simulated: bool, mods: bool = True,
+               B_c: int | None = None) -> Config:
     """Rung v11's kernel constants for a BlockMask's BLOCK_SIZE = (B_r, B_c), both multiples of 16.
 
-    The kernel tile is v10's for ``d`` ((128, 32) at d ≤ 64, (128, 64) at d ≤ 128, (64, 32) above, 2 row tiles
-    per warp up to d = 128), shrunk to the largest tile that divides the BlockMask's block, gcd(v10's B_r, B_r) ×
-    gcd(v10's B_c, B_c), so that every kernel tile lies inside one block and takes its class: BLOCK_SIZE = 128
-    (PyTorch's default) runs v10's tiles unchanged, (64, 64) runs 64-row tiles (2 warps of 2 row tiles), (16, 16)
-    one warp of one. Raises ValueError naming the sizes it can run."""
-    B_r, B_c = block_size
-    if B_r % 16 or B_r < 16 or B_c % 16 or B_c < 16:
+    The kernel tile is :func:`flex_tile`'s for ``d`` (v10's, 2 row tiles per warp up to d = 128) shrunk to the
+    largest tile that divides the BlockMask's block, gcd(B_r', B_r) × gcd(B_c', B_c), so that every kernel tile
+    lies inside one block and takes its class: BLOCK_SIZE = 128 (PyTorch's default) runs the preferred tiles
+    unchanged, (64, 64) runs 64-row tiles (2 warps of 2 row tiles), (16, 16) one warp of one. ``mods``: whether a
+    mask_mod or score_mod is compiled in (:func:`flex_tile`); ``B_c``: the preferred key-tile width instead of
+    the table's (a multiple of 16; to measure the other choice). Raises ValueError naming the sizes it can run."""
+    B_r, B_c_mask = block_size
+    if B_r % 16 or B_r < 16 or B_c_mask % 16 or B_c_mask < 16:
         raise ValueError(f"the flex kernel runs block masks whose BLOCK_SIZE (B_r, B_c) are multiples of 16; the "
-                         f"block mask has BLOCK_SIZE = {(B_r, B_c)}: make it with create_block_mask(..., "
+                         f"block mask has BLOCK_SIZE = {(B_r, B_c_mask)}: make it with create_block_mask(..., "
                          f"BLOCK_SIZE=128) (PyTorch's default, the kernel's fastest tiles), or (16, 16) for small "
                          f"problems")
-    R, pref_r, pref_c = _v10_tile(d)
-    tile_r, tile_c = math.gcd(pref_r, B_r), math.gcd(pref_c, B_c)
+    R, pref_r, pref_c = flex_tile(d, mods)
+    if B_c is not None:
+        if isinstance(B_c, bool) or not isinstance(B_c, (int, np.integer)) or B_c % 16 or not 16 <= B_c <= 128:
+            raise ValueError(f"B_c must be a multiple of 16 from 16 to 128, got {B_c!r}")
+        pref_c = int(B_c)
+    tile_r, tile_c = math.gcd(pref_r, B_r), math.gcd(pref_c, B_c_mask)
     if tile_r < 16 * R:
         R = 1
     cfg = Config(d=d, warps=tile_r // (16 * R), B_c=tile_c, dtype=dtype, causal=False, simulated=simulated,
                  row_tiles=R)
     nbytes = 4 * shared_words(cfg)
-    if nbytes > MAX_DYNAMIC_BYTES:            # (not reached by v10's tiles at d ≤ 256; kept as the guard)
-        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c)} at d = {d} needs {nbytes} bytes of shared memory, a block may "
-                         f"have {MAX_DYNAMIC_BYTES}")
+    if nbytes > MAX_DYNAMIC_BYTES:            # (not reached by these tiles at d ≤ 256; kept as the guard)
+        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c_mask)} at d = {d} needs {nbytes} bytes of shared memory, a "
+                         f"block may have {MAX_DYNAMIC_BYTES}")
     return cfg
 
 
@@ -987,7 +1038,7 @@ def grid_for(cfg: Config, p, ordered: bool) -> tuple:
 _PLANS = driver_launch.PlanCache()
 
 
-def _plan_key(tensors, score_mod, block_mask, scale, enable_gqa):
+def _plan_key(tensors, score_mod, block_mask, scale, enable_gqa, B_c):
     """The key of a call's :class:`_FlexPlan` (None when the call cannot take the short road: not PyTorch CUDA
     tensors, or no driver-level launch). The mods and the BlockMask by identity (the plan holds them, so their
     ids stay theirs); the tensors as :func:`kernels_gpu.tensorcore.launch.run`'s plans key them."""
@@ -1002,7 +1053,7 @@ def _plan_key(tensors, score_mod, block_mask, scale, enable_gqa):
         if type(x) is not torch.Tensor or not x.is_cuda:
             return None
         parts.append((x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0))
-    return ("v11", id(score_mod), id(block_mask), type(scale), scale, bool(enable_gqa), tuple(parts))
+    return ("v11", id(score_mod), id(block_mask), type(scale), scale, bool(enable_gqa), B_c, tuple(parts))
 
 
 class _FlexPlan:
@@ -1019,8 +1070,9 @@ class _FlexPlan:
         return self.forward(Q, K, V)
 
 
-def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
-    """Rung v11's FlexAttention forward (:func:`make_kernel`): :func:`flex_forward`'s arguments and result.
+def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, B_c=None):
+    """Rung v11's FlexAttention forward (:func:`make_kernel`): :func:`flex_forward`'s arguments and result;
+    ``B_c`` overrides the preferred key-tile width (:func:`config_for`).
 
     Host cost: on the first call with a BlockMask, its walk (:func:`visit_table`) is built and copied to the
     device, and the mods are planned; both are kept (per BlockMask, per mod object), as are the device copies of
@@ -1028,21 +1080,20 @@ def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enabl
     and BlockMask: one plan lookup, the outputs allocated, one driver-level launch."""
     from kernels_gpu.flash2 import Flash2Forward
 
-    key = _plan_key((Q, K, V), score_mod, block_mask, scale, enable_gqa)
+    key = _plan_key((Q, K, V), score_mod, block_mask, scale, enable_gqa, B_c)
     if key is not None:
         found = _PLANS.get(key)
         if found is not None:
             return found(Q, K, V)
     p, block_mask = _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa)
-    simulated = rt.simulator_in_use()
-    if block_mask is None:
-        R, B_r, B_c = _v10_tile(p.d)
-        cfg = Config(d=p.d, warps=B_r // (16 * R), B_c=B_c, dtype=p.dtype, causal=False, simulated=simulated,
-                     row_tiles=R)
-    else:
-        cfg = config_for(p.d, p.dtype, tuple(block_mask.BLOCK_SIZE), simulated)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     plan, arrays = planned_mods(mask_mod, score_mod, p.N_q, p.N_k)
+    mods = plan != (None, None)
+    # no block mask: the preferred tile itself (every block full)
+    block_size = flex_tile(p.d, mods)[1:] if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    if B_c is not None and block_mask is None:
+        block_size = (block_size[0], B_c)
+    cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use(), mods=mods, B_c=B_c)
     walk = walk_for(block_mask, cfg, p.N_q, p.N_k)
     kernel = make_kernel(cfg, plan, walk.ordered)
     args = (p.Q, p.K, p.V, p.O, p.L, walk.counts, walk.visits, walk.order, np.int32(p.N_q), np.int32(p.N_k),
@@ -1059,7 +1110,7 @@ def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enabl
 FORWARD_VERSIONS = {"v4": flex_forward_v4, "v11": flex_forward_v11}
 
 
-def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, rung="v11"):
+def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, rung="v11", **tile):
     """FlexAttention forward on tensor cores: FA2 Algorithm 1 over a BlockMask, the mods compiled into the kernel.
 
     O = softmax(MASK(score_mod(τ·QKᵀ)))·V, the same function as :func:`fa2edu.flex.flex_attention`. Skipped blocks
@@ -1091,6 +1142,8 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
     rung : str, keyword only, default "v11"
         Which kernel: a key of :data:`FORWARD_VERSIONS` ("v11": the ladder's fastest rung with the mods; "v4":
         the first flex kernel, kept for its measurements).
+    **tile :
+        Rung v11 only: ``B_c``, the preferred key-tile width (:func:`config_for`), to measure the other choice.
 
     Returns
     -------
@@ -1101,7 +1154,10 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
     forward = FORWARD_VERSIONS.get(rung) if isinstance(rung, str) else None
     if forward is None:
         raise ValueError(f"rung must be one of {sorted(FORWARD_VERSIONS)}, got {rung!r}")
-    return forward(Q, K, V, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if tile and (rung != "v11" or set(tile) - {"B_c"}):
+        raise TypeError(f"flex_forward takes the tile option B_c with rung 'v11' only, got {sorted(tile)} with "
+                        f"rung {rung!r}")
+    return forward(Q, K, V, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **tile)
 
 
 # -- the backward pass ------------------------------------------------------------------------------------------

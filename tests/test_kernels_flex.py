@@ -342,16 +342,24 @@ def test_v11_tiles_and_orders_match_the_oracle(case):
 
 
 def test_v11_tiles_for_pytorchs_block_size_are_v10s():
-    """BLOCK_SIZE = 128 runs v10's tiles unchanged at every head dimension; (64, 64) runs 64-row tiles."""
-    for d, tile in ((64, (128, 32, 2, 4)), (128, (128, 64, 2, 4)), (256, (64, 32, 1, 4))):
-        cfg = kflex.config_for(d, "bfloat16", (128, 128), False)
+    """BLOCK_SIZE = 128 runs v10's tiles at every head dimension, except B_c = 32 at d = 128 when mods are compiled
+    in (spill-free there: flex_tile); (64, 64) runs 64-row tiles; B_c overrides the preferred width."""
+    for d, mods, tile in ((64, True, (128, 32, 2, 4)), (128, False, (128, 64, 2, 4)), (128, True, (128, 32, 2, 4)),
+                          (256, True, (64, 32, 1, 4))):
+        cfg = kflex.config_for(d, "bfloat16", (128, 128), False, mods=mods)
         assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == tile
         assert 4 * kflex.shared_words(cfg) <= kflex.MAX_DYNAMIC_BYTES
     cfg = kflex.config_for(128, "float16", (64, 64), False)
-    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == (64, 64, 2, 2)
+    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == (64, 32, 2, 2)
+    assert kflex.config_for(128, "float16", (128, 128), False, B_c=64).B_c == 64
     for bad in ((24, 16), (16, 8), (0, 16)):
         with pytest.raises(ValueError, match="multiples of 16"):
             kflex.config_for(64, "float16", bad, True)
+    with pytest.raises(ValueError, match="B_c must be a multiple of 16"):
+        kflex.config_for(64, "float16", (16, 16), True, B_c=24)
+    q, k, v = _small()
+    with pytest.raises(TypeError, match="tile option B_c with rung 'v11' only"):
+        kflex.flex_forward(q, k, v, rung="v4", B_c=32)
 
 
 def _walk_by_hand(classes, block_size, tile, N_q, N_k):
