@@ -8,18 +8,24 @@ on the GPU. numba compiles each mod, a plain Python scalar function, as a device
 (``cuda.jit(device=True)(mod)``) and the kernel calls it from inside its loop, where LLVM inlines it. No code is
 generated from the mods' text, and nothing is traced: it is the same function that the NumPy path calls.
 
-The kernel is rung v4 of :mod:`kernels_gpu.tensorcore` (``cp.async`` with K_j, V_j double-buffered, ``ldmatrix``,
-``mma.sync.m16n8k16``, P̃ kept in registers), with the online softmax and the final rescale of
-:mod:`kernels_gpu.tensorcore.steps`, and three changes from the BlockMask (FA1 Algorithm 5 inside FA2's loops):
+Two forward rungs, :data:`FORWARD_VERSIONS` (same arguments, same results): **v11**, the default
+(:func:`flex_forward_v11`, :func:`make_kernel`), is the mma.sync ladder's fastest forward
+(:mod:`kernels_gpu.tensorcore.flash2_forward_v11`) with the mods — its section below says what changed and what it
+predicts; **v4** (:func:`flex_forward_v4`, :func:`make_kernel_v4`), the first flex kernel, is rung v4 of
+:mod:`kernels_gpu.tensorcore` (``cp.async`` with K_j, V_j double-buffered, ``ldmatrix``, ``mma.sync.m16n8k16``, P̃
+kept in registers), kept so that its measurements stay reproducible (``flex_forward(..., rung="v4")``). Both use the
+online softmax and the final rescale of :mod:`kernels_gpu.tensorcore.steps`, and make three changes from the
+BlockMask (FA1 Algorithm 5 inside FA2's loops):
 
-* **skipped blocks are never loaded.** A row block i walks only the key blocks whose class is not SKIPPED
-  (:func:`next_visited`). The copy of the next visited tile starts while the current one is computed, as in v4. A
-  row block that visits nothing stores O = 0, L = +inf;
+* **skipped blocks are never loaded.** A row block i visits only the key blocks whose class is not SKIPPED — v4
+  walks the classes in the kernel (:func:`next_visited`), v11 reads a list made on the host (:func:`visit_table`).
+  The copy of the next visited tile starts while the current one is computed. A row block that visits nothing
+  stores O = 0, L = +inf;
 * **partial blocks** call ``mask_mod`` once per score of the tile, and a dropped score becomes −inf before the
   online softmax (Alg. 1 line 9). **Full blocks** do not call it at all;
 * **score_mod** rewrites every visible score after scaling, ``score_mod(τ·q·k, b, h, q_idx, kv_idx)``, exactly as
   :func:`fa2edu.flex.flex_attention` does. The softmax then runs on the modified scores (scale 1: τ has already
-  been applied).
+  been applied; without a score_mod, v11 leaves τ folded into the softmax's exponent, as the ladder's v5).
 
 Mods that index arrays (document ids, a bias table, ALiBi's slopes), bound with :func:`fa2edu.flex.bind`, take them
 as kernel arguments. The kernel's signature is fixed: four array slots A0 … A3 (dummy 1-element arrays where
@@ -37,12 +43,15 @@ accepts: q (B, H_q, N_q, d), k, v (B, H_kv, N_k, d); τ = 1/√d by default; ``e
 key/value head h // (H_q / H_kv); d a multiple of 8 up to 256 (up to 128 at the largest tiles); any N_q, N_k.
 A fully masked row gets O = 0, L = +inf (natural log, float32).
 
-**Tiles.** The BlockMask's BLOCK_SIZE = (B_r, B_c) *is* the kernel's tile. B_r = 16·W for W = 1 … 8 warps (one
-16-row MMA tile per warp), and B_c is a multiple of 16 up to 128. PyTorch's default 128 works (8 warps, B_c = 128,
-174 KB of shared memory at d = 128), and so do v4's (64, 64). The simulator tests use (16, 16) (one warp). A
-BLOCK_SIZE the kernel cannot run raises an error that says which sizes it can run. The block mask is not
-re-classified behind the caller's back, because that costs a mask_mod call per score. No block mask means every
-block is full, at (64, 64).
+**Tiles.** v11: the kernel tile lies inside one BlockMask block and takes its class (:func:`config_for`): the
+ladder's v10 tile for the head dimension (:func:`flex_tile`), shrunk to divide the BLOCK_SIZE, which may be any
+multiples of 16. PyTorch's default 128 runs the preferred tiles — (128, 32) with 4 warps of two 16-row MMA tiles at
+d ≤ 128, (64, 32) of one above —, (64, 64) runs 64-row tiles of 2 warps, and the simulator tests' (16, 16) one
+warp. v4: the BlockMask's BLOCK_SIZE = (B_r, B_c) *is* the kernel's tile, B_r = 16·W for W = 1 … 8 warps (one
+16-row MMA tile per warp), B_c a multiple of 16 up to 128 (:func:`config_for_v4`; 174 KB of shared memory at
+BLOCK_SIZE 128 and d = 128). A BLOCK_SIZE a rung cannot run raises an error that says which sizes it can run. The
+block mask is not re-classified behind the caller's back, because that costs a mask_mod call per score. No block
+mask means every block is full (v11: the preferred tile; v4: (64, 64)).
 
 **Costs, per (batch, head).** The MMAs of the visited blocks, 4·d·(their area) FLOPs. One ``mask_mod`` call per
 score of a partial block, one ``score_mod`` call per visible score. HBM reads N_q·d + 2·d·CV elements, CV being the
@@ -51,7 +60,7 @@ byte of block class per (i, j) that a row block's walk inspects, plus whatever t
 arrays. Those reads go through L1 and L2 by ordinary loads, once per call: a document mask reads 2 ids per score of
 a partial block. Writes: N_q·d elements of O (16-bit) and N_q of L (float32).
 
-**Prediction (this kernel has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
+**Rung v4's prediction (it has not run on a GPU; nothing here is measured).** On full blocks the kernel is rung v4
 plus a multiply by τ and a compare per score. v4 measured 58 TFLOP/s at d = 64 and 90 at d = 128 on an H100
 (non-causal, N = 16k), and this kernel should come within 10 % of that when score_mod is None. With causal as a
 mask_mod, about half of the blocks are skipped, and the diagonal's partial blocks (a fraction B/N of the visited
@@ -78,51 +87,81 @@ GPU either. Left for later: the Hopper (wgmma) versions.
 ``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
 padded to a multiple of 8, d_v = d; a BlockMask whose tile these kernels cannot run retiled from its classes).
 
-**Plan: the mods on the fastest rung (v11), with its prediction — not measured.** Issue 38 asks for ≥ 1.0×
-PyTorch's compiled FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). This kernel is v4 (58-90 TFLOP/s
-measured on an H100); the mma.sync ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
-``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each, and every
-one of them carries over to the mods, because the mods touch only the score tile between ``S = Q Kᵀ`` and the
-online softmax:
+**Rung v11 (the default): the mods on the ladder's fastest forward.** Issue 38 asks for ≥ 1.0× PyTorch's compiled
+FlexAttention (Triton; hundreds of TFLOP/s on an H100/H200). v4 is the ladder's v4 (58-90 TFLOP/s measured on an
+H100); the ladder's v11 reached 218-309 TFLOP/s forward (fp16, N ≥ 4096,
+``benchmarks/results/nvidia-h100/tensorcore_v11.json``). What separates them is v5-v11, one change each; the mods
+touch only the score tile between ``S = Q Kᵀ`` and the online softmax, so each carries over. What v11 changes from
+v4 (:func:`make_kernel` against :func:`make_kernel_v4`):
 
-1. v5's base-2 softmax with τ·log₂e folded into the scores and the rescale skipped when the maximum does not move:
-   here τ multiplies S before ``score_mod`` (a mod sees τ·q·k, as PyTorch's), so fold only log₂e into the final
-   scores (one multiply, which this kernel already does inside ``online_softmax``'s scale) and keep v5's lazy
-   rescale. v6 (masks only on the tiles that need them) is what the BlockMask's classes already give.
-2. v7's two 16-row MMA tiles per warp (B_r = 32·W) and v10's tile per head dimension ((R, B_c) = (2, 32) at
-   d ≤ 64, (2, 64) at d ≤ 128, (1, 32) above): the kernel's tile would no longer be the BlockMask's, so the walk reads
-   the classes of the BlockMask's blocks that a kernel tile overlaps — for BLOCK_SIZE (64, 64) or 128 and v10's
-   tiles, each kernel tile lies inside one block, so it takes that block's class (no retiling, no mask calls).
-3. v8's float32 online softmax and v9's copy arithmetic hoisted out of the loop: unchanged by the mods.
-4. v11's longest-row-first order, generalised from causal to any mask: the host sorts row blocks by their number
-   of visited blocks (a count per row of the classes, once per BlockMask) and the grid reads row block
-   ``order[blockIdx]``.
-5. The host path (v11's measurement: 400-900 µs of Python per call before the driver-level launch, 64-96 µs
-   after): today each call copies the classes and the bound arrays to the device and re-plans the mods. Keep the
-   device copy of the classes and of each bound array with the BlockMask (weakly, keyed by the object; documented:
-   mutate a BlockMask's arrays in place and you must make a new one), and a ``ForwardPlan`` per (shape, plan) as
-   ``launch.run`` does.
+1. **v5's base-2 softmax** with the scale folded into one FMA and the rescale skipped when the maximum does not
+   move. A score_mod must see τ·q·k (PyTorch's convention), so with one the tile is multiplied by τ, modified,
+   and the softmax runs with log₂e; without one, τ·log₂e stays in the exponent and a full tile is not touched at
+   all (the statistics keep one unit per kernel: a compile-time choice). **v6** (masks only on the tiles that
+   need them) is the classes: a full tile runs no mask and no column test except keys past N_k on the last tile.
+2. **v7's two 16-row MMA tiles per warp and v10's tile per head dimension** (:func:`flex_tile`). The kernel tile
+   is no longer the BlockMask's block: it is the largest preferred tile that divides the block
+   (:func:`config_for`), so each kernel tile lies inside one block and takes its class, mask_mod still runs on
+   exactly the partial blocks' scores, and no retiling is needed for BLOCK_SIZE 128 (PyTorch's) or (64, 64).
+   One departure from v10's table, from ptxas's report (sm_90a, no GPU): at 64 < d ≤ 128 the B_c = 64 tile
+   spills 56-228 bytes once mods are compiled in (255 registers; the ladder's own v11: 8 bytes, outside its
+   loop), the B_c = 32 tile none (241-254 registers) — so kernels with mods take B_c = 32 there, and
+   ``flex_forward(..., B_c=64)`` measures the other choice. At d = 64: 156-170 registers, no spills, for every
+   ready mod (the ladder's v11 causal: 163).
+3. **v8's float32 softmax and v9's copies with stepped addresses** (``copy_*_async_inc``), unchanged by the mods.
+4. **v11's longest row blocks first, for any mask.** The host counts the tiles each kernel row block visits
+   (:func:`visit_table`, per (b, h) of the BlockMask) and sorts the row blocks by that count; when they differ
+   (causal, windows near the start, documents), the grid is (heads, batch, row blocks) and the block runs row
+   block ``order[b, h, blockIdx.z]``; when every row block is alike (no mask, all full), v10's grid (row blocks,
+   heads, batch), whose consecutive blocks share a head's K and V in L2.
+5. **The walk as a list, and the host path.** v4 read the classes in the kernel and stepped over skipped blocks
+   one byte at a time, in the critical path of the next tile's copy. v11 reads the next visited tile's index from
+   a list made on the host (``visits[b, h, i, t] = 2·j + partial``, PyTorch's ``kv_indices`` in one array): one
+   load per tile, issued before the copy it addresses. The host work that v4 repeated on every call — the classes
+   copied to the device, the bound arrays copied, the mods planned — is done once: the walk is kept with its
+   BlockMask (weakly: :func:`walk_for`; a BlockMask whose classes are changed in place keeps its old walk), the
+   plan per pair of mod objects (:func:`planned_mods`), the device copy per bound host array (:func:`_device_copy`:
+   bind a new array rather than change one in place). PyTorch CUDA tensors then take the short road of the
+   ladder's ``launch.run``: a plan per (shapes, strides, dtype, mods, BlockMask, τ) holding the packed launch, so a
+   repeated call allocates O and L and makes one driver-level launch.
 
-Prediction (not measured): with 1-5, the mods' cost over v11 is one compare per score of a partial block, the
-score_mod's arithmetic per score, and the classes' byte per visited tile. Forward: causal, sliding window,
-prefix-LM and document within 10 % of v11-causal's 213-252 (d = 64) and 285-312 (d = 128) TFLOP/s at N ≥ 4096 on
-an H200 (GPU.md), counting model FLOPs of the kept scores; ALiBi and relative_bias (one cached load per score)
-within 15 %; softcap within 20-30 % at d = 64 (tanh is MUFU plus a few FMAs in float32 — compute ``c`` as a
-float32 constant so the mod does not run in float64, which alone would cost more than all the rest on an H100).
-PyTorch's compiled FlexAttention has not been measured here yet (``benchmarks/flex.py`` will, in the same run);
-if it runs near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where
-v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it. The backward is
-v1, while the ladder's fastest is v7 (``kernels_gpu.tensorcore.flash2_backward``; its lineage's gains are in
-``kernels_gpu/tensorcore/__init__.py``): moving it to v7 (v3's sums, longest blocks first, dQ in its own pass) is
-the same kind of port, with the classes read per (i, j) in both the key-block and the dQ kernels; until then the
-forward + backward target is not expected to be met. Beyond mma.sync, the Hopper rungs (wgmma, 809 TFLOP/s MMA
-ceiling from numba) are the route past PyTorch on sm_90.
+Not carried over: the ladder's ``causal=True`` specialisation (causal is a mask_mod here: its diagonal tiles are
+partial blocks that call the mod per score, where the ladder tests a column index).
+
+**Prediction (before any GPU run; nothing here is measured).** With 1-5 the mods' cost over the ladder's v11 is a
+compare per score of a partial tile, the score_mod's arithmetic per score, one list load per visited tile, and at d
+= 128 with mods the narrower B_c = 32 tile, which v10's sweep measured 9 % slower on v9 (193 against 211 TFLOP/s at
+N = 4096). Forward, bf16, N ≥ 4096 on an H200, counting model FLOPs of the kept scores: causal, sliding window,
+prefix-LM and document within 10 % of the ladder's v11-causal at d = 64 (213-252 TFLOP/s, GPU.md) and within 15 % at
+d = 128 (285-312); ALiBi and relative_bias (one cached load per score) within 15 % / 20 %; softcap 20-35 % below at
+d = 64 — :func:`fa2edu.flex.softcap` closes over a Python float, which numba types float64, so its ``c·tanh(s/c)``
+runs in double precision (FP64 at half the FP32 rate on an H100; a float32 ``c`` would remove most of that cost, and
+is fa2edu.flex's change to make). Sliding window 1024 against causal at N = 16384, BLOCK_SIZE 128: a row block
+visits ≈ 9 blocks of the window (1024 + 128 keys) against causal's 64.5 on average, so ≈ 7.2× less work; in wall
+time 6.5-7.5×, below issue 38's 8×. Even elementwise the ratio is exactly 8 (8192 kept keys per row on average
+against 1024), so the block granularity alone puts the target out of reach unless causal runs less efficiently per
+FLOP than the window (its longer rows should make it, if anything, more efficient); (64, 64) blocks bring the count
+to ≈ 7.5× at the price of half-height tiles. Host: a repeated call on CUDA tensors should cost about what the
+ladder's planned launch does (64-96 µs measured, ``tensorcore_launch_overhead.json``), against v4's copies and
+planning per call. What could break it: a mod that numba does not inline (``s`` to local memory), the spills of d =
+128 coming back with a heavier mod, or a partial-tile path that ptxas schedules around the full-tile one. Against
+PyTorch's compiled FlexAttention (not yet measured here; ``benchmarks/flex.py`` will, in the same run): if it runs
+near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where the
+ladder's v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it.
+
+**The backward is still v1** (the ladder's fastest is v7, ``kernels_gpu.tensorcore.flash2_backward``): moving it to
+v7 (v3's two passes with dQ in its own kernel over query blocks, longest blocks first, stepped copies, Sᵀ and dPᵀ
+in one loop) is the same kind of port, with the walk listed per key block for the key-block kernel and per row
+block for the dQ kernel; until then the forward + backward target is not expected to be met. Beyond mma.sync,
+the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past PyTorch on sm_90.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -136,12 +175,17 @@ from kernels_gpu.tensorcore import flash2_backward_v1 as backward_v1
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
-__all__ = ["flex_forward", "flex_backward", "make_backward_kernel", "backward_config_for", "plan_backward_mods",
-           "make_kernel", "config_for", "shared_words", "next_visited", "plan_mods", "compile_mods", "compile_score",
-           "DEFAULT_BLOCK_SIZE", "ARRAY_SLOTS"]
+__all__ = ["flex_forward", "FORWARD_VERSIONS", "flex_forward_v11", "flex_forward_v4", "flex_backward",
+           "make_backward_kernel", "backward_config_for", "plan_backward_mods", "make_kernel", "config_for",
+           "make_kernel_v4", "config_for_v4", "flex_tile", "shared_words", "visit_table", "walk_for", "planned_mods",
+           "grid_for", "next_visited", "plan_mods", "compile_mods", "compile_score", "DEFAULT_BLOCK_SIZE",
+           "V4_BLOCK_SIZE", "ARRAY_SLOTS"]
 
-#: Tile (B_r, B_c) used when no block mask is given (v4's).
-DEFAULT_BLOCK_SIZE = (64, 64)
+#: The BlockMask tile (B_r, B_c) a mask is retiled to when the default rung cannot run its own (``fa2edu._torch_ops``);
+#: v11's kernel tiles (v10's table) lie inside it at every head dimension.
+DEFAULT_BLOCK_SIZE = (128, 64)
+#: Rung v4's tile when no block mask is given.
+V4_BLOCK_SIZE = (64, 64)
 #: Bound arrays the kernel takes, over all mods together (its arguments A0 … A3).
 ARRAY_SLOTS = 4
 _SLOT_NAMES = ", ".join(f"A{k}" for k in range(ARRAY_SLOTS))
@@ -153,10 +197,10 @@ def _name(mod) -> str:
     return getattr(mod, "__name__", type(mod).__name__)
 
 
-# -- the tile ---------------------------------------------------------------------------------------------------
+# -- rung v4's tile --------------------------------------------------------------------------------------------
 
-def config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
-    """The kernel's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): W = B_r / 16 warps of one 16-row MMA tile
+def config_for_v4(d: int, dtype: str, block_size: tuple, simulated: bool) -> Config:
+    """Rung v4's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): W = B_r / 16 warps of one 16-row MMA tile
     each, B_c keys per K/V tile. Raises ValueError naming the sizes it can run."""
     B_r, B_c = block_size
     if B_r % 16 or not 16 <= B_r <= 128 or B_c % 16 or not 16 <= B_c <= 128:
@@ -388,7 +432,7 @@ def compile_mods(plan, simulated: bool):
     return mask_call, score_call
 
 
-# -- the kernel -------------------------------------------------------------------------------------------------
+# -- rung v4: the kernel ----------------------------------------------------------------------------------------
 
 def next_visited(classes: np.ndarray, i: int, j: int) -> int:
     """Host twin of the kernel's walk: the first key block j' ≥ j of row block i that is not skipped (T_c if none).
@@ -400,8 +444,8 @@ def next_visited(classes: np.ndarray, i: int, j: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def make_kernel(cfg: Config, plan):
-    """The flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
+def make_kernel_v4(cfg: Config, plan):
+    """Rung v4's flex kernel for one tile shape and one :func:`plan_mods` plan (compiled on first launch, once per
     argument types). The arrays bound to the mods are its arguments A0 … A3: new document ids, slopes or tables
     reuse the kernel."""
     mask_call, score_call = compile_mods(plan, cfg.simulated)
@@ -563,7 +607,510 @@ def _on_device(a):
     return cuda.to_device(np.ascontiguousarray(a))
 
 
-def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+def _device_copy(a):
+    """:func:`_on_device` with the copies of host arrays (NumPy arrays, CPU tensors) kept per array object, so that
+    a repeated call with the same bound arrays copies nothing: a host array is read once, when first seen (change
+    its contents in place and the kernel keeps reading the old copy: bind a new array instead). Device arrays and
+    CUDA tensors are used in place, as :func:`_on_device` does; lists (no weak references) are copied per call."""
+    if getattr(a, "__cuda_ndarray__", False) or (hasattr(a, "__cuda_array_interface__")
+                                                  and not rt.simulator_in_use()):
+        return _on_device(a)
+    key = id(a)
+    found = _DEVICE_COPIES.get(key)
+    if found is not None and found[0]() is a:
+        return found[1]
+    try:
+        ref = weakref.ref(a, lambda _, key=key: _DEVICE_COPIES.pop(key, None))
+    except TypeError:                            # (no weak references: a list, a tuple)
+        return _on_device(a)
+    copy = _on_device(a)
+    _DEVICE_COPIES[key] = (ref, copy)
+    return copy
+
+
+#: device copies of bound host arrays: id(array) → (weak reference to it, its device copy)
+_DEVICE_COPIES: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_slot(simulated: bool):
+    """The 1-element device array that fills the array slots no mod uses (made once)."""
+    return cuda.to_device(np.zeros(1, np.float32))
+
+
+def _bound_on_device(arrays: tuple) -> list:
+    """The kernel's arguments A0 … A3: the bound arrays on the device (:func:`_device_copy`), then fillers."""
+    bound = [_device_copy(a) for a in arrays]
+    return bound + [_unused_slot(rt.simulator_in_use())] * (ARRAY_SLOTS - len(bound))
+
+
+def _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa):
+    """The checks every forward rung makes, and ``(problem, block_mask)`` (:func:`launch.prepare`'s Problem)."""
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if Q.shape[1] != K.shape[1] and not enable_gqa:
+        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention, or give K and V Q's heads")
+    p = launch.prepare(Q, K, V, causal=False, scale=scale)
+    return p, _check_mods(score_mod, block_mask, p)
+
+
+def _launch_mods(kernel, grid, threads, p, args, nbytes, mask_mod, score_mod) -> None:
+    """Launch a flex kernel; numba's compile errors (a mod the kernel's types break) become a TypeError naming
+    the mods."""
+    try:
+        driver_launch.launch(kernel, grid, threads, p.stream, args, nbytes)
+    except Exception as error:
+        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
+            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
+        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
+            raise
+        raise TypeError(f"numba could not compile the flex kernel with mask_mod "
+                        f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
+                        f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
+
+
+def flex_forward_v4(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+    """Rung v4's FlexAttention forward (:func:`make_kernel_v4`), kept so that its measurements stay reproducible:
+    :func:`flex_forward`'s arguments and result. The BlockMask's BLOCK_SIZE is the kernel's tile
+    (:func:`config_for_v4`); no block mask: every block full at (64, 64). Host cost per call: the classes and the
+    bound arrays copied to the device, the mods planned."""
+    from kernels_gpu.flash2 import Flash2Forward
+
+    p, block_mask = _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa)
+    block_size = V4_BLOCK_SIZE if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    cfg = config_for_v4(p.d, p.dtype, block_size, rt.simulator_in_use())
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
+    plan, arrays = plan_mods(mask_mod, score_mod)
+    kernel = make_kernel_v4(cfg, plan)
+    if block_mask is None:
+        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
+    else:
+        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
+    bound = [_on_device(a) for a in arrays]
+    bound += [cuda.to_device(np.zeros(1, np.float32))] * (ARRAY_SLOTS - len(bound))
+    args = (p.Q, p.K, p.V, p.O, p.L, cuda.to_device(classes), np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *bound)
+    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
+    _launch_mods(kernel, grid, cfg.threads, p, args, 4 * shared_words(cfg), mask_mod, score_mod)
+    return Flash2Forward(*launch.finish(p))
+
+
+# -- rung v11: the mods on the ladder's fastest forward -----------------------------------------------------------
+
+def flex_tile(d: int, mods: bool = True) -> tuple:
+    """Rung v11's preferred tile for head dimension d: (row tiles per warp R, B_r, B_c), 4 warps. v10's table
+    (:mod:`kernels_gpu.tensorcore.flash2_forward_v10`: (2, 128, 32) at d ≤ 64, (2, 128, 64) at d ≤ 128, (1, 64, 32)
+    above) with one change: at 64 < d ≤ 128 a kernel that calls mods takes B_c = 32. ptxas (sm_90a, no GPU) gives
+    the B_c = 64 kernel 255 registers and 56-228 bytes of spills once a mask_mod or score_mod is compiled in (the
+    ladder's v11: 8 bytes, outside its loop), and the B_c = 32 kernel 241-254 registers and none; without mods,
+    v10's B_c = 64 (255 registers, 4 bytes of spills, none stored in the loop)."""
+    if d <= 64:
+        return (2, 128, 32)
+    if d <= 128:
+        return (2, 128, 32 if mods else 64)
+    return (1, 64, 32)
+
+
+def config_for(d: int, dtype: str, block_size: tuple, simulated: bool, mods: bool = True,
+               B_c: int | None = None) -> Config:
+    """Rung v11's kernel constants for a BlockMask's BLOCK_SIZE = (B_r, B_c), both multiples of 16.
+
+    The kernel tile is :func:`flex_tile`'s for ``d`` (v10's, 2 row tiles per warp up to d = 128) shrunk to the
+    largest tile that divides the BlockMask's block, gcd(B_r', B_r) × gcd(B_c', B_c), so that every kernel tile
+    lies inside one block and takes its class: BLOCK_SIZE = 128 (PyTorch's default) runs the preferred tiles
+    unchanged, (64, 64) runs 64-row tiles (2 warps of 2 row tiles), (16, 16) one warp of one. ``mods``: whether a
+    mask_mod or score_mod is compiled in (:func:`flex_tile`); ``B_c``: the preferred key-tile width instead of
+    the table's (a multiple of 16; to measure the other choice). Raises ValueError naming the sizes it can run."""
+    B_r, B_c_mask = block_size
+    if B_r % 16 or B_r < 16 or B_c_mask % 16 or B_c_mask < 16:
+        raise ValueError(f"the flex kernel runs block masks whose BLOCK_SIZE (B_r, B_c) are multiples of 16; the "
+                         f"block mask has BLOCK_SIZE = {(B_r, B_c_mask)}: make it with create_block_mask(..., "
+                         f"BLOCK_SIZE=128) (PyTorch's default, the kernel's fastest tiles), or (16, 16) for small "
+                         f"problems")
+    R, pref_r, pref_c = flex_tile(d, mods)
+    if B_c is not None:
+        if isinstance(B_c, bool) or not isinstance(B_c, (int, np.integer)) or B_c % 16 or not 16 <= B_c <= 128:
+            raise ValueError(f"B_c must be a multiple of 16 from 16 to 128, got {B_c!r}")
+        pref_c = int(B_c)
+    tile_r, tile_c = math.gcd(pref_r, B_r), math.gcd(pref_c, B_c_mask)
+    if tile_r < 16 * R:
+        R = 1
+    cfg = Config(d=d, warps=tile_r // (16 * R), B_c=tile_c, dtype=dtype, causal=False, simulated=simulated,
+                 row_tiles=R)
+    nbytes = 4 * shared_words(cfg)
+    if nbytes > MAX_DYNAMIC_BYTES:            # (not reached by these tiles at d ≤ 256; kept as the guard)
+        raise ValueError(f"BLOCK_SIZE = {(B_r, B_c_mask)} at d = {d} needs {nbytes} bytes of shared memory, a "
+                         f"block may have {MAX_DYNAMIC_BYTES}")
+    return cfg
+
+
+def visit_table(classes: np.ndarray, block_size: tuple, tile: tuple, N_q: int, N_k: int) -> tuple:
+    """The walk of every kernel row block, worked out on the host once per BlockMask and tile (FA1 Alg. 5 line 8's
+    "skip the zero blocks", as a list: PyTorch's ``kv_num_blocks`` / ``kv_indices``).
+
+    ``classes`` (B, H, T_r, T_c) are the BlockMask's, of blocks ``block_size``; the kernel's tile (B_r', B_c')
+    divides them, so kernel tile (i', j') lies inside block (i'·B_r' // B_r, j'·B_c' // B_c) and takes its class.
+    Returns ``(counts, visits, order)``, int32: ``counts[b, h, i']`` the tiles row block i' visits;
+    ``visits[b, h, i', t]`` the t-th of them, in increasing j', coded 2·j' + 1 for a partial tile and 2·j' for a
+    full one (−1 past the count); ``order[b, h, :]`` the row blocks by decreasing count (longest first, ties in
+    index order). Cost O(B·H·T_r'·T_c'·log T_c'), memory B·H·T_r'·max(counts) words."""
+    B_r, B_c = block_size
+    tile_r, tile_c = tile
+    T_r, T_c = -(-N_q // tile_r), -(-N_k // tile_c)
+    rows = (np.arange(T_r) * tile_r) // B_r               # the block each kernel row block lies in
+    cols = (np.arange(T_c) * tile_c) // B_c
+    kinds = np.asarray(classes, dtype=np.int8)[:, :, rows][:, :, :, cols]       # (B, H, T_r', T_c')
+    visited = kinds != SKIPPED
+    counts = visited.sum(axis=-1).astype(np.int32)
+    width = max(1, int(counts.max()))
+    # the visited tiles first, each group in increasing j' (a stable sort of "not visited")
+    index = np.argsort(~visited, axis=-1, kind="stable")[..., :width]
+    codes = 2 * index + (np.take_along_axis(kinds, index, axis=-1) == PARTIAL)
+    codes[np.arange(width) >= counts[..., None]] = -1
+    order = np.argsort(-counts, axis=-1, kind="stable")
+    return tuple(np.ascontiguousarray(x, dtype=np.int32) for x in (counts, codes, order))
+
+
+class _Walk:
+    """A :func:`visit_table` on the device, with the classes array it was made from (``source``) and whether its
+    row blocks differ in length (``ordered``: then the kernel launches the longest first)."""
+
+    __slots__ = ("source", "host", "counts", "visits", "order", "ordered")
+
+    def __init__(self, source, counts, visits, order):
+        self.source, self.host = source, (counts, visits, order)
+        self.counts, self.visits, self.order = (cuda.to_device(x) for x in (counts, visits, order))
+        self.ordered = bool((counts != counts[..., :1]).any())
+
+
+#: walks per BlockMask (weakly: a walk lives as long as its BlockMask), {(B_r', B_c'): _Walk}
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WALKS_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _full_walk(N_q: int, N_k: int, tile: tuple, simulated: bool) -> _Walk:
+    """The walk without a block mask: every tile full, every row block alike."""
+    classes = np.full((1, 1, -(-N_q // tile[0]), -(-N_k // tile[1])), FULL, np.int8)
+    return _Walk(None, *visit_table(classes, tile, tile, N_q, N_k))
+
+
+def walk_for(block_mask, cfg: Config, N_q: int, N_k: int) -> _Walk:
+    """The device walk of ``block_mask`` (None: every block full) at ``cfg``'s tile, made on the first call and
+    kept with the BlockMask: a repeated call copies nothing. (A BlockMask whose ``classes`` attribute is replaced
+    gets a new walk; one whose classes are changed in place keeps the old one: make a new BlockMask.)"""
+    tile = (cfg.B_r, cfg.B_c)
+    if block_mask is None:
+        return _full_walk(N_q, N_k, tile, cfg.simulated)
+    with _WALKS_LOCK:
+        found = _WALKS.get(block_mask, {}).get(tile)
+    if found is not None and found.source is block_mask.classes:
+        return found
+    walk = _Walk(block_mask.classes, *visit_table(block_mask.classes, block_mask.BLOCK_SIZE, tile, N_q, N_k))
+    with _WALKS_LOCK:
+        _WALKS.setdefault(block_mask, {})[tile] = walk
+    return walk
+
+
+#: mod plans by (mask_mod, score_mod, N_q, N_k) identity: (mask_mod, score_mod, plan, arrays), the mods held so
+#: that their ids stay theirs while the entry lives
+_MOD_PLANS = driver_launch.PlanCache(64)
+
+
+def planned_mods(mask_mod, score_mod, N_q: int, N_k: int) -> tuple:
+    """:func:`plan_mods` of ``mask_mod`` and ``score_mod`` specialised to the lengths (:func:`at_lengths`), made
+    once per pair of mod objects: ``(plan, arrays)``. (A mod is planned when first seen: a closure whose captured
+    variables are rebound afterwards keeps its first plan; make a new mod.)"""
+    key = (id(mask_mod), id(score_mod), N_q, N_k)
+    found = _MOD_PLANS.get(key)
+    if found is not None and found[0] is mask_mod and found[1] is score_mod:
+        return found[2], found[3]
+    plan, arrays = plan_mods(mask_mod, None if score_mod is None else at_lengths(score_mod, N_q, N_k))
+    _MOD_PLANS[key] = (mask_mod, score_mod, plan, arrays)
+    return plan, arrays
+
+
+@functools.lru_cache(maxsize=64)
+def make_kernel(cfg: Config, plan, ordered: bool = False):
+    """Rung v11's flex kernel for one tile shape (:func:`config_for`), one :func:`plan_mods` plan and one launch
+    order (compiled on first launch, once per argument types). ``ordered``: the grid is (heads, batch, row
+    blocks) and row block ``order[b, h, blockIdx.z]`` runs, the longest first; otherwise (row blocks, heads,
+    batch), v10's. Arguments: Q, K, V, O, L (uint32 words, float32 L), the walk (``counts``, ``visits``,
+    ``order``: :func:`visit_table`), N_q, N_k, G, τ, and the bound arrays A0 … A3."""
+    mask_call, score_call = compile_mods(plan, cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    ORDERED = bool(ordered)
+    st = make_steps(cfg)
+    jit = device(cfg.simulated)
+    copy_q, copy_kv, zero, init_stats = st["copy_q_async_inc"], st["copy_kv_async_inc"], st["zero"], st["init_stats"]
+    online_softmax, finish_rows, mma_into = st["online_softmax_f32"], st["finish_rows_exp2"], st["mma_into"]
+    ldmatrix, ldmatrix_trans = ptx.ldmatrix_x4, ptx.ldmatrix_x4_trans
+    pack = ptx.pack_f16x2 if cfg.dtype == "float16" else ptx.pack_bf16x2
+    B_r, B_c, RS, NT, NO, R = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT, cfg.NO, cfg.row_tiles
+    KS = cfg.D // 16                         # 16-wide k-steps of S = Q Kᵀ
+    KV = B_c // 16                           # 16-wide k-steps of O += P V
+    K_OFF = B_r * RS                         # word offsets of the tiles in the one shared array: Q_i, then
+    V_OFF = K_OFF + B_c * RS                 # stage 0 (K, V), then stage 1 (K, V)
+    STAGE = 2 * B_c * RS
+    S_LEN, O_LEN = 4 * NT, 4 * NO           # register-array lengths (compile-time constants)
+    S1_LEN, O1_LEN = (S_LEN, O_LEN) if R == 2 else (1, 1)   # the second row tile's arrays (a stub when R = 1)
+    neg_inf = float32(-math.inf)
+    log2e = float32(LOG2E)
+
+    @jit
+    def modify_half(s, hr, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3):
+        """Alg. 1 line 8, FlexAttention's part, for one of the lane's two rows of a row tile (hr = 0: row g,
+        1: row g + 8; a constant, so that every index into ``s`` is one), in place. With a score_mod: S ← τ·S,
+        then score_mod on each kept score; without one, S stays raw (τ is folded into the softmax's exponent, as
+        v5). A partial tile drops what mask_mod drops (−∞). ``edge`` (the tile reaches past N_q or N_k): padding
+        rows and keys get −∞ and no mod call — a mod may index arrays of N_q or N_k entries."""
+        for n in range(NT):
+            for e in range(2):
+                k = 4 * n + 2 * hr + e
+                col = col0 + 8 * n + 2 * (cuda.laneid % 4) + e
+                x = s[k]
+                if HAS_SCORE:
+                    x = x * scale
+                if edge and (row >= N_q or col >= N_k):
+                    x = neg_inf
+                elif HAS_MASK and partial and not mask_call(z, head, row, col, A0, A1, A2, A3):
+                    x = neg_inf
+                elif HAS_SCORE:
+                    x = float32(score_call(x, z, head, row, col, A0, A1, A2, A3))
+                s[k] = x
+
+    @jit
+    def modify_tile(s, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3):
+        """:func:`modify_half` for both rows of a lane in one 16-row tile (rows ``row`` and ``row + 8``)."""
+        modify_half(s, 0, row, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3)
+        modify_half(s, 1, row + 8, col0, N_q, N_k, partial, edge, scale, z, head, A0, A1, A2, A3)
+
+    @cuda.jit
+    def flex_forward_tc_v11(Q, K, V, O, L, counts, visits, order, N_q, N_k, G, scale, A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = lane // 4
+        if ORDERED:                           # grid (heads, batch, row blocks): the longest row blocks first
+            h = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+        else:                                 # grid (row blocks, heads, batch), as up to v10
+            h = cuda.blockIdx.y
+            z = cuda.blockIdx.z
+        bz = z if counts.shape[0] > 1 else 0  # a BlockMask of B = 1 or H = 1 broadcasts
+        bh = h if counts.shape[1] > 1 else 0
+        if ORDERED:
+            i = order[bz, bh, cuda.blockIdx.z]
+        else:
+            i = cuda.blockIdx.x               # row block i (FA2 Alg. 1 line 3: one block per i, in parallel)
+        hk = h // G                           # GQA: query head h reads key/value head h // G
+        sm = cuda.shared.array(0, uint32)     # dynamic shared memory, as 32-bit words
+        # The warp's R row tiles (v7), each with its own S/P̃ and Õ accumulators and statistics: rows
+        # 16R·w … 16R·w + 15 (suffix 0), and 16 more (suffix 1; stubs when R = 1).
+        s0 = cuda.local.array(S_LEN, float32)
+        s1 = cuda.local.array(S1_LEN, float32)
+        o0 = cuda.local.array(O_LEN, float32)
+        o1 = cuda.local.array(O1_LEN, float32)
+        m0 = cuda.local.array(2, float32)
+        m1 = cuda.local.array(2, float32)
+        l0 = cuda.local.array(2, float32)
+        l1 = cuda.local.array(2, float32)
+        row0 = i * B_r + 16 * R * warp + g    # this lane's first row of tile 0; tile 1's is row0 + 16
+        q_row = (16 * R * warp + lane % 16) * RS   # the row this lane addresses in ldmatrix of Q (tile 0)
+        # The statistics' units: raw scores (τ·log₂e in the exponent, v5) without a score_mod, the modified
+        # scores (log₂e) with one — the same for every tile of the row.
+        soft_scale = log2e if HAS_SCORE else scale * log2e
+        rows_edge = (i + 1) * B_r > N_q       # the last row block holds padding rows
+        n_visits = counts[bz, bh, i]          # FA1 Alg. 5 line 8: the tiles not skipped, listed on the host
+
+        # Alg. 1 lines 4 and 7 (first visited tile): start the copies of Q_i, K_j, V_j, as one group.
+        copy_q(sm, 0, Q, z, h, i * B_r, N_q, tid)
+        code = visits[bz, bh, i, 0]           # 2·j + 1 for a partial tile, 2·j for a full one
+        if n_visits > 0:
+            copy_kv(sm, K_OFF, K, z, hk, (code >> 1) * B_c, N_k, tid)
+            copy_kv(sm, V_OFF, V, z, hk, (code >> 1) * B_c, N_k, tid)
+        ptx.cp_async_commit()
+        # Alg. 1 line 5: O_i = 0, ℓ_i = 0, m_i = −∞ (in registers), for each row tile.
+        zero(o0, O_LEN)
+        init_stats(m0, l0)
+        if R == 2:
+            zero(o1, O_LEN)
+            init_stats(m1, l1)
+        # Alg. 1 line 6: for the visited j (skipped blocks never loaded: FA1 Alg. 5 line 8).
+        for t in range(n_visits):
+            stage = (t % 2) * STAGE
+            j = code >> 1
+            partial = (code & 1) != 0
+            # Line 7 for the next visited tile, started now, lands while tile j is computed.
+            code_next = code
+            if t + 1 < n_visits:
+                code_next = visits[bz, bh, i, t + 1]
+                copy_kv(sm, K_OFF + STAGE - stage, K, z, hk, (code_next >> 1) * B_c, N_k, tid)
+                copy_kv(sm, V_OFF + STAGE - stage, V, z, hk, (code_next >> 1) * B_c, N_k, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait_one()           # this thread's copies of tile j (and Q_i) have landed ...
+            cuda.syncthreads()                # ... and everyone's
+
+            # Line 8: S_ij = Q_i K_jᵀ for the warp's rows: each K fragment (two 16 × 8 tiles of keys) is
+            # multiplied into every row tile.
+            zero(s0, S_LEN)
+            if R == 2:
+                zero(s1, S_LEN)
+            for kk in range(KS):
+                # A: lanes 0-15 address rows 0-15 of the tile at word 8kk, lanes 16-31 the same rows 4 words on.
+                a0, a1, a2, a3 = ldmatrix(sm, q_row + 8 * kk + 4 * (lane // 16))
+                if R == 2:
+                    c0, c1, c2, c3 = ldmatrix(sm, q_row + 16 * RS + 8 * kk + 4 * (lane // 16))
+                for p in range(NT // 2):
+                    # B: lanes 8u … 8u+7 address keys 16p + 8(u // 2) + 0…7, words 8kk + 4(u % 2).
+                    k_row = K_OFF + stage + (16 * p + lane % 8 + 8 * (lane // 16)) * RS + 8 * kk + 4 * ((lane // 8) % 2)
+                    b0, b1, b2, b3 = ldmatrix(sm, k_row)
+                    mma_into(s0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(s0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    if R == 2:
+                        mma_into(s1, 2 * p, c0, c1, c2, c3, b0, b1)
+                        mma_into(s1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+
+            # Line 8, FlexAttention: S ← MASK(score_mod(τS)) — mask_mod only in a partial tile, score_mod on every
+            # kept score; a full tile without a score_mod is left as it is (v11's inner loop exactly).
+            ragged = (j + 1) * B_c > N_k      # the last tile holds keys past N_k
+            if HAS_SCORE or (HAS_MASK and partial):
+                edge = ragged or rows_edge
+                modify_tile(s0, row0, j * B_c, N_q, N_k, partial, edge, scale, z, h, A0, A1, A2, A3)
+                if R == 2:
+                    modify_tile(s1, row0 + 16, j * B_c, N_q, N_k, partial, edge, scale, z, h, A0, A1, A2, A3)
+            # Lines 9-10: the online softmax of each row tile (base 2, rescale only when the maximum moves; keys
+            # past N_k masked on the ragged tile alone, v6).
+            online_softmax(s0, o0, m0, l0, row0, j * B_c, N_k, soft_scale, 0, ragged)
+            if R == 2:
+                online_softmax(s1, o1, m1, l1, row0 + 16, j * B_c, N_k, soft_scale, 0, ragged)
+
+            # Line 10 (second half): Õ_i += P̃_ij V_j, 16 keys per k-step; A comes straight from S's accumulators,
+            # and each V fragment serves every row tile.
+            for kk in range(KV):
+                a0 = pack(s0[8 * kk], s0[8 * kk + 1])
+                a1 = pack(s0[8 * kk + 2], s0[8 * kk + 3])
+                a2 = pack(s0[8 * kk + 4], s0[8 * kk + 5])
+                a3 = pack(s0[8 * kk + 6], s0[8 * kk + 7])
+                if R == 2:
+                    c0 = pack(s1[8 * kk], s1[8 * kk + 1])
+                    c1 = pack(s1[8 * kk + 2], s1[8 * kk + 3])
+                    c2 = pack(s1[8 * kk + 4], s1[8 * kk + 5])
+                    c3 = pack(s1[8 * kk + 6], s1[8 * kk + 7])
+                for p in range(NO // 2):
+                    # B (transposed on the way): lanes 8u … 8u+7 address keys 16kk + 8(u % 2) + 0…7,
+                    # columns 16p + 8(u // 2) …
+                    v_row = V_OFF + stage + (16 * kk + lane % 8 + 8 * ((lane // 8) % 2)) * RS + 8 * p + 4 * (lane // 16)
+                    b0, b1, b2, b3 = ldmatrix_trans(sm, v_row)
+                    mma_into(o0, 2 * p, a0, a1, a2, a3, b0, b1)
+                    mma_into(o0, 2 * p + 1, a0, a1, a2, a3, b2, b3)
+                    if R == 2:
+                        mma_into(o1, 2 * p, c0, c1, c2, c3, b0, b1)
+                        mma_into(o1, 2 * p + 1, c0, c1, c2, c3, b2, b3)
+            cuda.syncthreads()                # this stage is free for the visit after next
+            code = code_next
+
+        ptx.cp_async_wait_all()               # (a block with no tile to visit still started its Q_i copy)
+        # Lines 12-15: O_i = diag(ℓ_i)⁻¹ Õ_i, L_i = m_i + log ℓ_i (O = 0, L = +∞ for a row that kept no score),
+        # written to HBM once, per row tile.
+        finish_rows(o0, m0, l0, O, L, z, h, row0, N_q, soft_scale)
+        if R == 2:
+            finish_rows(o1, m1, l1, O, L, z, h, row0 + 16, N_q, soft_scale)
+
+    return flex_forward_tc_v11
+
+
+def grid_for(cfg: Config, p, ordered: bool) -> tuple:
+    """v11's launch grid: (heads, batch, row blocks) when the row blocks differ in length (the kernel reads
+    ``order``: the longest first), else v10's (row blocks, heads, batch), whose consecutive blocks share a head's
+    K and V in L2."""
+    T_r = rt.grid_size(p.N_q, cfg.B_r)
+    return (p.H_q, p.Z, T_r) if ordered else (T_r, p.H_q, p.Z)
+
+
+#: plans of repeated calls on PyTorch CUDA tensors (the driver-level launch): what a call needs beyond its outputs
+_PLANS = driver_launch.PlanCache()
+
+
+def _plan_key(tensors, score_mod, block_mask, scale, enable_gqa, B_c):
+    """The key of a call's :class:`_FlexPlan` (None when the call cannot take the short road: not PyTorch CUDA
+    tensors, or no driver-level launch). The mods and the BlockMask by identity (the plan holds them, so their
+    ids stay theirs); the tensors as :func:`kernels_gpu.tensorcore.launch.run`'s plans key them."""
+    if not driver_launch.enabled():
+        return None
+    try:
+        import torch
+    except ImportError:                       # (torch is optional: no tensors to plan for)
+        return None
+    parts = []
+    for x in tensors:
+        if type(x) is not torch.Tensor or not x.is_cuda:
+            return None
+        parts.append((x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0))
+    return ("v11", id(score_mod), id(block_mask), type(scale), scale, bool(enable_gqa), B_c, tuple(parts))
+
+
+class _FlexPlan:
+    """A v11 forward on PyTorch CUDA tensors of fixed shapes with fixed mods and BlockMask: the first call's
+    :class:`~kernels_gpu.tensorcore.launch.ForwardPlan` (outputs allocated, five addresses written, one driver
+    launch), holding the mods, the BlockMask and the device walk and bound arrays that its parameters point to."""
+
+    __slots__ = ("forward", "keep")
+
+    def __init__(self, forward, keep):
+        self.forward, self.keep = forward, keep
+
+    def __call__(self, Q, K, V):
+        return self.forward(Q, K, V)
+
+
+def flex_forward_v11(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, B_c=None):
+    """Rung v11's FlexAttention forward (:func:`make_kernel`): :func:`flex_forward`'s arguments and result;
+    ``B_c`` overrides the preferred key-tile width (:func:`config_for`).
+
+    Host cost: on the first call with a BlockMask, its walk (:func:`visit_table`) is built and copied to the
+    device, and the mods are planned; both are kept (per BlockMask, per mod object), as are the device copies of
+    bound host arrays. PyTorch CUDA tensors take the short road from the second call with the same shapes, mods
+    and BlockMask: one plan lookup, the outputs allocated, one driver-level launch."""
+    from kernels_gpu.flash2 import Flash2Forward
+
+    key = _plan_key((Q, K, V), score_mod, block_mask, scale, enable_gqa, B_c)
+    if key is not None:
+        found = _PLANS.get(key)
+        if found is not None:
+            return found(Q, K, V)
+    p, block_mask = _checked_problem(Q, K, V, score_mod, block_mask, scale, enable_gqa)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    plan, arrays = planned_mods(mask_mod, score_mod, p.N_q, p.N_k)
+    mods = plan != (None, None)
+    # no block mask: the preferred tile itself (every block full)
+    block_size = flex_tile(p.d, mods)[1:] if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    if B_c is not None and block_mask is None:
+        block_size = (block_size[0], B_c)
+    cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use(), mods=mods, B_c=B_c)
+    walk = walk_for(block_mask, cfg, p.N_q, p.N_k)
+    kernel = make_kernel(cfg, plan, walk.ordered)
+    args = (p.Q, p.K, p.V, p.O, p.L, walk.counts, walk.visits, walk.order, np.int32(p.N_q), np.int32(p.N_k),
+            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *_bound_on_device(arrays))
+    grid, nbytes = grid_for(cfg, p, walk.ordered), 4 * shared_words(cfg)
+    _launch_mods(kernel, grid, cfg.threads, p, args, nbytes, mask_mod, score_mod)
+    if key is not None:
+        prepared = driver_launch.Prepared(kernel, grid, cfg.threads, args, nbytes)
+        _PLANS[key] = _FlexPlan(launch.ForwardPlan(p, prepared, Q, K, V), (score_mod, block_mask, walk, args))
+    return Flash2Forward(*launch.finish(p))
+
+
+#: the flex forward rungs: name → ``f(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False)``
+FORWARD_VERSIONS = {"v4": flex_forward_v4, "v11": flex_forward_v11}
+
+
+def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, rung="v11", **tile):
     """FlexAttention forward on tensor cores: FA2 Algorithm 1 over a BlockMask, the mods compiled into the kernel.
 
     O = softmax(MASK(score_mod(τ·QKᵀ)))·V, the same function as :func:`fa2edu.flex.flex_attention`. Skipped blocks
@@ -585,13 +1132,18 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
         ``score_mod(score, b, h, q_idx, kv_idx) -> score``, a scalar function numba compiles (``bind`` for arrays
         it indexes). Default None: the scores unchanged.
     block_mask : fa2edu.BlockMask, optional
-        From ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)``. Its BLOCK_SIZE is the kernel's
-        tile (see the module docstring for the sizes it runs), its B and H are Q's or 1. Default None: no mask,
-        tile (64, 64).
+        From ``fa2edu.create_block_mask(mask_mod, B, H, N_q, N_k, BLOCK_SIZE)``; its B and H are Q's or 1. Rung
+        v11 runs any BLOCK_SIZE of multiples of 16 (its tile divides the block: :func:`config_for`); rung v4 runs
+        the BLOCK_SIZE as its tile (:func:`config_for_v4`). Default None: no mask.
     scale : float, optional
         The softmax scale τ. Default None: 1/√d.
     enable_gqa : bool, default False
         Allow H_q ≠ H_kv (a divisor of H_q): query head h reads key/value head h // (H_q / H_kv).
+    rung : str, keyword only, default "v11"
+        Which kernel: a key of :data:`FORWARD_VERSIONS` ("v11": the ladder's fastest rung with the mods; "v4":
+        the first flex kernel, kept for its measurements).
+    **tile :
+        Rung v11 only: ``B_c``, the preferred key-tile width (:func:`config_for`), to measure the other choice.
 
     Returns
     -------
@@ -599,46 +1151,13 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
         ``(O, L)``: O (B, H_q, N_q, d) in Q's dtype and kind (0 on a fully masked row), L (B, H_q, N_q) float32
         natural-log log-sum-exp of the modified, masked scores (+inf on a fully masked row).
     """
-    from kernels_gpu.flash2 import Flash2Forward
-
-    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
-        if len(getattr(x, "shape", ())) != 4:
-            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
-                             f"{tuple(getattr(x, 'shape', ()))}")
-    if not isinstance(enable_gqa, (bool, np.bool_)):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if Q.shape[1] != K.shape[1] and not enable_gqa:
-        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
-                         f"grouped-query attention, or give K and V Q's heads")
-    p = launch.prepare(Q, K, V, causal=False, scale=scale)
-    block_mask = _check_mods(score_mod, block_mask, p)
-    block_size = DEFAULT_BLOCK_SIZE if block_mask is None else tuple(block_mask.BLOCK_SIZE)
-    cfg = config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
-    plan, arrays = plan_mods(mask_mod, score_mod)
-    kernel = make_kernel(cfg, plan)
-    if block_mask is None:
-        classes = np.full((1, 1, rt.grid_size(p.N_q, cfg.B_r), rt.grid_size(p.N_k, cfg.B_c)), FULL, np.int8)
-    else:
-        classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
-    bound = [_on_device(a) for a in arrays]
-    dummy = cuda.to_device(np.zeros(1, np.float32))
-    bound += [dummy] * (ARRAY_SLOTS - len(bound))
-    args = (p.Q, p.K, p.V, p.O, p.L, cuda.to_device(classes), np.int32(p.N_q), np.int32(p.N_k),
-            np.int32(p.H_q // p.H_kv), np.float32(p.scale), *bound)
-    grid = (rt.grid_size(p.N_q, cfg.B_r), p.H_q, p.Z)
-    try:
-        driver_launch.launch(kernel, grid, cfg.threads, p.stream, args, 4 * shared_words(cfg))
-    except Exception as error:
-        compile_error = type(error).__module__.startswith("numba") and type(error).__name__ in (
-            "TypingError", "LoweringError", "UnsupportedError", "NumbaError")
-        if not compile_error:                 # (a driver error, a launch failure: not the mods' fault)
-            raise
-        raise TypeError(f"numba could not compile the flex kernel with mask_mod "
-                        f"{'None' if mask_mod is None else _name(mask_mod)} and score_mod "
-                        f"{'None' if score_mod is None else _name(score_mod)}: {error}") from error
-    return Flash2Forward(*launch.finish(p))
+    forward = FORWARD_VERSIONS.get(rung) if isinstance(rung, str) else None
+    if forward is None:
+        raise ValueError(f"rung must be one of {sorted(FORWARD_VERSIONS)}, got {rung!r}")
+    if tile and (rung != "v11" or set(tile) - {"B_c"}):
+        raise TypeError(f"flex_forward takes the tile option B_c with rung 'v11' only, got {sorted(tile)} with "
+                        f"rung {rung!r}")
+    return forward(Q, K, V, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **tile)
 
 
 # -- the backward pass ------------------------------------------------------------------------------------------

@@ -213,8 +213,13 @@ def test_block_size_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="BLOCK_SIZE = \\(24, 16\\)"):
         kflex.flex_forward(q, k, v, block_mask=bm)
     big = _inputs(1, 1, 1, 20, 24, 256, seed=8)
-    with pytest.raises(ValueError, match="shared memory"):
-        kflex.flex_forward(*big, block_mask=F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=128))
+    with pytest.raises(ValueError, match="shared memory"):               # v4: the BlockMask's block is its tile
+        kflex.flex_forward(*big, block_mask=F.create_block_mask(F.causal, None, None, 20, 24, BLOCK_SIZE=128),
+                           rung="v4")
+    cfg = kflex.config_for(256, "float16", (128, 128), True)           # v11: v10's (64, 32) tile inside the block
+    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == (64, 32, 1, 4)
+    with pytest.raises(ValueError, match="rung must be one of"):
+        kflex.flex_forward(q, k, v, rung="v99")
 
 
 def test_block_mask_for_other_lengths_or_programs():
@@ -299,3 +304,143 @@ def test_host_twin_of_the_walk():
     classes = np.array([[F.SKIPPED, F.PARTIAL, F.SKIPPED, F.FULL]])
     assert [kflex.next_visited(classes, 0, j) for j in range(5)] == [1, 1, 3, 3, 4]
     assert fa2edu.flex.SKIPPED == 0
+
+
+# -- rung v11: v10's tiles inside the BlockMask's blocks, the host's walk, the longest row blocks first ---------------
+
+def _opposite_triangles(b, h, q_idx, kv_idx):
+    # head 0 keeps the lower triangle, head 1 the upper one: their row blocks' lengths run in opposite orders
+    return (kv_idx <= q_idx) if h == 0 else (kv_idx >= q_idx)
+
+
+# (id, mask_mod, score_mod, (B, H_q, H_kv, N_q, N_k, d), BLOCK_SIZE, B and H of the block mask, masked rows,
+#  the kernel tile (B_r, B_c, row tiles, warps) that v11 must pick)
+V11_CASES = [
+    # two row tiles per warp (v7) and two warps; ragged N, GQA, bottom-right causal with 20 queries that see nothing
+    ("causal-2warps-2rowtiles-gqa", F.causal, None, (1, 2, 1, 84, 64, 16), (64, 32), (None, None), 20,
+     (64, 32, 2, 2)),
+    # a kernel tile half as wide as the BlockMask's block (B_c = gcd(32, 64)): both halves of a partial block are
+    # partial, of a skipped block skipped; documents with masked rows, and a score_mod on top
+    ("document-alibi-tile-inside-block", F.document(Q_DOCS, KV_DOCS), F.alibi(F.alibi_slopes(1)),
+     (1, 1, 1, 37, 41, 16), (32, 64), (None, None), 6, (32, 32, 2, 1)),
+    # per-head classes whose row blocks rank in opposite orders: order[b, h, blockIdx.z] per head
+    ("per-head-order-softcap", _opposite_triangles, F.softcap(3.0), (1, 2, 2, 40, 40, 16), 16, (None, 2), 0,
+     (16, 16, 1, 1)),
+    # d > 128: one row tile per warp (v10's third row), a copy whose chunks do not divide the threads
+    ("d160-window", F.sliding_window(12), None, (1, 1, 1, 30, 30, 160), (16, 32), (None, None), 0, (16, 32, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", V11_CASES, ids=[c[0] for c in V11_CASES])
+def test_v11_tiles_and_orders_match_the_oracle(case):
+    _, mask_mod, score_mod, (B, H_q, H_kv, N_q, N_k, d), block_size, (bB, bH), masked, tile = case
+    cfg = kflex.config_for(d, "float16", block_size if isinstance(block_size, tuple) else (block_size,) * 2, True)
+    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == tile
+    q, k, v = _inputs(B, H_q, H_kv, N_q, N_k, d, seed=len(case[0]), logit_scale=1.5)
+    bm = F.create_block_mask(mask_mod, None if bB is None else B, bH, N_q, N_k, BLOCK_SIZE=block_size)
+    check_against_oracle(q, k, v, mask_mod, score_mod, bm, enable_gqa=H_q != H_kv, fully_masked_rows=masked)
+
+
+def test_v11_tiles_for_pytorchs_block_size_are_v10s():
+    """BLOCK_SIZE = 128 runs v10's tiles at every head dimension, except B_c = 32 at d = 128 when mods are compiled
+    in (spill-free there: flex_tile); (64, 64) runs 64-row tiles; B_c overrides the preferred width."""
+    for d, mods, tile in ((64, True, (128, 32, 2, 4)), (128, False, (128, 64, 2, 4)), (128, True, (128, 32, 2, 4)),
+                          (256, True, (64, 32, 1, 4))):
+        cfg = kflex.config_for(d, "bfloat16", (128, 128), False, mods=mods)
+        assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == tile
+        assert 4 * kflex.shared_words(cfg) <= kflex.MAX_DYNAMIC_BYTES
+    cfg = kflex.config_for(128, "float16", (64, 64), False)
+    assert (cfg.B_r, cfg.B_c, cfg.row_tiles, cfg.warps) == (64, 32, 2, 2)
+    assert kflex.config_for(128, "float16", (128, 128), False, B_c=64).B_c == 64
+    for bad in ((24, 16), (16, 8), (0, 16)):
+        with pytest.raises(ValueError, match="multiples of 16"):
+            kflex.config_for(64, "float16", bad, True)
+    with pytest.raises(ValueError, match="B_c must be a multiple of 16"):
+        kflex.config_for(64, "float16", (16, 16), True, B_c=24)
+    q, k, v = _small()
+    with pytest.raises(TypeError, match="tile option B_c with rung 'v11' only"):
+        kflex.flex_forward(q, k, v, rung="v4", B_c=32)
+
+
+def _walk_by_hand(classes, block_size, tile, N_q, N_k):
+    """The host twin of the kernel's walk, by loops: each kernel tile's class is its block's, skipped ones left out."""
+    (B_r, B_c), (tr, tc) = block_size, tile
+    walks = {}
+    for b, h in np.ndindex(classes.shape[:2]):
+        for i in range(-(-N_q // tr)):
+            walks[b, h, i] = [2 * j + int(classes[b, h, i * tr // B_r, j * tc // B_c] == F.PARTIAL)
+                              for j in range(-(-N_k // tc)) if classes[b, h, i * tr // B_r, j * tc // B_c] != F.SKIPPED]
+    return walks
+
+
+def test_visit_table_is_the_walk_and_the_order_is_longest_first():
+    bm = F.create_block_mask(_opposite_triangles, None, 2, 70, 90, BLOCK_SIZE=(32, 64))
+    counts, visits, order = kflex.visit_table(bm.classes, bm.BLOCK_SIZE, (16, 32), 70, 90)
+    by_hand = _walk_by_hand(bm.classes, bm.BLOCK_SIZE, (16, 32), 70, 90)
+    assert counts.dtype == visits.dtype == order.dtype == np.int32
+    for (b, h, i), codes in by_hand.items():
+        assert counts[b, h, i] == len(codes)
+        assert list(visits[b, h, i, :len(codes)]) == codes and (visits[b, h, i, len(codes):] == -1).all()
+    for b, h in np.ndindex(counts.shape[:2]):
+        assert sorted(order[b, h]) == list(range(counts.shape[2]))
+        assert (np.diff(counts[b, h, order[b, h]]) <= 0).all()          # longest first
+    # the last row block is head 0's longest (3 tiles against 2) and head 1's shortest (1 against 3)
+    assert list(order[0, 0]) == [4, 0, 1, 2, 3] and list(order[0, 1]) == [0, 1, 2, 3, 4]
+    # a causal mask's walk is ordered (the grid puts heads fastest); no mask's is not (v10's grid)
+    cfg = kflex.config_for(16, "float16", (16, 16), True)
+    causal = F.create_block_mask(F.causal, None, None, 40, 40, BLOCK_SIZE=16)
+    assert kflex.walk_for(causal, cfg, 40, 40).ordered and not kflex.walk_for(None, cfg, 40, 40).ordered
+
+
+def test_v11_mask_mod_only_in_partial_blocks_when_the_tile_is_smaller(monkeypatch, ptx_calls):
+    """A kernel tile half a block wide: mask_mod is called on exactly the scores of the BlockMask's partial blocks
+    (both kernel tiles of each), never in a full one, and the keys only skipped blocks hold are never read."""
+    calls = []
+
+    def recorded_window(b, h, q_idx, kv_idx):
+        if np.ndim(q_idx) == 0:
+            calls.append((int(q_idx), int(kv_idx)))
+        return (kv_idx <= q_idx + 40) & (kv_idx > q_idx - 30)
+    monkeypatch.setattr(kflex, "_typed_on_host", lambda *args: None)
+    N_q, N_k, d = 20, 100, 16
+    q, k, v = _inputs(1, 1, 1, N_q, N_k, d, seed=9)
+    bm = F.create_block_mask(recorded_window, None, None, N_q, N_k, BLOCK_SIZE=(16, 64))
+    assert (bm.classes == F.PARTIAL).sum() and (bm.classes == F.SKIPPED).sum()
+    assert kflex.config_for(d, "float16", bm.BLOCK_SIZE, True).B_c == 32
+    calls.clear()
+    copies = ptx_calls("cp_async16")
+    O, _ = kflex.flex_forward(q, k, v, block_mask=bm)
+    expected = [(r, c) for i, rows in enumerate(bm.row_tiles()) for j, cols in enumerate(bm.col_tiles())
+                if bm.classes[0, 0, i, j] == F.PARTIAL for r in range(rows.start, rows.stop)
+                for c in range(cols.start, cols.stop)]
+    assert sorted(calls) == sorted(expected)
+    rows_kv = {int(g_index) // (d // 2) for _, _, gmem, g_index, size in copies
+               if int(size) and gmem.shape[2] == N_k}
+    skipped = {r for r in range(N_k) if (bm.classes[0, 0, :, r // 64] == F.SKIPPED).all()}
+    assert skipped and not skipped & rows_kv
+    O_ref, _ = dense_oracle(q, k, v, bm.mask_mod, None)
+    assert np.abs(O - O_ref).max() < 5e-3
+
+
+def test_rung_v4_is_kept_and_agrees():
+    q, k, v = _inputs(1, 1, 1, 24, 30, 16, seed=10)
+    bm = F.create_block_mask(F.sliding_window(9), None, None, 24, 30, BLOCK_SIZE=16)
+    O4, L4 = kflex.flex_forward(q, k, v, block_mask=bm, rung="v4")
+    O11, L11 = kflex.FORWARD_VERSIONS["v11"](q, k, v, block_mask=bm)
+    assert kflex.FORWARD_VERSIONS["v4"] is kflex.flex_forward_v4
+    assert np.abs(O4.astype(np.float64) - O11).max() < 2e-3
+    np.testing.assert_allclose(L4, L11, rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_calls_reuse_the_walk_the_plan_and_the_bound_arrays():
+    """What a repeated call finds made: the BlockMask's device walk, the mods' plan, the bound arrays' copies."""
+    bm = F.create_block_mask(F.document(Q_DOCS, KV_DOCS), None, None, 37, 41, BLOCK_SIZE=16)
+    cfg = kflex.config_for(16, "float16", bm.BLOCK_SIZE, True)
+    assert kflex.walk_for(bm, cfg, 37, 41) is kflex.walk_for(bm, cfg, 37, 41)
+    bias = F.relative_bias(np.linspace(0.0, 1.0, 5))
+    first = kflex.planned_mods(bm.mask_mod, bias, 37, 41)
+    assert kflex.planned_mods(bm.mask_mod, bias, 37, 41)[0] is first[0]
+    copies = kflex._bound_on_device(first[1])
+    assert all(a is b for a, b in zip(copies, kflex._bound_on_device(first[1])))
+    replaced = F.BlockMask(bm.mask_mod, 1, 1, 37, 41, 16, bm.classes.copy())
+    assert kflex.walk_for(replaced, cfg, 37, 41) is not kflex.walk_for(bm, cfg, 37, 41)
