@@ -155,11 +155,11 @@ def test_backward_rung_b1_matches_oracle(shape_q, shape_kv, dtype, scale, monkey
 
 def test_backward_rung_b2_matches_oracle(monkeypatch):
     """b2's dQ step: d = 72 (D = 80: a full 64-column panel, then a narrower one whose last columns are padding),
-    GQA, two row blocks (the second ragged), 25 rows that see no key, bf16."""
+    GQA, a ragged row block, 20 rows that see no key, bf16."""
     pytest.importorskip("torch")
     from test_tensorcore_backward import _problem, flash_attn_rule
     monkeypatch.setattr(rt, "poison_outputs", True)
-    Q, K, V, O, L, dO = _problem((1, 2, 70, 72), (1, 1, 45, 72), "bfloat16", True, seed=22, scale=2.0)
+    Q, K, V, O, L, dO = _problem((1, 2, 40, 72), (1, 1, 20, 72), "bfloat16", True, seed=22, scale=2.0)
     flash_attn_rule(hopper.BACKWARD_VERSIONS["b2"](Q, K, V, O, L, dO, causal=True), Q, K, V, dO, True)
 
 
