@@ -36,6 +36,13 @@ source. Nsight Compute (``hopper_ncu.log``) says of what kind: h3 issues about 1
 against 1.62, over a 1.37 ms launch against 1.16 ms), and its busiest pipeline is the integer ALU (42 %), where
 h2's is the tensor cores' (49 %): the softmax compiled for 168 registers recomputes what h2's keeps. The next
 change is the consumers' register budget (or a cheaper softmax), not the copies.
+
+**The SASS, read later** (``python -m benchmarks.profilers.hopper_sass h2 h3``, without a GPU; committed in
+``benchmarks/results/sm90a_offline/``): not the register budget — after ``setmaxnreg`` the consumers' code uses
+registers up to R210, past the 168 the launch reports. The extra instructions are the softmax's column tests:
+h3's build computes the 64 column indices of every tile in 64-bit arithmetic, compares them and packs the results
+into predicates before it looks at ``mask_tile``, about 250 integer instructions ahead of each S = QKᵀ and more
+after it, where h2's build keeps them inside the branch. h5 is the change that follows.
 """
 
 from __future__ import annotations

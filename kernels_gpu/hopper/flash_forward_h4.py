@@ -29,6 +29,8 @@ PV is the critical path, and the softmax (2600-2800 cycles a tile, inherited fro
 it was meant to hide behind. Ordering the two consumers moves their softmaxes apart; it does not shorten either.
 What would: a softmax as fast as h2's (h3's header: the register budget), then the next tile's S = QKᵀ issued
 before this tile's softmax (intra-warpgroup overlap), so that each consumer's own GEMM runs under its softmax.
+Why h3's softmax is slow was then read from the SASS (h3's header, h5's): the column masks of every tile, not the
+register budget. h5 and h6 are those two changes.
 """
 
 from __future__ import annotations
