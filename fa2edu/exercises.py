@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fa2edu import fp8 as _fp8
+from fa2edu import fp8
 from fa2edu.blocks import block_sizes_kv_outer, num_blocks, tiles
 from fa2edu.context_parallel import chunk_ranges
 from fa2edu.flops import model_flops
@@ -1320,7 +1320,7 @@ def _fp8_tile(rng: np.random.Generator, N: int, d: int, values: str, block: int)
 def _run_quantize_tile(fn, case):
     N, d, block = case["N"], case["d"], case["block"]
     x = _fp8_tile(np.random.default_rng(case["seed"]), N, d, case["values"], block)
-    truth = _fp8.quantize_fp8(x, block=block)                  # fa2edu.fp8's emulation: the codes bit for bit
+    truth = fp8.quantize_fp8(x, block=block)                  # fa2edu.fp8's emulation: the codes bit for bit
     codes, descale = _unpack(_Calls(fn, "quantize_tile")(("x", x), ("block", block)), 2, "(codes, descale)")
     n_blocks = truth.descale.shape[0]
     got_d = _as_numbers("descale", descale, truth.descale).reshape(-1)
@@ -1354,20 +1354,20 @@ def _run_quantize_tile(fn, case):
     if bad.any():
         i, j = (int(v) for v in np.argwhere(bad)[0])
         e, g = int(truth.codes[i, j]), int(got_c[i, j])
-        value = float(_fp8.from_bits(np.uint8(e)))
+        value = float(fp8.from_bits(np.uint8(e)))
         raise _at(_Mismatch([f"codes[{i}, {j}]: expected {e:#04x} (e4m3 {value:.6g}, from x / descale = "
                              f"{float(x[i, j]) / float(truth.descale[i // block]):.6g}), got {g:#04x} (e4m3 "
-                             f"{float(_fp8.from_bits(np.uint8(g))):.6g}); {int(bad.sum())} of {bad.size} codes "
+                             f"{float(fp8.from_bits(np.uint8(g))):.6g}); {int(bad.sum())} of {bad.size} codes "
                              "differ"], truth.codes, got_c, kind="codes"), (i, j))
 
 
 def _solution_quantize_tile(x, block):
     N = x.shape[0]
-    starts = np.arange(0, N, block)                     # the first row of each block; the last may be ragged
+    starts = np.arange(0, N, block)                  # the first row of each block
     amax = np.maximum.reduceat(np.abs(x).max(axis=1), starts)
-    descale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)   # an all-zero block: 1, not 0
-    rows = np.repeat(descale, block)[:N].astype(np.float64)              # each row's own descale
-    codes = _fp8.to_bits(x / rows[:, None], "e4m3")     # round to nearest even; saturates at ±448
+    descale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)   # a zero block: 1
+    rows = np.repeat(descale, block)[:N].astype(np.float64)   # each row's δ
+    codes = fp8.to_bits(x / rows[:, None], "e4m3")  # nearest even, saturating
     return codes, descale
 
 
@@ -1376,7 +1376,7 @@ def _run_rotation(fn, case):
     signs = np.random.default_rng(case["seed"]).choice([-1.0, 1.0], size=d)
     signs[0] = -1.0                                      # both signs occur whenever d ≥ 2
     signs[-1] = 1.0 if d > 1 else -1.0
-    H = _fp8.hadamard_matrix(d)
+    H = fp8.hadamard_matrix(d)
     expected = signs[:, None] * H / math.sqrt(d)         # fa2edu.fp8.rotation_matrix's D·H/√d, these signs
     M = _as_numbers("M", _Calls(fn, "rotation_matrix")(("signs", signs)), expected)
     if M.shape != (d, d):
