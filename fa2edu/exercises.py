@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fa2edu import fp8
 from fa2edu.blocks import block_sizes_kv_outer, num_blocks, tiles
 from fa2edu.context_parallel import chunk_ranges
 from fa2edu.flops import model_flops
@@ -1297,6 +1298,124 @@ def _solution_softcap_grad(c):
     return score_mod_grad
 
 
+# -- 18.1 a tile to e4m3 with one scale per block of rows; 18.2 the random Hadamard rotation ------------------------
+
+def _fp8_tile(rng: np.random.Generator, N: int, d: int, values: str, block: int) -> np.ndarray:
+    """A float32 tile (N, d) of the given kind: N(0, 1); channel outliers (a quarter of the channels ×100); all
+    negative (the largest magnitude is a negative number); a block of zero rows (the second, or the only one);
+    a spread of magnitudes over twenty binades (e4m3's subnormals, and zeros, inside each block)."""
+    x = rng.standard_normal((N, d))
+    if values == "outliers":
+        x[:, rng.choice(d, size=max(1, d // 4), replace=False)] *= 100.0
+    elif values == "negative":
+        x = -np.abs(x)
+    elif values == "zeros":
+        first = block if N > block else 0
+        x[first:first + block] = 0.0
+    elif values == "spread":
+        x = x * np.exp2(rng.uniform(-20.0, 0.0, size=(N, d)))
+    return x.astype(np.float32)
+
+
+def _run_quantize_tile(fn, case):
+    N, d, block = case["N"], case["d"], case["block"]
+    x = _fp8_tile(np.random.default_rng(case["seed"]), N, d, case["values"], block)
+    truth = fp8.quantize_fp8(x, block=block)                  # fa2edu.fp8's emulation: the codes bit for bit
+    codes, descale = _unpack(_Calls(fn, "quantize_tile")(("x", x), ("block", block)), 2, "(codes, descale)")
+    n_blocks = truth.descale.shape[0]
+    got_d = _as_numbers("descale", descale, truth.descale).reshape(-1)
+    if got_d.shape != (n_blocks,):
+        raise _Mismatch([f"descale: {_count(got_d.size, 'value', 'values')}; expected {n_blocks}, one per block "
+                         f"of {block} rows (N = {N}: ceil(N / block) = {n_blocks}, the last block "
+                         + ("ragged)" if N % block else "whole)")], truth.descale, got_d, kind="descale shape")
+    wrong = np.flatnonzero(got_d.astype(np.float32) != truth.descale)
+    if wrong.size:
+        b = int(wrong[0])
+        rows = slice(b * block, min(N, (b + 1) * block))
+        amax = float(np.abs(x[rows]).max())
+        lines = [f"descale[{b}] (rows {rows.start}…{rows.stop - 1}): expected {_fmt(truth.descale[b])}, got "
+                 f"{_fmt(got_d[b])} ({_count(wrong.size, 'block', 'blocks')} of {n_blocks} off)"]
+        if amax == 0.0:
+            lines.append("that block is all zeros: its descale must be 1 (amax / 448 = 0, and 0 / 0 is NaN)")
+        elif got_d[b] < 0:
+            lines.append(f"a descale is amax(|x|) / 448 over the block: of |x|, not of x (amax(|x|) = {amax:.6g})")
+        else:
+            lines.append(f"amax(|x|) of the block is {amax:.6g}; the descale maps it to e4m3's largest value, 448")
+        raise _Mismatch(lines, truth.descale, got_d, kind="descale")
+    got_c = np.asarray(codes)
+    if got_c.dtype.kind not in "iu":
+        raise _Mismatch([f"codes: dtype {got_c.dtype}; expected uint8, the e4m3 bit patterns "
+                         "(fa2edu.fp8.to_bits gives them; fa2edu.fp8.round_to_fp8 gives their values)"],
+                        truth.codes, got_c, kind="codes dtype")
+    if got_c.shape != truth.codes.shape:
+        raise _Mismatch([f"codes: wrong shape {got_c.shape}; expected {truth.codes.shape}"], truth.codes, got_c,
+                        kind="codes shape")
+    bad = got_c != truth.codes
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        e, g = int(truth.codes[i, j]), int(got_c[i, j])
+        value = float(fp8.from_bits(np.uint8(e)))
+        raise _at(_Mismatch([f"codes[{i}, {j}]: expected {e:#04x} (e4m3 {value:.6g}, from x / descale = "
+                             f"{float(x[i, j]) / float(truth.descale[i // block]):.6g}), got {g:#04x} (e4m3 "
+                             f"{float(fp8.from_bits(np.uint8(g))):.6g}); {int(bad.sum())} of {bad.size} codes "
+                             "differ"], truth.codes, got_c, kind="codes"), (i, j))
+
+
+def _solution_quantize_tile(x, block):
+    N = x.shape[0]
+    starts = np.arange(0, N, block)                  # the first row of each block
+    amax = np.maximum.reduceat(np.abs(x).max(axis=1), starts)
+    descale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)   # a zero block: 1
+    rows = np.repeat(descale, block)[:N].astype(np.float64)   # each row's δ
+    codes = fp8.to_bits(x / rows[:, None], "e4m3")  # nearest even, saturating
+    return codes, descale
+
+
+def _run_rotation(fn, case):
+    d = case["d"]
+    signs = np.random.default_rng(case["seed"]).choice([-1.0, 1.0], size=d)
+    signs[0] = -1.0                                      # both signs occur whenever d ≥ 2
+    signs[-1] = 1.0 if d > 1 else -1.0
+    H = fp8.hadamard_matrix(d)
+    expected = signs[:, None] * H / math.sqrt(d)         # fa2edu.fp8.rotation_matrix's D·H/√d, these signs
+    M = _as_numbers("M", _Calls(fn, "rotation_matrix")(("signs", signs)), expected)
+    if M.shape != (d, d):
+        raise _Mismatch([f"M: wrong shape {M.shape}; expected ({d}, {d})"], expected, M, kind="shape")
+    if np.isnan(M).any():
+        raise _Mismatch([f"M: NaN in {int(np.isnan(M).sum())} of {M.size} entries"], expected, M, kind="nan")
+    gram = M @ M.T
+    if not np.allclose(gram, np.eye(d), rtol=0, atol=1e-12):
+        c = float(np.trace(gram)) / d
+        lines = [f"M is not orthogonal: max |M·Mᵀ − I| = {np.abs(gram - np.eye(d)).max():.3g}"]
+        if np.allclose(gram, c * np.eye(d), rtol=1e-9, atol=1e-12):
+            lines.append(f"M·Mᵀ = {c:.6g}·I, not I: each row of H_d has length √d = {math.sqrt(d):.6g}, so "
+                         "divide H by √d")
+        lines.append("only an orthogonal M keeps (QM)(KM)ᵀ = QMMᵀKᵀ equal to QKᵀ")
+        raise _Mismatch(lines, expected, M, kind="orthogonal")
+    if np.allclose(M, expected, rtol=0, atol=1e-12):
+        return
+    if np.allclose(M, H * signs[None, :] / math.sqrt(d), rtol=0, atol=1e-12):
+        lines = ["your M is H·diag(signs)/√d: the signs act after H, on the output, so they flip signs without "
+                 "changing any magnitude — |x·M| would be the same for every seed, and an outlier pattern that H "
+                 "maps badly stays bad. Put them first: M = diag(signs)·H/√d (row i of H times signs[i])"]
+    elif np.allclose(M, H / math.sqrt(d), rtol=0, atol=1e-12):
+        lines = ["your M is H/√d: orthogonal, but the random signs are missing (M = diag(signs)·H/√d)"]
+    else:
+        i, j = np.unravel_index(int(np.argmax(np.abs(M - expected))), M.shape)
+        lines = [f"M[{i}, {j}]: expected {_fmt(expected[i, j])} = signs[{i}]·H[{i}, {j}]/√d, got {_fmt(M[i, j])}",
+                 "H is Sylvester's: H_1 = [1], H_2d = [[H_d, H_d], [H_d, −H_d]] (the matrix fa2edu.fp8.fwht "
+                 "applies)"]
+    raise _Mismatch(lines, expected, M, kind="value")
+
+
+def _solution_rotation(signs):
+    d = len(signs)
+    H = np.ones((1, 1))
+    while H.shape[0] < d:                    # Sylvester: H_2d = [[H, H], [H, −H]]
+        H = np.block([[H, H], [H, -H]])
+    return signs[:, None] * H / np.sqrt(d)   # diag(signs)·H/√d: orthogonal, signs first
+
+
 # -- the catalogue -------------------------------------------------------------------------------------------------
 
 _ALL_LOGITS = Kind(("normal", "rising", "large"))
@@ -1786,6 +1905,40 @@ _EXERCISES = [
         edge_cases=({}, {"n": 16}, {"n": 8, "c": 0.5}, {"n": 8, "c": 5.0}, {"n": 8, "c": 30.0, "scores": "spread"},
                     {"n": 8, "c": 5.0, "scores": "large"}, {"n": 16, "c": 0.5, "scores": "large"}),
         n_random=5, run=_run_softcap_grad, solution=_solution_softcap_grad),
+    Exercise(
+        id="18.1",
+        title="a tile to float8 e4m3 with one scale per block of rows, bit for bit",
+        signature="quantize_tile(x, block) -> (codes, descale): x (N, d) float32; codes (N, d) uint8 e4m3 bit "
+                  "patterns of x / δ, δ = amax(|x|) / 448 over each block of block rows (float32, one per block, "
+                  "the last one ragged; 1 for an all-zero block)",
+        hint="Three steps per block of rows: its amax(|x|), then δ = amax / 448 stored as float32 (1 where amax is "
+             "0), then the codes of x / δ. fa2edu.fp8.to_bits(y, 'e4m3') does the rounding (nearest, ties to "
+             "even, saturating at ±448); divide by the float32 δ, as the descale that travels with the codes is.",
+        covers="N not a multiple of block, block ≥ N (one scale), block = 1 (a scale per row), all-negative tiles, "
+               "an all-zero block, outlier channels ×100 and magnitudes spread over twenty binades (subnormal "
+               "codes), every code and every descale compared with fa2edu.fp8.quantize_fp8 exactly",
+        params={"N": Size(1, 20), "d": Size(1, 16), "block": Size(1, 24),
+                "values": Kind(("normal", "negative", "zeros", "outliers", "spread"))},
+        base={"N": 1, "d": 1, "block": 1, "values": "normal"},
+        edge_cases=({}, {"N": 8, "d": 4, "block": 3}, {"N": 5, "d": 3, "block": 8}, {"N": 7, "d": 2, "block": 1},
+                    {"N": 6, "d": 4, "block": 2, "values": "negative"}, {"N": 9, "d": 5, "block": 3,
+                                                                           "values": "zeros"},
+                    {"N": 16, "d": 16, "block": 4, "values": "outliers"}, {"N": 20, "d": 8, "block": 6,
+                                                                             "values": "spread"}),
+        n_random=6, run=_run_quantize_tile, solution=_solution_quantize_tile),
+    Exercise(
+        id="18.2",
+        title="the random Hadamard rotation of incoherent processing, M = diag(signs)·H/√d",
+        signature="rotation_matrix(signs) -> M: signs (d,) of ±1, d a power of two; M (d, d) = diag(signs)·H_d/√d "
+                  "with H_d Sylvester's Hadamard matrix, so that x ↦ x·M is orthogonal",
+        hint="Build H_d by Sylvester's doubling, H_1 = [1], H_2d = [[H_d, H_d], [H_d, −H_d]] (np.block). Each row "
+             "of H_d has length √d. The signs multiply the rows of H (they act on x before H does).",
+        covers="d = 1 … 128, signs with both values, against fa2edu.fp8's Sylvester matrix: orthogonality first "
+               "(M·Mᵀ = I), then every entry; a wrong answer says whether the scale or the signs are off",
+        params={"d": Kind((1, 2, 4, 8, 16, 32, 64, 128))},
+        base={"d": 1},
+        edge_cases=({}, {"d": 2}, {"d": 4}, {"d": 8}, {"d": 16}, {"d": 64}, {"d": 128}),
+        n_random=5, run=_run_rotation, solution=_solution_rotation),
 ]
 
 EXERCISES: dict[str, Exercise] = {exercise.id: exercise for exercise in _EXERCISES}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numba import cuda  # the CUDA simulator in CI: tests/conftest.py sets NUMBA_ENABLE_CUDASIM=1 first
 
-from fa2edu import exercises
+from fa2edu import exercises, fp8
 from fa2edu.softmax import Stats, exp_minus
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
@@ -380,6 +380,58 @@ def softcap_grad_unstable(c):              # 4e^{−2u}/(1 + e^{−2u})²: inf/i
     return score_mod_grad
 
 
+# 18.1 a tile to e4m3 with one scale per block of rows
+def quantize_one_scale(x, block):                 # one scale for the whole tile, repeated per block
+    amax = np.abs(x).max()
+    descale = np.float32(amax / 448 if amax > 0 else 1.0)
+    return fp8.to_bits(x / np.float64(descale), "e4m3"), np.full(-(-x.shape[0] // block), descale)
+
+def _block_descales(amax):
+    return np.where(amax != 0, amax / 448.0, 1.0).astype(np.float32)
+
+def _codes(x, descale, block):
+    rows = np.repeat(descale, block)[:x.shape[0]].astype(np.float64)
+    with np.errstate(all="ignore"):
+        return fp8.to_bits(x / rows[:, None], "e4m3")
+
+def quantize_signed_max(x, block):                # amax of x, not of |x|
+    descale = _block_descales(np.maximum.reduceat(x.max(axis=1), np.arange(0, x.shape[0], block)))
+    return _codes(x, descale, block), descale
+
+def quantize_zero_block_unguarded(x, block):      # amax = 0 gives δ = 0, and 0 / 0
+    amax = np.maximum.reduceat(np.abs(x).max(axis=1), np.arange(0, x.shape[0], block))
+    descale = (amax / 448.0).astype(np.float32)
+    return _codes(x, descale, block), descale
+
+def quantize_whole_blocks_only(x, block):         # N // block scales: the ragged last block gets none of its own
+    n = max(1, x.shape[0] // block)
+    descale = _block_descales(np.array([np.abs(x[b * block:(b + 1) * block]).max() for b in range(n)]))
+    padded = np.concatenate([descale, np.full(x.shape[0], descale[-1])])
+    return _codes(x, padded, block), descale
+
+def quantize_by_amax(x, block):                   # divides by amax: every code within ±1, not ±448
+    amax = np.maximum.reduceat(np.abs(x).max(axis=1), np.arange(0, x.shape[0], block))
+    descale = _block_descales(amax)
+    return _codes(x, np.where(amax > 0, amax, 1.0), block), descale
+
+def quantize_values(x, block):                    # the e4m3 values, not their codes
+    codes, descale = exercises.solution("18.1")(x, block)
+    return fp8.from_bits(codes), descale
+
+# 18.2 the rotation M = diag(signs)·H/√d
+def rotation_unnormalised(signs):
+    return signs[:, None] * fp8.hadamard_matrix(len(signs))
+
+def rotation_signs_after(signs):                  # H·diag(signs): the signs flip outputs, magnitudes unchanged
+    return fp8.hadamard_matrix(len(signs)) * signs[None, :] / np.sqrt(len(signs))
+
+def rotation_without_signs(signs):
+    return fp8.hadamard_matrix(len(signs)) / np.sqrt(len(signs))
+
+def rotation_by_d(signs):                         # divides by d, not √d
+    return signs[:, None] * fp8.hadamard_matrix(len(signs)) / len(signs)
+
+
 def flat(report: str) -> str:
     """A report with its line wrapping undone, to look for a phrase in it."""
     return " ".join(report.split())
@@ -446,6 +498,18 @@ WRONG_ANSWERS = [
     ("17.3", softcap_grad_without_c, lambda c: c["c"] != 1.0 and c["n"] == 1, "expected d/dscore c·tanh(score/c)"),
     ("17.3", softcap_grad_times_c, lambda c: c["c"] != 1.0 and c["n"] == 1, "a central difference"),
     ("17.3", softcap_grad_unstable, lambda c: c["scores"] == "large" and c["n"] <= 2, "got nan"),
+    ("18.1", quantize_one_scale, lambda c: c["N"] == 2 and c["block"] == 1 and c["d"] == 1, "descale[0]"),
+    ("18.1", quantize_signed_max, lambda c: _size(c, "N", "d") <= 2 and c["block"] == 1, "of |x|, not of x"),
+    ("18.1", quantize_zero_block_unguarded, lambda c: c["values"] == "zeros" and _size(c, "N", "d", "block") == 1,
+     "all zeros: its descale must be 1"),
+    ("18.1", quantize_whole_blocks_only, lambda c: c["N"] % c["block"] and c["N"] <= 2 * c["block"] and c["d"] == 1,
+     "the last block ragged"),
+    ("18.1", quantize_by_amax, lambda c: _size(c, "N", "d", "block") == 1, "expected 0x7e (e4m3 448"),
+    ("18.1", quantize_values, lambda c: _size(c, "N", "d", "block") == 1, "expected uint8, the e4m3 bit patterns"),
+    ("18.2", rotation_unnormalised, lambda c: c["d"] == 2, "M·Mᵀ = 2·I, not I"),
+    ("18.2", rotation_signs_after, lambda c: c["d"] == 2, "the signs act after H"),
+    ("18.2", rotation_without_signs, lambda c: c["d"] == 1, "the random signs are missing"),
+    ("18.2", rotation_by_d, lambda c: c["d"] == 2, "divide H by √d"),
 ]
 
 
