@@ -1,5 +1,5 @@
 """FP8 attention in NumPy: exact float8 rounding, FA3's quantisation (per head, per block, incoherent), and FA2
-Algorithm 1 on 1-byte inputs (FlashAttention-3, Shah et al. 2024, Section 3.3; taught in chapter 16).
+Algorithm 1 on 1-byte inputs (FlashAttention-3, Shah et al. 2024, Section 3.3; taught in chapter 18).
 
 Hopper's tensor cores multiply float8 matrices at twice the bf16 rate. FA3 feeds them Q, K, V in the e4m3 format
 and keeps three things from costing accuracy:
