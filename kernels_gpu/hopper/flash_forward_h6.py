@@ -25,9 +25,14 @@ around S = QKᵀ, the softmax compiled per tile kind.
 tile period of 3400-3700 cycles at d = 128, each consumer's chain S + softmax + PV ≈ 900 + 1700 + 780), taking
 the PV product off the chain shortens it to about S + softmax ≈ 2600-2900 cycles, and the tensor pipe, busy
 2 × 1680 ≈ 3360 cycles a tile for the two consumers, becomes the limit: expect h6 ≥ 1.1× h5, bf16 non-causal,
-d = 128, N = 16384 about 560-620 TFLOP/s (cuDNN 595-650 in the same runs), the same register count at entry (168)
-and no local memory (``python -m benchmarks.profilers.hopper_sass h6``). If h5 misses its prediction, h6's gain
+d = 128, N = 16384 about 560-620 TFLOP/s (cuDNN 595-650 in the same runs). If h5 misses its prediction, h6's gain
 is bounded by what h5 left.
+
+**What ptxas reports** (read without a GPU: ``python -m benchmarks.profilers.hopper_sass h6``, bf16): the loop
+as designed — S_ij and the PV product issued back to back, ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` before the softmax,
+``0x0`` before the rescale — with no wait injected by ptxas; consumers up to R236 after ``setmaxnreg``; no local
+memory at d = 64, 128, 256, except causal d = 128: 16 bytes stored, 28 loaded (after the row and diagonal indices
+were made 32-bit: 40 / 52 before).
 """
 
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from kernels_gpu import ptx
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES
@@ -213,8 +218,9 @@ def make_kernel(cfg: HopperConfig):
         l = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
         warp = (cuda.threadIdx.x % 128) // 32
-        row0 = i * B_r + 64 * wg + 16 * warp + cuda.laneid // 4
-        diag = N_k - N_q
+        # (32-bit: numba's integers are 64-bit, two registers each, and at d = 128 causal those spilled)
+        row0 = int32(i * B_r + 64 * wg + 16 * warp + cuda.laneid // 4)
+        diag = int32(N_k - N_q)
         q_byte = sm_byte + 4 * q_off + 64 * 128 * wg
         # Alg. 1 line 5.
         zero(o, O_LEN)
@@ -241,8 +247,9 @@ def make_kernel(cfg: HopperConfig):
                 ptx.named_barrier_arrive(2 - wg, 256)
             stamp(T, wg + 1, j, 2)
             # Lines 9-10: the online softmax of tile j, under the PV product of tile j − 1.
-            mask_tile = (j + 1) * B_c > N_k or (causal and (j + 1) * B_c - 1 > i * B_r + diag)
-            tile_softmax(s, m, l, alpha, row0, j, N_k, scale_log2, diag, mask_tile)
+            jj = int32(j)
+            mask_tile = (jj + 1) * B_c > N_k or (causal and (jj + 1) * B_c - 1 > int32(i * B_r) + diag)
+            tile_softmax(s, m, l, alpha, row0, jj, N_k, scale_log2, diag, mask_tile)
             stamp(T, wg + 1, j, 3)
             # Line 10: the PV product done, Õ_i rescaled by α; stage j − 1 goes back to the producer.
             wait_o(o)
