@@ -3,6 +3,8 @@
     python -m benchmarks.context_parallel_predictions --out benchmarks/results/predictions/ring_predictions.json
     python -m benchmarks.context_parallel_predictions --set training \
         --out benchmarks/results/predictions/ring_predictions_h200_training.json
+    python -m benchmarks.context_parallel_predictions --set eight \
+        --out benchmarks/results/predictions/ring_predictions_h200_x8.json
 
 For the configurations ``benchmarks.context_parallel`` measures (W = 1, 2, 4, 8 GPUs; strong scaling at a fixed
 total length and weak scaling at a fixed length per GPU; contiguous and zigzag; causal; d = 128, H200-class
@@ -100,13 +102,16 @@ def _forward_rate(rates: dict, dtype: str, N_local: int) -> float:
 #: The issue's configurations: W, the strong total and the weak per-GPU length, the shapes, the dtypes.
 TRAINING = dict(world_sizes=(1, 2, 4, 8), strong_N=131072, weak_N_local=32768, d=128, heads=16,
                 dtypes=(("bfloat16", 2), ("float32", 4)), passes=("forward", "forward+backward"))
+#: Issue 41's run on eight H200s: bf16, W = 1 … 8, strong scaling at N = 262144, weak at N_local = 32768.
+EIGHT = dict(TRAINING, strong_N=262144, dtypes=(("bfloat16", 2),))
 
 
-def training_predictions(rates: dict | None = None) -> list[dict]:
+def training_predictions(rates: dict | None = None, config: dict | None = None) -> list[dict]:
     """One record per (pass, dtype, scaling, layout, W): per-rank time, idle fractions, communication, and for
-    strong scaling the efficiency time(W = 1) / (W · time(W)), predicted with :func:`measured_rates`."""
+    strong scaling the efficiency time(W = 1) / (W · time(W)), predicted with :func:`measured_rates`, for the
+    configurations ``config`` (default :data:`TRAINING`; :data:`EIGHT` for the eight-GPU run)."""
     rates = measured_rates() if rates is None else rates
-    t = TRAINING
+    t = TRAINING if config is None else config
     records = []
     for pass_ in t["passes"]:
         for dtype, e in t["dtypes"]:
@@ -150,19 +155,21 @@ def harness_seconds(records: list[dict], world: int = 4, calls: int = 4, torch_c
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--set", choices=("forward", "training"), default="forward",
+    parser.add_argument("--set", choices=("forward", "training", "eight"), default="forward",
                         help="forward: the first predictions (H100 peak rates, forward only); training: issue 39's "
-                             "run, forward and forward + backward at the rates measured on H200s")
+                             "run, forward and forward + backward at the rates measured on H200s; eight: issue "
+                             "41's run on eight H200s (bf16, strong scaling at N = 262144)")
     args = parser.parse_args(argv)
-    if args.set == "training":
+    if args.set in ("training", "eight"):
+        config = TRAINING if args.set == "training" else EIGHT
         rates = measured_rates()
-        records = training_predictions(rates)
+        records = training_predictions(rates, config)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         rates_json = dict(link=rates["link"], backward=rates["backward"],
                           forward=[dict(dtype=d, N_local=n, flop_rate=v) for (d, n), v in rates["forward"].items()])
         args.out.write_text(json.dumps(dict(
             date=utc_now(), model="fa2edu.simulate_context_parallel (causal, pass_ forward and forward+backward)",
-            rates=rates_json, rates_source=measured_rates.__doc__, configurations=dict(TRAINING),
+            rates=rates_json, rates_source=measured_rates.__doc__, configurations=dict(config),
             estimated_harness_seconds={f"W<={w}": harness_seconds(records, w) for w in (2, 4, 8)},
             records=records), indent=1))
         for r in records:
