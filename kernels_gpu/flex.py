@@ -1417,6 +1417,8 @@ def flex_backward_v1(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=N
 GQ_SHIFT = 23
 _MAX_ROW_BLOCKS = 1 << (GQ_SHIFT - 1)
 _MAX_GROUP = 1 << (31 - GQ_SHIFT)
+#: n-tiles (8 query columns each) per loop of the backward's mod steps (see make_backward_kernel)
+MOD_TILES = 2
 
 
 def backward_tile(d: int) -> tuple:
@@ -1579,47 +1581,67 @@ def make_backward_kernel(cfg: BackwardConfig, plan, ordered: bool = False):
     log2e = float32(LOG2E)
     ex2 = ptx.ex2
 
-    @jit
-    def flex_probabilities(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z,
-                           h, A0, A1, A2, A3):
-        """Alg. 2 line 13, transposed, FlexAttention's way, for the lane's keys ``key0``, ``key0 + 8`` and the
-        tile's queries ``col0 + …``: Pᵀ = exp(MASK(score_mod(τSᵀ)) − L_i), in place in ``s``. With a score_mod,
-        also the first half of line 19 through its derivative, in place in ``dp`` (which v7's pair has ready):
-        dPᵀ ← (dPᵀ − D_i) ∘ score_mod_grad(τSᵀ), so that dSᵀ = Pᵀ ∘ dPᵀ later and the derivative needs no
-        registers of its own. mask_mod runs only in a partial tile (``partial``); ``edge`` (the tile reaches past
-        N_q or N_k): padding queries and keys get P = 0 and no mod call (a mod may index arrays of N_q or N_k
-        entries). L_i·log₂e and D_i at the lane's unsigned indices ``l_lane``, ``d_lane`` (v6's)."""
-        t = cuda.laneid % 4
-        for n in range(NT):
-            for e in range(2):
-                ell = smf[l_lane + uint32(8 * n + e)]
-                dee = float32(0.0)
-                if HAS_SCORE:
-                    dee = smf[d_lane + uint32(8 * n + e)]
-                q = col0 + 8 * n + 2 * t + e
-                for hh in range(2):
-                    k = 4 * n + 2 * hh + e
-                    key = key0 + 8 * hh
-                    p = float32(0.0)
-                    gd = float32(0.0)
-                    if edge and (q >= N_q or key >= N_k):
-                        p = float32(0.0)
-                    elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
-                        p = float32(0.0)
-                    elif HAS_SCORE:
-                        x = s[k] * scale
-                        y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
-                        gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
-                        p = ex2(y * log2e - ell)
-                    else:
-                        p = ex2(s[k] * scale_log2 - ell)
-                    s[k] = p
+    def make_part(N0, N1):
+        @jit
+        def part(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                 A2, A3):
+            """Alg. 2 line 13 (and line 19's first half) for the n-tiles N0 … N1 − 1 (``flex_probabilities``
+            below); cost per element: a compare, at most one mask_mod, score_mod and score_mod_grad call, an ex2."""
+            t = cuda.laneid % 4
+            for n in range(N0, N1):
+                for e in range(2):
+                    ell = smf[l_lane + uint32(8 * n + e)]
+                    dee = float32(0.0)
                     if HAS_SCORE:
-                        dp[k] = (dp[k] - dee) * gd
+                        dee = smf[d_lane + uint32(8 * n + e)]
+                    q = col0 + 8 * n + 2 * t + e
+                    for hh in range(2):
+                        k = 4 * n + 2 * hh + e
+                        key = key0 + 8 * hh
+                        p = float32(0.0)
+                        gd = float32(0.0)
+                        if edge and (q >= N_q or key >= N_k):
+                            p = float32(0.0)
+                        elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
+                            p = float32(0.0)
+                        elif HAS_SCORE:
+                            x = s[k] * scale
+                            y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
+                            gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
+                            p = ex2(y * log2e - ell)
+                        else:
+                            p = ex2(s[k] * scale_log2 - ell)
+                        s[k] = p
+                        if HAS_SCORE:
+                            dp[k] = (dp[k] - dee) * gd
+        return part
+
+    def then(first, second):
+        @jit
+        def both(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                 A2, A3):
+            first(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                  A2, A3)
+            second(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                   A2, A3)
+        return both
+
+    # flex_probabilities(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, τ, τ·log₂e, partial, edge, z, h, A0 … A3):
+    # Alg. 2 line 13, transposed, FlexAttention's way, for the lane's keys key0, key0 + 8 and the tile's queries
+    # col0 + …: Pᵀ = exp(MASK(score_mod(τSᵀ)) − L_i), in place in s. With a score_mod, also the first half of line
+    # 19 through its derivative, in place in dp (which v7's pair has ready): dPᵀ ← (dPᵀ − D_i) ∘ score_mod_grad(τSᵀ),
+    # so that dSᵀ = Pᵀ ∘ dPᵀ later and the derivative needs no registers of its own. mask_mod runs only in a
+    # partial tile; on an edge tile (past N_q or N_k) padding queries and keys get P = 0 and no mod call (a mod may
+    # index arrays of N_q or N_k entries). L_i·log₂e and D_i at the lane's unsigned indices (v6's).
+    # The tile in parts of MOD_TILES n-tiles, each a loop of its own: a loop over all NT n-tiles with a mod call
+    # in its body grows past what LLVM unrolls at B_r = 64 (ptxas then keeps s and dp in local memory, a 256-byte
+    # stack frame with softcap at d = 64); parts of 2 n-tiles unroll, and every index into s, dp is a constant.
+    flex_probabilities = functools.reduce(then, [make_part(n0, min(n0 + MOD_TILES, NT))
+                                                 for n0 in range(0, NT, MOD_TILES)])
 
     @jit
     def gradient_through(s, dp):
-        """Alg. 2 line 19 with the mod's derivative already in ``dp`` (:func:`flex_probabilities`): dSᵀ = Pᵀ ∘ dPᵀ,
+        """Alg. 2 line 19 with the mod's derivative already in ``dp`` (``flex_probabilities``): dSᵀ = Pᵀ ∘ dPᵀ,
         in place."""
         for k in range(S_LEN):
             s[k] = s[k] * dp[k]
@@ -1753,34 +1775,49 @@ def make_backward_dq_kernel(cfg: BackwardConfig, plan, ordered: bool = False):
     log2e = float32(LOG2E)
     ex2 = ptx.ex2
 
-    @jit
-    def flex_probabilities_rows(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2,
-                                A3):
-        """Alg. 2 line 13 in the forward's orientation (the warp's 16 query rows × B_r keys), FlexAttention's way:
-        P = exp(MASK(score_mod(τS)) − L), in place, times score_mod_grad(τS) with a score_mod — the dQ kernel
-        needs P only inside dS = P ∘ (dP − D) ∘ g, so P ∘ g is kept and the ladder's softmax gradient finishes it.
-        mask_mod in a partial tile only; on an ``edge`` tile, queries past N_q and keys past N_k get 0 and no mod
-        call. ``lrow``: L·log₂e of the lane's rows ``row0``, ``row0 + 8``."""
-        t = cuda.laneid % 4
-        for n in range(NT):
-            for e in range(2):
-                key = col0 + 8 * n + 2 * t + e
-                for hh in range(2):
-                    k = 4 * n + 2 * hh + e
-                    q = row0 + 8 * hh
-                    p = float32(0.0)
-                    if edge and (q >= N_q or key >= N_k):
+    def make_part(N0, N1):
+        @jit
+        def part(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3):
+            """Alg. 2 line 13 (through the mod) for the n-tiles N0 … N1 − 1 (``flex_probabilities_rows`` below);
+            cost per element: a compare, at most one mask_mod, score_mod and score_mod_grad call, an ex2."""
+            t = cuda.laneid % 4
+            for n in range(N0, N1):
+                for e in range(2):
+                    key = col0 + 8 * n + 2 * t + e
+                    for hh in range(2):
+                        k = 4 * n + 2 * hh + e
+                        q = row0 + 8 * hh
                         p = float32(0.0)
-                    elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
-                        p = float32(0.0)
-                    elif HAS_SCORE:
-                        x = s[k] * scale
-                        y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
-                        gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
-                        p = ex2(y * log2e - lrow[hh]) * gd
-                    else:
-                        p = ex2(s[k] * scale_log2 - lrow[hh])
-                    s[k] = p
+                        if edge and (q >= N_q or key >= N_k):
+                            p = float32(0.0)
+                        elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
+                            p = float32(0.0)
+                        elif HAS_SCORE:
+                            x = s[k] * scale
+                            y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
+                            gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
+                            p = ex2(y * log2e - lrow[hh]) * gd
+                        else:
+                            p = ex2(s[k] * scale_log2 - lrow[hh])
+                        s[k] = p
+        return part
+
+    def then(first, second):
+        @jit
+        def both(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3):
+            first(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3)
+            second(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3)
+        return both
+
+    # flex_probabilities_rows(s, lrow, row0, col0, N_q, N_k, τ, τ·log₂e, partial, edge, z, h, A0 … A3): Alg. 2
+    # line 13 in the forward's orientation (the warp's 16 query rows × B_r keys), FlexAttention's way: P =
+    # exp(MASK(score_mod(τS)) − L), in place, times score_mod_grad(τS) with a score_mod — the dQ kernel needs P only
+    # inside dS = P ∘ (dP − D) ∘ g, so P ∘ g is kept and the ladder's softmax gradient finishes it. mask_mod in a
+    # partial tile only; on an edge tile, queries past N_q and keys past N_k get 0 and no mod call. lrow: L·log₂e
+    # of the lane's rows row0, row0 + 8. In parts of MOD_TILES n-tiles, as the key-block kernel's (unrolled: at
+    # d = 64 one loop kept s in local memory with causal + ALiBi, 128 bytes).
+    flex_probabilities_rows = functools.reduce(then, [make_part(n0, min(n0 + MOD_TILES, NT))
+                                                      for n0 in range(0, NT, MOD_TILES)])
 
     @cfg.jit(dq=True)
     def flex_backward_dq_tc(Q, K, V, dO, stats, dQ, counts, visits, order, N_q, N_k, G, scale, scale_log2,
