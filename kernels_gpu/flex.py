@@ -72,16 +72,20 @@ at d = 64 and less at d = 128, where the MMAs dominate. ALiBi and relative_bias 
 ``s`` in local memory. And the classes read from global memory sit in the critical path of the next tile's copy.
 The GPU tests should measure all of this against FlexAttention's Triton kernels.
 
-**The backward** (:func:`flex_backward`) is the mma.sync backward v1 (:mod:`kernels_gpu.tensorcore`: one block
-per key block j walking the row blocks i of its GQA group, dQ by atomic adds, the same three launches) over the
-same classes, read as C[b, h, i, j] for each i: skipped pairs are not loaded, partial pairs call ``mask_mod`` per
-element, full pairs do not. It recomputes x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and
-multiplies dSᵀ by g after the softmax gradient, as :func:`fa2edu.flex.flex_attention_backward` defines it; a
-score_mod without a derivative (its attribute or the ``score_mod_grad`` argument) raises before any launch. The
-derivative's bound arrays take the next array slots (an array already bound keeps its slot: ALiBi's slopes serve
-the score_mod and its derivative). A :func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is
-compiled part by part, its derivative by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Not yet run on a
-GPU either. Left for later: the Hopper (wgmma) versions.
+**The backward** (:func:`flex_backward`) has two rungs, :data:`BACKWARD_VERSIONS` (same arguments, same results
+up to rounding). **v7**, the default (:func:`flex_backward_v7`), is the mma.sync ladder's fastest backward with
+the mods — its section at the end of this docstring. **v1** (:func:`flex_backward_v1`,
+:func:`make_backward_kernel_v1`), the first flex backward, is the ladder's backward v1 (one block per key block j
+walking the row blocks i of its GQA group, dQ by atomic adds, three launches) over the classes read as
+C[b, h, i, j] for each i, kept so that its results stay reproducible (``flex_backward(..., rung="v1")``). Both
+recompute x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and multiply the softmax gradient by g,
+as :func:`fa2edu.flex.flex_attention_backward` defines it; skipped pairs are not loaded, partial pairs call
+``mask_mod`` per element, full pairs do not. A score_mod without a derivative (its attribute or the
+``score_mod_grad`` argument) raises before any launch. The derivative's bound arrays take the next array slots
+(an array already bound keeps its slot: ALiBi's slopes serve the score_mod and its derivative). A
+:func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is compiled part by part, its derivative
+by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Neither has run on a GPU. Left for later: the Hopper
+(wgmma) versions.
 
 **The op.** ``fa2edu.torch.flex_attention`` (and ``flash_attention``'s ``window_size``, ``softcap``,
 ``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
@@ -149,11 +153,59 @@ PyTorch's compiled FlexAttention (not yet measured here; ``benchmarks/flex.py`` 
 near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where the
 ladder's v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it.
 
-**The backward is still v1** (the ladder's fastest is v7, ``kernels_gpu.tensorcore.flash2_backward``): moving it to
-v7 (v3's two passes with dQ in its own kernel over query blocks, longest blocks first, stepped copies, Sᵀ and dPᵀ
-in one loop) is the same kind of port, with the walk listed per key block for the key-block kernel and per row
-block for the dQ kernel; until then the forward + backward target is not expected to be met. Beyond mma.sync,
-the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past PyTorch on sm_90.
+**Backward rung v7 (the default): the mods on the ladder's fastest backward.** The v1-based kernel ran the
+ladder's backward v1, which the ladder measured at 104-113 TFLOP/s (fp16, N = 4096, H100); the ladder's v7 reached
+174-206 TFLOP/s from N = 4096 (bf16, ``tensorcore_backward_v7.json``). Between them are v2-v7, one change each, and
+as in the forward the mods touch only the score tile between Sᵀ = K_j Q_iᵀ and the softmax gradient, so each carries
+over. What v7 changes from the v1-based kernel (:func:`make_backward_kernel` and :func:`make_backward_dq_kernel`
+against :func:`make_backward_kernel_v1`):
+
+1. **v3's two passes.** The key-block kernel computes dK_j, dV_j only (no dSᵀ through shared memory, no dQ
+   products, no atomics, one barrier per step); a dQ kernel in the forward's orientation, one block per query
+   block of 16·W rows, recomputes S, P (through the mods) and dP and accumulates dQ_i in registers, written once
+   in the input dtype: no float32 accumulator, no zeroing, no conversion launch, a bit-reproducible dQ. The
+   price is 7 products per visited pair instead of 5, and the mods called twice (once per kernel).
+2. **Walks as lists (v11's forward, from both sides).** The key-block kernel reads its (query head, row block)
+   pairs from a host-made list per key block, over the whole GQA group, coded ``(gq << 23) | (i << 1) | partial``
+   (:func:`kv_visit_table`; decoded by shifts, not v5's divisions — v6's point); the dQ kernel reads the
+   forward's :func:`visit_table` at its own tile. One load per step, issued before the copy it addresses; the
+   walks are kept with their BlockMask (:func:`backward_walks_for`). A per-head BlockMask gives each head of a
+   group its own list; a key block or query block that visits nothing writes zeros.
+3. **v4's longest blocks first, for any mask.** When the lists differ in length (causal, windows near the start,
+   documents) each kernel's grid puts the block index last and reads ``order`` (longest first); otherwise the
+   ladder's grids.
+4. **v5's stepped copies, v6's unsigned statistics indices, v7's Sᵀ and dPᵀ in one loop**, unchanged by the mods.
+   v7's pair has dPᵀ ready when Pᵀ is formed, which the mods use: with a score_mod the key-block kernel folds the
+   derivative into dPᵀ at once, dPᵀ ← (dPᵀ − D_i) ∘ g, so that dSᵀ = Pᵀ ∘ dPᵀ later and g needs no registers of its
+   own (the v1-based kernel kept a 4·B_r/8-float array of g across dV's update). The dQ kernel needs P only inside
+   dS, so it keeps P ∘ g and runs the ladder's softmax gradient unchanged.
+5. **Tiles inside the BlockMask's blocks** (:func:`backward_config_for_v7`): the ladder's v7 tile (4 warps; B_r =
+   64 up to d = 64, 32 beyond) shrunk to divide gcd(B_r, B_c) of the mask, so BLOCK_SIZE 128 (PyTorch's) and
+   (64, 64) run it unchanged and no retiling is needed; the v1-based kernel ran the BlockMask's block as its
+   tile. Full tiles without a score_mod call the ladder's own probability step, the key test only on the ragged
+   last key block.
+
+One departure found with ptxas (sm_90a, no GPU), kept: the per-score mod step is split into loops of
+:data:`MOD_TILES` n-tiles. As one loop over the tile, LLVM did not unroll it at B_r = 64 once a mod was compiled in,
+and ptxas then kept Sᵀ and dPᵀ in local memory (a 256-byte stack frame in the key-block kernel with softcap at
+d = 64, 128 bytes in the dQ kernel with causal + ALiBi). Registers after the split, bf16, BLOCK_SIZE 128, the
+ladder's caps (key-block kernel 248 at d = 64, dQ kernel 168): key-block kernel 237 (no mods) / 244-248 (causal,
+document, softcap, causal + ALiBi) at d = 64, 253-255 at d = 128 (the ladder's v7: 245 / 239 by numba's report); dQ
+kernel 164-168 at both. No spills, no stack frame, except 8 bytes at d = 128 with causal in the key-block kernel,
+stored before its loop and loaded after it.
+
+**Prediction (before any GPU run; nothing here is measured).** On full tiles without a score_mod the kernels are the
+ladder's v7 plus one list load per step. Backward, bf16, N ≥ 4096 on an H200, counting model FLOPs (2.5 × the
+forward's) of the kept scores: causal, sliding window, prefix-LM and document within 10-15 % of the ladder's v7
+causal at d = 64 and 128 (its mask test per score of a diagonal tile becomes a mask_mod call, inlined), i.e. about
+1.5-1.8× the v1-based kernel; ALiBi and relative_bias 10-25 % below (a bias load per score, twice: each kernel
+recomputes it); softcap 25-45 % below at d = 64 (the double-precision tanh of the forward's header, twice, plus its
+derivative), less at d = 128. What could break it: the key-block kernel at d = 128 sits at 253-255 registers, so a
+heavier mod than the ready ones may spill; the dQ kernel's cap of 168 leaves mods little room; and a mod's calls
+are made twice, so a mod that costs more than the MMAs of its score moves the balance back towards v1's single
+kernel. Against issue 38's forward + backward target (≥ 1.0× PyTorch's compiled FlexAttention): plausible at
+d = 128 if PyTorch's Triton backward runs near SDPA flash's, out of reach at d = 64 where the ladder's v7 itself is
+0.68-0.81× SDPA flash's backward.
 """
 
 from __future__ import annotations
