@@ -72,16 +72,20 @@ at d = 64 and less at d = 128, where the MMAs dominate. ALiBi and relative_bias 
 ``s`` in local memory. And the classes read from global memory sit in the critical path of the next tile's copy.
 The GPU tests should measure all of this against FlexAttention's Triton kernels.
 
-**The backward** (:func:`flex_backward`) is the mma.sync backward v1 (:mod:`kernels_gpu.tensorcore`: one block
-per key block j walking the row blocks i of its GQA group, dQ by atomic adds, the same three launches) over the
-same classes, read as C[b, h, i, j] for each i: skipped pairs are not loaded, partial pairs call ``mask_mod`` per
-element, full pairs do not. It recomputes x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and
-multiplies dSᵀ by g after the softmax gradient, as :func:`fa2edu.flex.flex_attention_backward` defines it; a
-score_mod without a derivative (its attribute or the ``score_mod_grad`` argument) raises before any launch. The
-derivative's bound arrays take the next array slots (an array already bound keeps its slot: ALiBi's slopes serve
-the score_mod and its derivative). A :func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is
-compiled part by part, its derivative by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Not yet run on a
-GPU either. Left for later: the Hopper (wgmma) versions.
+**The backward** (:func:`flex_backward`) has two rungs, :data:`BACKWARD_VERSIONS` (same arguments, same results
+up to rounding). **v7**, the default (:func:`flex_backward_v7`), is the mma.sync ladder's fastest backward with
+the mods — its section at the end of this docstring. **v1** (:func:`flex_backward_v1`,
+:func:`make_backward_kernel_v1`), the first flex backward, is the ladder's backward v1 (one block per key block j
+walking the row blocks i of its GQA group, dQ by atomic adds, three launches) over the classes read as
+C[b, h, i, j] for each i, kept so that its results stay reproducible (``flex_backward(..., rung="v1")``). Both
+recompute x = τ·qk, P = exp(score_mod(x) − L) and g = score_mod_grad(x), and multiply the softmax gradient by g,
+as :func:`fa2edu.flex.flex_attention_backward` defines it; skipped pairs are not loaded, partial pairs call
+``mask_mod`` per element, full pairs do not. A score_mod without a derivative (its attribute or the
+``score_mod_grad`` argument) raises before any launch. The derivative's bound arrays take the next array slots
+(an array already bound keeps its slot: ALiBi's slopes serve the score_mod and its derivative). A
+:func:`~fa2edu.flex.chain_score_mods` (flash-attn's softcap then ALiBi) is compiled part by part, its derivative
+by the chain rule g₁(s)·g₂(f₁(s)) (:func:`compile_score`). Neither has run on a GPU. Left for later: the Hopper
+(wgmma) versions.
 
 **The op.** ``fa2edu.torch.flex_attention`` (and ``flash_attention``'s ``window_size``, ``softcap``,
 ``alibi_slopes``) runs these two kernels for CUDA float16/bfloat16 tensors (``fa2edu._torch_ops``: zero columns
@@ -149,11 +153,59 @@ PyTorch's compiled FlexAttention (not yet measured here; ``benchmarks/flex.py`` 
 near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where the
 ladder's v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it.
 
-**The backward is still v1** (the ladder's fastest is v7, ``kernels_gpu.tensorcore.flash2_backward``): moving it to
-v7 (v3's two passes with dQ in its own kernel over query blocks, longest blocks first, stepped copies, Sᵀ and dPᵀ
-in one loop) is the same kind of port, with the walk listed per key block for the key-block kernel and per row
-block for the dQ kernel; until then the forward + backward target is not expected to be met. Beyond mma.sync,
-the Hopper rungs (wgmma, 809 TFLOP/s MMA ceiling from numba) are the route past PyTorch on sm_90.
+**Backward rung v7 (the default): the mods on the ladder's fastest backward.** The v1-based kernel ran the
+ladder's backward v1, which the ladder measured at 104-113 TFLOP/s (fp16, N = 4096, H100); the ladder's v7 reached
+174-206 TFLOP/s from N = 4096 (bf16, ``tensorcore_backward_v7.json``). Between them are v2-v7, one change each, and
+as in the forward the mods touch only the score tile between Sᵀ = K_j Q_iᵀ and the softmax gradient, so each carries
+over. What v7 changes from the v1-based kernel (:func:`make_backward_kernel` and :func:`make_backward_dq_kernel`
+against :func:`make_backward_kernel_v1`):
+
+1. **v3's two passes.** The key-block kernel computes dK_j, dV_j only (no dSᵀ through shared memory, no dQ
+   products, no atomics, one barrier per step); a dQ kernel in the forward's orientation, one block per query
+   block of 16·W rows, recomputes S, P (through the mods) and dP and accumulates dQ_i in registers, written once
+   in the input dtype: no float32 accumulator, no zeroing, no conversion launch, a bit-reproducible dQ. The
+   price is 7 products per visited pair instead of 5, and the mods called twice (once per kernel).
+2. **Walks as lists (v11's forward, from both sides).** The key-block kernel reads its (query head, row block)
+   pairs from a host-made list per key block, over the whole GQA group, coded ``(gq << 23) | (i << 1) | partial``
+   (:func:`kv_visit_table`; decoded by shifts, not v5's divisions — v6's point); the dQ kernel reads the
+   forward's :func:`visit_table` at its own tile. One load per step, issued before the copy it addresses; the
+   walks are kept with their BlockMask (:func:`backward_walks_for`). A per-head BlockMask gives each head of a
+   group its own list; a key block or query block that visits nothing writes zeros.
+3. **v4's longest blocks first, for any mask.** When the lists differ in length (causal, windows near the start,
+   documents) each kernel's grid puts the block index last and reads ``order`` (longest first); otherwise the
+   ladder's grids.
+4. **v5's stepped copies, v6's unsigned statistics indices, v7's Sᵀ and dPᵀ in one loop**, unchanged by the mods.
+   v7's pair has dPᵀ ready when Pᵀ is formed, which the mods use: with a score_mod the key-block kernel folds the
+   derivative into dPᵀ at once, dPᵀ ← (dPᵀ − D_i) ∘ g, so that dSᵀ = Pᵀ ∘ dPᵀ later and g needs no registers of its
+   own (the v1-based kernel kept a 4·B_r/8-float array of g across dV's update). The dQ kernel needs P only inside
+   dS, so it keeps P ∘ g and runs the ladder's softmax gradient unchanged.
+5. **Tiles inside the BlockMask's blocks** (:func:`backward_config_for_v7`): the ladder's v7 tile (4 warps; B_r =
+   64 up to d = 64, 32 beyond) shrunk to divide gcd(B_r, B_c) of the mask, so BLOCK_SIZE 128 (PyTorch's) and
+   (64, 64) run it unchanged and no retiling is needed; the v1-based kernel ran the BlockMask's block as its
+   tile. Full tiles without a score_mod call the ladder's own probability step, the key test only on the ragged
+   last key block.
+
+One departure found with ptxas (sm_90a, no GPU), kept: the per-score mod step is split into loops of
+:data:`MOD_TILES` n-tiles. As one loop over the tile, LLVM did not unroll it at B_r = 64 once a mod was compiled in,
+and ptxas then kept Sᵀ and dPᵀ in local memory (a 256-byte stack frame in the key-block kernel with softcap at
+d = 64, 128 bytes in the dQ kernel with causal + ALiBi). Registers after the split, bf16, BLOCK_SIZE 128, the
+ladder's caps (key-block kernel 248 at d = 64, dQ kernel 168): key-block kernel 237 (no mods) / 244-248 (causal,
+document, softcap, causal + ALiBi) at d = 64, 253-255 at d = 128 (the ladder's v7: 245 / 239 by numba's report); dQ
+kernel 164-168 at both. No spills, no stack frame, except 8 bytes at d = 128 with causal in the key-block kernel,
+stored before its loop and loaded after it.
+
+**Prediction (before any GPU run; nothing here is measured).** On full tiles without a score_mod the kernels are the
+ladder's v7 plus one list load per step. Backward, bf16, N ≥ 4096 on an H200, counting model FLOPs (2.5 × the
+forward's) of the kept scores: causal, sliding window, prefix-LM and document within 10-15 % of the ladder's v7
+causal at d = 64 and 128 (its mask test per score of a diagonal tile becomes a mask_mod call, inlined), i.e. about
+1.5-1.8× the v1-based kernel; ALiBi and relative_bias 10-25 % below (a bias load per score, twice: each kernel
+recomputes it); softcap 25-45 % below at d = 64 (the double-precision tanh of the forward's header, twice, plus its
+derivative), less at d = 128. What could break it: the key-block kernel at d = 128 sits at 253-255 registers, so a
+heavier mod than the ready ones may spill; the dQ kernel's cap of 168 leaves mods little room; and a mod's calls
+are made twice, so a mod that costs more than the MMAs of its score moves the balance back towards v1's single
+kernel. Against issue 38's forward + backward target (≥ 1.0× PyTorch's compiled FlexAttention): plausible at
+d = 128 if PyTorch's Triton backward runs near SDPA flash's, out of reach at d = 64 where the ladder's v7 itself is
+0.68-0.81× SDPA flash's backward.
 """
 
 from __future__ import annotations
@@ -172,11 +224,15 @@ from kernels_gpu import driver_launch, ptx
 from kernels_gpu.driver_launch import MAX_DYNAMIC_BYTES
 from kernels_gpu.tensorcore import backward_launch, launch
 from kernels_gpu.tensorcore import flash2_backward_v1 as backward_v1
+from kernels_gpu.tensorcore import flash2_backward_v7 as backward_v7
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 from kernels_gpu.tensorcore.steps import LOG2E, Config, device, make_steps
 
 __all__ = ["flex_forward", "FORWARD_VERSIONS", "flex_forward_v11", "flex_forward_v4", "flex_backward",
-           "make_backward_kernel", "backward_config_for", "plan_backward_mods", "make_kernel", "config_for",
+           "BACKWARD_VERSIONS", "flex_backward_v7", "flex_backward_v1", "make_backward_kernel",
+           "make_backward_dq_kernel", "make_backward_kernel_v1", "backward_config_for", "backward_config_for_v7",
+           "backward_config_for_v1", "backward_tile", "kv_visit_table", "backward_walks_for", "backward_grids",
+           "plan_backward_mods", "make_kernel", "config_for",
            "make_kernel_v4", "config_for_v4", "flex_tile", "shared_words", "visit_table", "walk_for", "planned_mods",
            "grid_for", "next_visited", "plan_mods", "compile_mods", "compile_score", "DEFAULT_BLOCK_SIZE",
            "V4_BLOCK_SIZE", "ARRAY_SLOTS"]
@@ -1162,8 +1218,8 @@ def flex_forward(Q, K, V, score_mod=None, block_mask=None, scale=None, enable_gq
 
 # -- the backward pass ------------------------------------------------------------------------------------------
 
-def backward_config_for(d: int, dtype: str, block_size: tuple, simulated: bool) -> BackwardConfig:
-    """The backward kernel's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): the v1 backward's shape with
+def backward_config_for_v1(d: int, dtype: str, block_size: tuple, simulated: bool) -> BackwardConfig:
+    """Rung v1's backward kernel constants for a BlockMask's BLOCK_SIZE = (B_r, B_c): the v1 backward's shape with
     W = B_c / 16 warps (16 keys each), B_r queries per row block; two column chunks of dK_j, dV_j above d = 128.
     Raises ValueError naming the sizes it can run."""
     B_r, B_c = block_size
@@ -1200,8 +1256,8 @@ def plan_backward_mods(mask_mod, score_mod, score_grad):
 
 
 @functools.lru_cache(maxsize=64)
-def make_backward_kernel(cfg: BackwardConfig, plan):
-    """The flex backward kernel for one tile shape and one :func:`plan_backward_mods` plan: the mma.sync backward
+def make_backward_kernel_v1(cfg: BackwardConfig, plan):
+    """Rung v1's flex backward kernel for one tile shape and one :func:`plan_backward_mods` plan: the mma.sync backward
     v1 (one block per key block j, Sᵀ and dPᵀ per warp, dQ by atomic adds) walking the row blocks i of key block
     j that the BlockMask does not skip, with MASK(score_mod(τS)) in the probabilities and score_mod_grad(τS) in
     dS. Arguments: v1's, then the block classes C (B, H, T_r, T_c) and the bound arrays A0 … A3."""
@@ -1339,9 +1395,10 @@ def make_backward_kernel(cfg: BackwardConfig, plan):
     return flex_backward_tc
 
 
-def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                  score_mod_grad=None):
-    """FlexAttention backward on tensor cores: FA2 Algorithm 2 over a BlockMask, the mods compiled into the kernel.
+def flex_backward_v1(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                     score_mod_grad=None):
+    """Rung v1's FlexAttention backward (:func:`make_backward_kernel_v1`), kept so that its results stay
+    reproducible (``flex_backward(..., rung="v1")``): :func:`flex_backward`'s arguments and result.
 
     The same function as :func:`fa2edu.flex.flex_attention_backward`: with S = τQKᵀ, P = exp(MASK(score_mod(S))
     − L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D) ∘ score_mod_grad(S), D = rowsum(dO ∘ O), dQ = τ dS K, dK = τ dSᵀ Q.
@@ -1358,7 +1415,7 @@ def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None
         float16 or bfloat16, L (B, H_q, N_q) float32 from :func:`flex_forward` (+inf on fully masked rows).
     score_mod, block_mask, scale, enable_gqa :
         The forward's (:func:`flex_forward`). The BlockMask's BLOCK_SIZE (B_r, B_c) is the backward's tile
-        (:func:`backward_config_for`); no block mask: every block full at v1's tile (64 or 32, 64).
+        (:func:`backward_config_for_v1`); no block mask: every block full at v1's tile (64 or 32, 64).
     score_mod_grad : callable, optional
         ``score_mod_grad(score, b, h, q_idx, kv_idx)``, d score_mod / d score at the scaled score. Default None:
         ``score_mod.score_mod_grad``; a score_mod with neither raises ValueError.
@@ -1387,7 +1444,7 @@ def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None
         block_size = (64 if p.d <= 64 else 32, 64)
     else:
         block_size = tuple(block_mask.BLOCK_SIZE)
-    cfg = backward_config_for(p.d, p.dtype, block_size, rt.simulator_in_use())
+    cfg = backward_config_for_v1(p.d, p.dtype, block_size, rt.simulator_in_use())
     mask_mod = None if block_mask is None else block_mask.mask_mod
     score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
     if score_mod_grad is None and _is_chain(score_mod):
@@ -1401,6 +1458,602 @@ def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None
         classes = np.ascontiguousarray(block_mask.classes, dtype=np.int8)
     bound = [_on_device(a) for a in arrays]
     bound += [cuda.to_device(np.zeros(1, np.float32))] * (ARRAY_SLOTS - len(bound))
-    return backward_launch.run_backward(lambda _cfg: make_backward_kernel(_cfg, plan),
+    return backward_launch.run_backward(lambda _cfg: make_backward_kernel_v1(_cfg, plan),
                                         lambda *args: cfg, backward_v1.shared_words, Q, K, V, O, L, dO,
                                         causal=False, scale=scale, extra_args=(cuda.to_device(classes), *bound))
+
+
+# -- backward rung v7: the mods on the ladder's fastest backward ---------------------------------------------------
+
+#: bits of a key-block walk entry (:func:`kv_visit_table`): ``(gq << GQ_SHIFT) | (i << 1) | partial``
+GQ_SHIFT = 23
+_MAX_ROW_BLOCKS = 1 << (GQ_SHIFT - 1)
+_MAX_GROUP = 1 << (31 - GQ_SHIFT)
+#: n-tiles (8 query columns each) per loop of the backward's mod steps (see make_backward_kernel)
+MOD_TILES = 2
+
+
+def backward_tile(d: int) -> tuple:
+    """Backward rung v7's preferred tile for head dimension d: (W warps, B_r), the ladder's v7
+    (:func:`kernels_gpu.tensorcore.flash2_backward_v7.config_for`): 4 warps, so key blocks of B_c = 64 keys in the
+    key-block kernel and query blocks of 64 rows in the dQ kernel; B_r = 64 queries per row block (keys per tile in
+    the dQ kernel) up to d = 64, 32 beyond."""
+    return (4, 64 if d <= 64 else 32)
+
+
+def backward_config_for_v7(d: int, dtype: str, block_size: tuple, simulated: bool) -> BackwardConfig:
+    """Backward rung v7's constants for a BlockMask's BLOCK_SIZE = (B_r, B_c), both multiples of 16.
+
+    The two kernels' tiles must each lie inside one block of the mask, so that each takes its block's class. The
+    key-block kernel's tile is B_r' queries × 16·W keys, the dQ kernel's 16·W queries × B_r' keys; both
+    sides divide both of the mask's sizes, so the tile is :func:`backward_tile`'s shrunk to the largest one that
+    divides g = gcd(B_r, B_c): W = gcd(64, g) / 16, B_r' = gcd(64 or 32, g). BLOCK_SIZE 128 (PyTorch's default)
+    and (64, 64) run the ladder's tiles unchanged, (16, 16) one warp with B_r' = 16. Register caps as the ladder's
+    v7 (the key-block kernel at 248 for d ≤ 64 at its full tile, the dQ kernel at 168 for d ≤ 128, 4 warps); two
+    column chunks above d = 128. Raises ValueError naming the sizes it can run."""
+    B_r_mask, B_c_mask = block_size
+    if B_r_mask % 16 or B_r_mask < 16 or B_c_mask % 16 or B_c_mask < 16:
+        raise ValueError(f"the flex backward runs tiles inside block masks whose BLOCK_SIZE (B_r, B_c) are multiples "
+                         f"of 16; the block mask has BLOCK_SIZE = {(B_r_mask, B_c_mask)}: make it with "
+                         f"create_block_mask(..., BLOCK_SIZE=128) (PyTorch's default), (64, 64), or (16, 16) for "
+                         f"small problems")
+    W, B_r = backward_tile(d)
+    g = math.gcd(B_r_mask, B_c_mask)
+    W, B_r = math.gcd(16 * W, g) // 16, math.gcd(B_r, g)
+    full = W == 4
+    cfg = BackwardConfig(d=d, warps=W, B_r=B_r, dtype=dtype, causal=False, simulated=simulated,
+                         chunks=1 if d <= 128 else 2,
+                         max_registers=248 if d <= 64 and B_r == 64 and full else None,
+                         max_registers_dq=168 if d <= 128 and full else None)
+    nbytes = 4 * max(backward_v7.shared_words(cfg), backward_v7.dq_shared_words(cfg))
+    if nbytes > MAX_DYNAMIC_BYTES:            # (not reached at d ≤ 256 by these tiles; kept as the guard)
+        raise ValueError(f"BLOCK_SIZE = {(B_r_mask, B_c_mask)} at d = {d} needs {nbytes} bytes of shared memory in "
+                         f"the backward, a block may have {MAX_DYNAMIC_BYTES}")
+    return cfg
+
+
+def backward_config_for(d: int, dtype: str, block_size: tuple, simulated: bool, *, rung: str = "v7"):
+    """The backward constants of ``rung`` (a key of :data:`BACKWARD_VERSIONS`) for a BlockMask's BLOCK_SIZE:
+    :func:`backward_config_for_v7` or :func:`backward_config_for_v1`. Raises ValueError naming the sizes the rung
+    can run (``fa2edu._torch_ops`` retiles a mask on that error)."""
+    if rung == "v7":
+        return backward_config_for_v7(d, dtype, block_size, simulated)
+    if rung == "v1":
+        return backward_config_for_v1(d, dtype, block_size, simulated)
+    raise ValueError(f"rung must be one of {sorted(BACKWARD_VERSIONS)}, got {rung!r}")
+
+
+def kv_visit_table(classes: np.ndarray, block_size: tuple, tile: tuple, N_q: int, N_k: int, G: int) -> tuple:
+    """The walk of every key block of the key-block kernel over its GQA group, worked out on the host once per
+    BlockMask, tile and G (FA1 Alg. 5 line 8 from the key side: PyTorch's ``q_num_blocks`` / ``q_indices``).
+
+    ``classes`` (B, H, T_r, T_c) are the BlockMask's, of blocks ``block_size``, H = 1 or H_q = H_kv·G; ``tile`` =
+    (B_r', B_c') the kernel's row block and key block, dividing the mask's blocks. Key block j' of key/value head
+    hk visits, for each query head hk·G + gq of its group in turn, the row blocks i' that are not skipped, in
+    increasing i'. Returns ``(counts, visits, order)``, int32: ``counts[b, hk, j']`` the (gq, i') pairs visited
+    (hk is 0 when H = 1: the walk is alike for every group); ``visits[b, hk, j', t]`` the t-th, coded
+    ``(gq << 23) | (i' << 1) | partial`` (shifts, not a division, to decode; −1 past the count); ``order[b, hk,
+    :]`` the key blocks by decreasing count. Cost O(B·H·T_r'·T_c'·log T_r'), memory B·H·T_c'·max(counts) words.
+    Raises ValueError beyond 2²² row blocks or 256 query heads per group."""
+    B_r, B_c = block_size
+    tile_r, tile_c = tile
+    counts, visits, _ = visit_table(np.asarray(classes).transpose(0, 1, 3, 2), (B_c, B_r), (tile_c, tile_r), N_k, N_q)
+    T_r = -(-N_q // tile_r)
+    if T_r > _MAX_ROW_BLOCKS or G > _MAX_GROUP:
+        raise ValueError(f"the flex backward's walk codes up to {_MAX_ROW_BLOCKS} row blocks and {_MAX_GROUP} query "
+                         f"heads per key/value head; this problem has {T_r} row blocks of {tile_r} and G = {G}")
+    Bm, Hm, T_c, width = visits.shape
+    if Hm == 1:                               # one walk for every head: each group visits it G times
+        visits = np.broadcast_to(visits[:, :, None], (Bm, 1, G, T_c, width))
+    else:
+        visits = visits.reshape(Bm, Hm // G, G, T_c, width)
+    valid = visits >= 0
+    gq = np.arange(G, dtype=np.int32)[None, None, :, None, None]
+    codes = np.where(valid, (gq << GQ_SHIFT) | visits, -1).transpose(0, 1, 3, 2, 4).reshape(Bm, -1, T_c, G * width)
+    counts = valid.sum(axis=(2, 4)).astype(np.int32)
+    span = max(1, int(counts.max()))
+    index = np.argsort(codes < 0, axis=-1, kind="stable")[..., :span]      # the valid ones first, in (gq, i') order
+    codes = np.take_along_axis(codes, index, axis=-1)
+    order = np.argsort(-counts, axis=-1, kind="stable")
+    return tuple(np.ascontiguousarray(x, dtype=np.int32) for x in (counts, codes, order))
+
+
+def _backward_tables(classes, block_size, cfg: BackwardConfig, N_q: int, N_k: int, G: int):
+    """The two walks on the device: the key-block kernel's (:func:`kv_visit_table`, tile B_r × B_c) and the dQ
+    kernel's (:func:`visit_table`, tile B_c queries × B_r keys: query blocks of 16·W rows, key tiles of B_r)."""
+    kv = _Walk(classes, *kv_visit_table(classes, block_size, (cfg.B_r, cfg.B_c), N_q, N_k, G))
+    dq = _Walk(classes, *visit_table(classes, block_size, (cfg.B_c, cfg.B_r), N_q, N_k))
+    return kv, dq
+
+
+@functools.lru_cache(maxsize=64)
+def _full_backward_walks(N_q: int, N_k: int, cfg: BackwardConfig, G: int):
+    """The backward walks without a block mask: every tile full."""
+    tile = math.lcm(cfg.B_r, cfg.B_c)
+    classes = np.full((1, 1, -(-N_q // tile), -(-N_k // tile)), FULL, np.int8)
+    return _backward_tables(classes, (tile, tile), cfg, N_q, N_k, G)
+
+
+def backward_walks_for(block_mask, cfg: BackwardConfig, N_q: int, N_k: int, G: int) -> tuple:
+    """``(kv walk, dq walk)`` of ``block_mask`` (None: every block full) for backward rung v7 at ``cfg``'s tiles,
+    made on the first call and kept with the BlockMask, as :func:`walk_for` keeps the forward's."""
+    if block_mask is None:
+        return _full_backward_walks(N_q, N_k, cfg, G)
+    key = ("backward", cfg.B_r, cfg.B_c, G)
+    with _WALKS_LOCK:
+        found = _WALKS.get(block_mask, {}).get(key)
+    if found is not None and found[0].source is block_mask.classes:
+        return found
+    walks = _backward_tables(block_mask.classes, tuple(block_mask.BLOCK_SIZE), cfg, N_q, N_k, G)
+    with _WALKS_LOCK:
+        _WALKS.setdefault(block_mask, {})[key] = walks
+    return walks
+
+
+def _grad_device_call(node, jit):
+    """The score_mod's derivative as a device function of the kernel's arity (a stand-in returning 1 when there is
+    no score_mod: the kernels never call it then, HAS_SCORE being a compile-time constant)."""
+    if node is None:
+        def unit(score, b, h, q_idx, kv_idx, A0, A1, A2, A3):
+            return score
+        return jit(unit)
+    return compile_score(node, jit)
+
+
+@functools.lru_cache(maxsize=64)
+def make_backward_kernel(cfg: BackwardConfig, plan, ordered: bool = False):
+    """Backward rung v7's key-block kernel (dK_j, dV_j) for one tile (:func:`backward_config_for_v7`), one
+    :func:`plan_backward_mods` plan and one launch order: the ladder's v7 key-block kernel
+    (:mod:`kernels_gpu.tensorcore.flash2_backward_v7`) walking the list of :func:`kv_visit_table` instead of every
+    row block. ``ordered``: the grid is (H_kv, batch, key blocks · chunks) and key block ``order[b, hk,
+    blockIdx.z // chunks]`` runs, the longest first; otherwise (key blocks · chunks, H_kv, batch). Arguments: Q, K,
+    V, dO, stats, dK, dV, the walk (``counts``, ``visits``, ``order``), N_q, N_k, G, τ, τ·log₂e, A0 … A3."""
+    mask_call, score_call = compile_mods(plan[:2], cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    ORDERED = bool(ordered)
+    jit = device(cfg.simulated)
+    grad_call = _grad_device_call(plan[2], jit)
+    st = make_backward_steps(cfg)
+    copy_kv, copy_q, copy_stats, zero = st["copy_kv_async_inc"], st["copy_q_async_inc"], st["copy_stats_async"], \
+        st["zero"]
+    product_pair, product_accumulate = st["product_transposed_pair"], st["product_accumulate"]
+    probabilities, softmax_gradient, store_rows = st["probabilities_at"], st["softmax_gradient_at"], st["store_rows"]
+    B_r, B_c, RS = cfg.B_r, cfg.B_c, cfg.RS
+    CHUNKS, DC, NT = cfg.chunks, cfg.DC, cfg.NT
+    K_OFF = 0                                # word offsets (v7's): K_j, V_j, stage 0 (Q_i, dO_i), stage 1 (Q_i,
+    V_OFF = B_c * RS                         # dO_i), then (as floats) stage 0 (L_i·log₂e, D_i), stage 1
+    Q_OFF = 2 * B_c * RS
+    DO_OFF = Q_OFF + B_r * RS
+    STAGE = 2 * B_r * RS
+    L_OFF = Q_OFF + 2 * STAGE
+    D_OFF = L_OFF + B_r
+    FSTAGE = 2 * B_r
+    S_LEN, C_LEN = 4 * NT, 4 * cfg.NC
+    ROW_MASK = _MAX_ROW_BLOCKS - 1
+    log2e = float32(LOG2E)
+    ex2 = ptx.ex2
+
+    def make_part(N0, N1):
+        @jit
+        def part(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                 A2, A3):
+            """Alg. 2 line 13 (and line 19's first half) for the n-tiles N0 … N1 − 1 (``flex_probabilities``
+            below); cost per element: a compare, at most one mask_mod, score_mod and score_mod_grad call, an ex2."""
+            t = cuda.laneid % 4
+            for n in range(N0, N1):
+                for e in range(2):
+                    ell = smf[l_lane + uint32(8 * n + e)]
+                    dee = float32(0.0)
+                    if HAS_SCORE:
+                        dee = smf[d_lane + uint32(8 * n + e)]
+                    q = col0 + 8 * n + 2 * t + e
+                    for hh in range(2):
+                        k = 4 * n + 2 * hh + e
+                        key = key0 + 8 * hh
+                        p = float32(0.0)
+                        gd = float32(0.0)
+                        if edge and (q >= N_q or key >= N_k):
+                            p = float32(0.0)
+                        elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
+                            p = float32(0.0)
+                        elif HAS_SCORE:
+                            x = s[k] * scale
+                            y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
+                            gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
+                            p = ex2(y * log2e - ell)
+                        else:
+                            p = ex2(s[k] * scale_log2 - ell)
+                        s[k] = p
+                        if HAS_SCORE:
+                            dp[k] = (dp[k] - dee) * gd
+        return part
+
+    def then(first, second):
+        @jit
+        def both(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                 A2, A3):
+            first(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                  A2, A3)
+            second(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1,
+                   A2, A3)
+        return both
+
+    # flex_probabilities(s, dp, smf, l_lane, d_lane, key0, col0, N_q, N_k, τ, τ·log₂e, partial, edge, z, h, A0 … A3):
+    # Alg. 2 line 13, transposed, FlexAttention's way, for the lane's keys key0, key0 + 8 and the tile's queries
+    # col0 + …: Pᵀ = exp(MASK(score_mod(τSᵀ)) − L_i), in place in s. With a score_mod, also the first half of line
+    # 19 through its derivative, in place in dp (which v7's pair has ready): dPᵀ ← (dPᵀ − D_i) ∘ score_mod_grad(τSᵀ),
+    # so that dSᵀ = Pᵀ ∘ dPᵀ later and the derivative needs no registers of its own. mask_mod runs only in a
+    # partial tile; on an edge tile (past N_q or N_k) padding queries and keys get P = 0 and no mod call (a mod may
+    # index arrays of N_q or N_k entries). L_i·log₂e and D_i at the lane's unsigned indices (v6's).
+    # The tile in parts of MOD_TILES n-tiles, each a loop of its own: a loop over all NT n-tiles with a mod call
+    # in its body grows past what LLVM unrolls at B_r = 64 (ptxas then keeps s and dp in local memory, a 256-byte
+    # stack frame with softcap at d = 64); parts of 2 n-tiles unroll, and every index into s, dp is a constant.
+    flex_probabilities = functools.reduce(then, [make_part(n0, min(n0 + MOD_TILES, NT))
+                                                 for n0 in range(0, NT, MOD_TILES)])
+
+    @jit
+    def gradient_through(s, dp):
+        """Alg. 2 line 19 with the mod's derivative already in ``dp`` (``flex_probabilities``): dSᵀ = Pᵀ ∘ dPᵀ,
+        in place."""
+        for k in range(S_LEN):
+            s[k] = s[k] * dp[k]
+
+    @cfg.jit()
+    def flex_backward_kv_tc(Q, K, V, dO, stats, dK, dV, counts, visits, order, N_q, N_k, G, scale, scale_log2,
+                            A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        if ORDERED:                           # grid (H_kv, batch, key blocks · chunks): the longest key blocks first
+            hk = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+            slot = cuda.blockIdx.z // CHUNKS
+            c = cuda.blockIdx.z - slot * CHUNKS
+        else:                                 # grid (key blocks · chunks, H_kv, batch), as the ladder's v3
+            slot = cuda.blockIdx.x // CHUNKS
+            c = cuda.blockIdx.x - slot * CHUNKS
+            hk = cuda.blockIdx.y
+            z = cuda.blockIdx.z
+        bz = z if counts.shape[0] > 1 else 0  # a BlockMask of B = 1 or H = 1 broadcasts
+        bk = hk if counts.shape[1] > 1 else 0
+        j = order[bz, bk, slot] if ORDERED else slot    # key block j (Alg. 2 line 5: one block per j, in parallel)
+        sm = cuda.shared.array(0, uint32)
+        smf = cuda.shared.array(0, float32)
+        s = cuda.local.array(S_LEN, float32)
+        dp = cuda.local.array(S_LEN, float32)
+        dk = cuda.local.array(C_LEN, float32)
+        dv = cuda.local.array(C_LEN, float32)
+        key0 = j * B_c + 16 * warp
+        col_word = c * (DC // 2)
+        ragged = (j + 1) * B_c > N_k          # the key block holds keys past N_k
+
+        # Alg. 2 line 8's loop over (query head of the GQA group, row block i), flattened, as the ladder's — only
+        # the pairs the BlockMask does not skip, listed on the host (FA1 Alg. 5 line 8).
+        n_steps = counts[bz, bk, j]
+        code = visits[bz, bk, j, 0]           # (gq << 23) | (i << 1) | partial
+        # Alg. 2 line 6, and lines 9-10 for the first step, as one group.
+        copy_kv(sm, K_OFF, K, z, hk, j * B_c, N_k, tid)
+        copy_kv(sm, V_OFF, V, z, hk, j * B_c, N_k, tid)
+        if n_steps > 0:
+            h0 = hk * G + (code >> GQ_SHIFT)
+            i0 = (code >> 1) & ROW_MASK
+            copy_q(sm, Q_OFF, Q, z, h0, i0 * B_r, N_q, tid)
+            copy_q(sm, DO_OFF, dO, z, h0, i0 * B_r, N_q, tid)
+            copy_stats(smf, L_OFF, stats, z, h0, i0 * B_r, tid)
+        ptx.cp_async_commit()
+        # Alg. 2 line 7: dK_j = 0, dV_j = 0.
+        zero(dk, C_LEN)
+        zero(dv, C_LEN)
+        t2 = uint32(2 * (lane % 4))           # the lane's first query column in a row block's L_i, D_i
+        for step in range(n_steps):
+            stage = step & 1
+            h = hk * G + (code >> GQ_SHIFT)   # this step's query head (the mods' h) and row block, decoded by shifts
+            i = (code >> 1) & ROW_MASK
+            partial = (code & 1) != 0
+            ptx.cp_async_wait_all()           # this step's tiles have landed (the only group in flight) ...
+            cuda.syncthreads()                # ... for everyone, and nobody still reads the other stage
+            # Lines 9-10 for the next visited pair, into the other stage, land while this one is computed.
+            code_next = code
+            if step + 1 < n_steps:
+                code_next = visits[bz, bk, j, step + 1]
+                h_next = hk * G + (code_next >> GQ_SHIFT)
+                i_next = (code_next >> 1) & ROW_MASK
+                other = 1 - stage
+                copy_q(sm, Q_OFF + other * STAGE, Q, z, h_next, i_next * B_r, N_q, tid)
+                copy_q(sm, DO_OFF + other * STAGE, dO, z, h_next, i_next * B_r, N_q, tid)
+                copy_stats(smf, L_OFF + other * FSTAGE, stats, z, h_next, i_next * B_r, tid)
+            ptx.cp_async_commit()
+            q_off = Q_OFF + stage * STAGE
+            do_off = DO_OFF + stage * STAGE
+            l_lane = uint32(L_OFF + stage * FSTAGE) + t2
+            d_lane = uint32(D_OFF + stage * FSTAGE) + t2
+
+            # Line 11: Sᵀ = K_j Q_iᵀ and line 17: dPᵀ = V_j dO_iᵀ, in one loop over the k-steps (v7).
+            product_pair(s, dp, sm, K_OFF, q_off, V_OFF, do_off, warp, lane)
+            # Line 13, FlexAttention: Pᵀ = exp(MASK(score_mod(τSᵀ)) − L_i), mask_mod in a partial tile only; with a
+            # score_mod, dPᵀ ← (dPᵀ − D_i) ∘ score_mod_grad(τSᵀ) too. A full tile without a score_mod runs the
+            # ladder's step, the key test only on the ragged last key block.
+            if HAS_SCORE or (HAS_MASK and partial):
+                edge = ragged or (i + 1) * B_r > N_q
+                flex_probabilities(s, dp, smf, l_lane, d_lane, key0 + lane // 4, i * B_r, N_q, N_k, scale,
+                                   scale_log2, partial, edge, z, h, A0, A1, A2, A3)
+            else:
+                probabilities(s, smf, l_lane, key0 + lane // 4, i * B_r, N_k, scale_log2, 0, ragged)
+            # Line 16: dV_j += Pᵀ dO_i.
+            product_accumulate(dv, s, sm, do_off, col_word, lane)
+            # Line 19: dSᵀ = Pᵀ ∘ (dPᵀ − D_i) (∘ score_mod_grad, already in dPᵀ with a score_mod).
+            if HAS_SCORE:
+                gradient_through(s, dp)
+            else:
+                softmax_gradient(s, dp, smf, d_lane)
+            # Line 21: dK_j += dSᵀ Q_i. (Line 20, dQ_i, is the dQ kernel's.)
+            product_accumulate(dk, s, sm, q_off, col_word, lane)
+            code = code_next
+
+        ptx.cp_async_wait_all()
+        # Line 24: write dK_j = τ Σ dSᵀQ, dV_j to HBM, once (zeros for a key block that no query sees).
+        store_rows(dv, dV, z, hk, key0, N_k, col_word, float32(1.0), lane)
+        store_rows(dk, dK, z, hk, key0, N_k, col_word, scale, lane)
+
+    return flex_backward_kv_tc
+
+
+@functools.lru_cache(maxsize=64)
+def make_backward_dq_kernel(cfg: BackwardConfig, plan, ordered: bool = False):
+    """Backward rung v7's dQ kernel for one tile, plan and launch order: the ladder's v7 dQ kernel (v5's: one block
+    per query block of 16·W rows, a warp per 16 rows, key tiles of B_r keys double-buffered) walking the list of
+    :func:`visit_table` at its tile. ``ordered``: grid (H_q, batch, query blocks · chunks), query block ``order[b,
+    h, blockIdx.z // chunks]``, the longest first; otherwise (query blocks · chunks, H_q, batch). Arguments: Q, K,
+    V, dO, stats, dQ, the walk (``counts``, ``visits``, ``order``), N_q, N_k, G, τ, τ·log₂e, A0 … A3."""
+    mask_call, score_call = compile_mods(plan[:2], cfg.simulated)
+    HAS_MASK, HAS_SCORE = plan[0] is not None, plan[1] is not None
+    ORDERED = bool(ordered)
+    jit = device(cfg.simulated)
+    grad_call = _grad_device_call(plan[2], jit)
+    st = make_backward_steps(cfg)
+    # 16·W rows, B_r rows: the copies with their addresses stepped by constants (v5's)
+    copy_rows, copy_tile, zero = st["copy_kv_async_inc"], st["copy_q_async_inc"], st["zero"]
+    product_transposed, product_accumulate = st["product_transposed"], st["product_accumulate"]
+    probabilities, softmax_gradient, store_rows = st["probabilities_rows"], st["softmax_gradient_rows"], \
+        st["store_rows"]
+    B_r, B_q, RS, NT = cfg.B_r, cfg.B_c, cfg.RS, cfg.NT    # keys per tile; queries per block (16 per warp)
+    CHUNKS, DC = cfg.chunks, cfg.DC
+    Q_OFF = 0                                # word offsets: Q_i, dO_i, stage 0 (K_j, V_j), stage 1 (K_j, V_j)
+    DO_OFF = B_q * RS
+    K_OFF = 2 * B_q * RS
+    V_OFF = K_OFF + B_r * RS
+    STAGE = 2 * B_r * RS
+    S_LEN, C_LEN = 4 * NT, 4 * cfg.NC
+    log2e = float32(LOG2E)
+    ex2 = ptx.ex2
+
+    def make_part(N0, N1):
+        @jit
+        def part(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3):
+            """Alg. 2 line 13 (through the mod) for the n-tiles N0 … N1 − 1 (``flex_probabilities_rows`` below);
+            cost per element: a compare, at most one mask_mod, score_mod and score_mod_grad call, an ex2."""
+            t = cuda.laneid % 4
+            for n in range(N0, N1):
+                for e in range(2):
+                    key = col0 + 8 * n + 2 * t + e
+                    for hh in range(2):
+                        k = 4 * n + 2 * hh + e
+                        q = row0 + 8 * hh
+                        p = float32(0.0)
+                        if edge and (q >= N_q or key >= N_k):
+                            p = float32(0.0)
+                        elif HAS_MASK and partial and not mask_call(z, h, q, key, A0, A1, A2, A3):
+                            p = float32(0.0)
+                        elif HAS_SCORE:
+                            x = s[k] * scale
+                            y = float32(score_call(x, z, h, q, key, A0, A1, A2, A3))
+                            gd = float32(grad_call(x, z, h, q, key, A0, A1, A2, A3))
+                            p = ex2(y * log2e - lrow[hh]) * gd
+                        else:
+                            p = ex2(s[k] * scale_log2 - lrow[hh])
+                        s[k] = p
+        return part
+
+    def then(first, second):
+        @jit
+        def both(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3):
+            first(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3)
+            second(s, lrow, row0, col0, N_q, N_k, scale, scale_log2, partial, edge, z, h, A0, A1, A2, A3)
+        return both
+
+    # flex_probabilities_rows(s, lrow, row0, col0, N_q, N_k, τ, τ·log₂e, partial, edge, z, h, A0 … A3): Alg. 2
+    # line 13 in the forward's orientation (the warp's 16 query rows × B_r keys), FlexAttention's way: P =
+    # exp(MASK(score_mod(τS)) − L), in place, times score_mod_grad(τS) with a score_mod — the dQ kernel needs P only
+    # inside dS = P ∘ (dP − D) ∘ g, so P ∘ g is kept and the ladder's softmax gradient finishes it. mask_mod in a
+    # partial tile only; on an edge tile, queries past N_q and keys past N_k get 0 and no mod call. lrow: L·log₂e
+    # of the lane's rows row0, row0 + 8. In parts of MOD_TILES n-tiles, as the key-block kernel's (unrolled: at
+    # d = 64 one loop kept s in local memory with causal + ALiBi, 128 bytes).
+    flex_probabilities_rows = functools.reduce(then, [make_part(n0, min(n0 + MOD_TILES, NT))
+                                                      for n0 in range(0, NT, MOD_TILES)])
+
+    @cfg.jit(dq=True)
+    def flex_backward_dq_tc(Q, K, V, dO, stats, dQ, counts, visits, order, N_q, N_k, G, scale, scale_log2,
+                            A0, A1, A2, A3):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        if ORDERED:                           # grid (H_q, batch, query blocks · chunks): the longest first
+            h = cuda.blockIdx.x
+            z = cuda.blockIdx.y
+            slot = cuda.blockIdx.z // CHUNKS
+            c = cuda.blockIdx.z - slot * CHUNKS
+        else:                                 # grid (query blocks · chunks, H_q, batch), as the ladder's v3
+            slot = cuda.blockIdx.x // CHUNKS
+            c = cuda.blockIdx.x - slot * CHUNKS
+            h = cuda.blockIdx.y
+            z = cuda.blockIdx.z
+        bz = z if counts.shape[0] > 1 else 0
+        bh = h if counts.shape[1] > 1 else 0
+        i = order[bz, bh, slot] if ORDERED else slot    # query block i: one block per i (FA2 Section 3.2)
+        hk = h // G                           # GQA: query head h reads key/value head h // G
+        sm = cuda.shared.array(0, uint32)
+        s = cuda.local.array(S_LEN, float32)
+        dp = cuda.local.array(S_LEN, float32)
+        dq = cuda.local.array(C_LEN, float32)
+        lrow = cuda.local.array(2, float32)
+        drow = cuda.local.array(2, float32)
+        first_row = i * B_q + 16 * warp
+        row0 = first_row + lane // 4          # this lane's first row; its second is row0 + 8
+        col_word = c * (DC // 2)
+        rows_edge = (i + 1) * B_q > N_q       # the last query block holds padding rows
+        # Alg. 2 line 10 for the lane's two rows: L·log₂e and D (+∞ and 0 past N_q: P = 0, dS = 0).
+        for hh in range(2):
+            lrow[hh] = stats[z, h, 0, row0 + 8 * hh] if row0 + 8 * hh < N_q else float32(math.inf)
+            drow[hh] = stats[z, h, 1, row0 + 8 * hh] if row0 + 8 * hh < N_q else float32(0.0)
+
+        # The key tiles the BlockMask does not skip, listed on the host (FA1 Alg. 5 line 8).
+        n_tiles = counts[bz, bh, i]
+        code = visits[bz, bh, i, 0]           # 2·j + 1 for a partial tile, 2·j for a full one
+        copy_rows(sm, Q_OFF, Q, z, h, i * B_q, N_q, tid)
+        copy_rows(sm, DO_OFF, dO, z, h, i * B_q, N_q, tid)
+        if n_tiles > 0:
+            copy_tile(sm, K_OFF, K, z, hk, (code >> 1) * B_r, N_k, tid)
+            copy_tile(sm, V_OFF, V, z, hk, (code >> 1) * B_r, N_k, tid)
+        ptx.cp_async_commit()
+        zero(dq, C_LEN)                       # Alg. 2 line 3 for this block's rows: dQ_i = 0, in registers
+        for t in range(n_tiles):
+            stage = (t & 1) * STAGE
+            jt = code >> 1
+            partial = (code & 1) != 0
+            ptx.cp_async_wait_all()           # this tile (and Q_i, dO_i) has landed ...
+            cuda.syncthreads()                # ... for everyone, and nobody still reads the other stage
+            code_next = code
+            if t + 1 < n_tiles:               # the next visited tile's copy runs under this tile's products
+                code_next = visits[bz, bh, i, t + 1]
+                copy_tile(sm, K_OFF + STAGE - stage, K, z, hk, (code_next >> 1) * B_r, N_k, tid)
+                copy_tile(sm, V_OFF + STAGE - stage, V, z, hk, (code_next >> 1) * B_r, N_k, tid)
+            ptx.cp_async_commit()
+            # Alg. 2 line 11: S = Q_i K_jᵀ (the warp's 16 rows × B_r keys); line 13, FlexAttention: P =
+            # exp(MASK(score_mod(τS)) − L_i) (∘ score_mod_grad with a score_mod); a full tile without a
+            # score_mod runs the ladder's step.
+            product_transposed(s, sm, Q_OFF, K_OFF + stage, warp, lane)
+            ragged = (jt + 1) * B_r > N_k
+            if HAS_SCORE or (HAS_MASK and partial):
+                flex_probabilities_rows(s, lrow, row0, jt * B_r, N_q, N_k, scale, scale_log2, partial,
+                                        ragged or rows_edge, z, h, A0, A1, A2, A3)
+            else:
+                probabilities(s, lrow, row0, jt * B_r, N_k, scale_log2, 0, ragged)
+            # Lines 17, 19: dP = dO_i V_jᵀ, dS = P ∘ (dP − D_i) (P ∘ g with a score_mod: dS through the mod).
+            product_transposed(dp, sm, DO_OFF, V_OFF + stage, warp, lane)
+            softmax_gradient(s, dp, drow)
+            # Line 20: dQ_i += dS K_j — dS's accumulators are the A operand, K_j the B operand (transposed load).
+            product_accumulate(dq, s, sm, K_OFF + stage, col_word, lane)
+            code = code_next
+
+        ptx.cp_async_wait_all()
+        # dQ_i = τ Σ_j dS K_j, written once in the input dtype (0 on a row block that visits nothing).
+        store_rows(dq, dQ, z, h, first_row, N_q, col_word, scale, lane)
+
+    return flex_backward_dq_tc
+
+
+def backward_grids(cfg: BackwardConfig, p, kv_ordered: bool, dq_ordered: bool) -> tuple:
+    """Backward rung v7's two launch grids: the key-block kernel's (H_kv, Z, key blocks · chunks) when its key
+    blocks differ in length (the longest first, read from ``order``), else (key blocks · chunks, H_kv, Z); the dQ
+    kernel's likewise over query blocks of 16·W rows and H_q."""
+    kv = rt.grid_size(p.N_k, cfg.B_c) * cfg.chunks
+    dq = rt.grid_size(p.N_q, cfg.B_c) * cfg.chunks
+    return (((p.H_kv, p.Z, kv) if kv_ordered else (kv, p.H_kv, p.Z)),
+            ((p.H_q, p.Z, dq) if dq_ordered else (dq, p.H_q, p.Z)))
+
+
+def flex_backward_v7(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                     score_mod_grad=None):
+    """Backward rung v7's FlexAttention backward (:func:`make_backward_kernel`, :func:`make_backward_dq_kernel`):
+    :func:`flex_backward`'s arguments and result. Three launches — the ladder's preprocessing (D, L·log₂e), the
+    key-block kernel (dK, dV), the dQ kernel (dQ, written once: no atomics, no conversion launch). The BlockMask
+    may have any BLOCK_SIZE of multiples of 16 (:func:`backward_config_for_v7`); no block mask: every block full
+    at the ladder's tiles.
+
+    Host cost: the walks (:func:`kv_visit_table`, :func:`visit_table`) are built and copied on the first call per
+    BlockMask, tile and G, and kept with the BlockMask; the bound arrays' device copies per array
+    (:func:`_device_copy`)."""
+    from fa2edu.flex import _score_mod_derivative
+
+    for x, name in ((Q, "Q"), (K, "K"), (V, "V")):
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(f"{name} must have 4 axes (B, H, N, d), as flex_attention, got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if Q.shape[1] != K.shape[1] and not enable_gqa:
+        raise ValueError(f"Q has H = {Q.shape[1]} heads but K and V have {K.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention, or give K and V Q's heads")
+    grad = _score_mod_derivative(score_mod, score_mod_grad)
+    bp = backward_launch.prepare_backward(Q, K, V, O, L, dO, causal=False, scale=scale)
+    p = bp.fwd
+    block_mask = _check_mods(score_mod, block_mask, p)
+    block_size = (64, 64) if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    cfg = backward_config_for_v7(p.d, p.dtype, block_size, rt.simulator_in_use())
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    score_mod = None if score_mod is None else at_lengths(score_mod, p.N_q, p.N_k)
+    if score_mod_grad is None and _is_chain(score_mod):
+        grad = "chain"                     # the chain's own derivative, compiled part by part
+    else:
+        grad = None if grad is None else at_lengths(grad, p.N_q, p.N_k)
+    plan, arrays = plan_backward_mods(mask_mod, score_mod, grad)
+    G = p.H_q // p.H_kv
+    kv_walk, dq_walk = backward_walks_for(block_mask, cfg, p.N_q, p.N_k, G)
+    # Alg. 2 line 4: D = rowsum(dO ∘ O), L·log₂e (padded to whole row blocks: P = 0, dS = 0 past N_q).
+    stats, _ = backward_launch._preprocess(bp, cfg, None)
+    common = (np.int32(p.N_q), np.int32(p.N_k), np.int32(G), np.float32(p.scale),
+              np.float32(p.scale * math.log2(math.e)), *_bound_on_device(arrays))
+    kv_grid, dq_grid = backward_grids(cfg, p, kv_walk.ordered, dq_walk.ordered)
+    # Alg. 2 lines 5-24 without line 20: dK_j, dV_j, one block per key block j (and column chunk).
+    kv_args = (p.Q, p.K, p.V, bp.dO, stats, bp.dK, bp.dV, kv_walk.counts, kv_walk.visits, kv_walk.order) + common
+    _launch_mods(make_backward_kernel(cfg, plan, kv_walk.ordered), kv_grid, cfg.threads, p, kv_args,
+                 4 * backward_v7.shared_words(cfg), mask_mod, score_mod)
+    # Alg. 2 line 20 as a pass over query blocks: dQ_i = τ Σ_j dS_ij K_j, written once.
+    dq_args = (p.Q, p.K, p.V, bp.dO, stats, p.O, dq_walk.counts, dq_walk.visits, dq_walk.order) + common
+    _launch_mods(make_backward_dq_kernel(cfg, plan, dq_walk.ordered), dq_grid, cfg.threads, p, dq_args,
+                 4 * backward_v7.dq_shared_words(cfg), mask_mod, score_mod)
+    return backward_launch.finish_backward(bp)
+
+
+#: the flex backward rungs: name → ``f(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None,
+#: enable_gqa=False, score_mod_grad=None)``
+BACKWARD_VERSIONS = {"v1": flex_backward_v1, "v7": flex_backward_v7}
+
+
+def flex_backward(Q, K, V, O, L, dO, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                  score_mod_grad=None, *, rung="v7"):
+    """FlexAttention backward on tensor cores: FA2 Algorithm 2 over a BlockMask, the mods compiled into the kernels.
+
+    The same function as :func:`fa2edu.flex.flex_attention_backward`: with S = τQKᵀ, P = exp(MASK(score_mod(S))
+    − L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D) ∘ score_mod_grad(S), D = rowsum(dO ∘ O), dQ = τ dS K, dK = τ dSᵀ Q.
+    Skipped blocks are never loaded, partial blocks call mask_mod per score, full blocks never call it; score_mod
+    and its derivative are called once per visible score and kernel (twice in all on rung v7: its dQ kernel
+    recomputes them). Cost per (batch, head), rung v7: 14·d·(visited area) MMA FLOPs (the key-block kernel's 4
+    products, the dQ kernel's 3), no atomics; rung v1: 10·d·(visited area) and the dQ atomic adds.
+
+    Parameters
+    ----------
+    Q, K, V, O, L, dO :
+        As :func:`kernels_gpu.tensorcore.flash2_backward`: Q, O, dO (B, H_q, N_q, d), K, V (B, H_kv, N_k, d)
+        float16 or bfloat16, L (B, H_q, N_q) float32 from :func:`flex_forward` (+inf on fully masked rows).
+    score_mod, block_mask, scale, enable_gqa :
+        The forward's (:func:`flex_forward`). Rung v7 runs any BLOCK_SIZE of multiples of 16
+        (:func:`backward_config_for_v7`); rung v1 runs the BLOCK_SIZE as its tile (:func:`backward_config_for_v1`).
+    score_mod_grad : callable, optional
+        ``score_mod_grad(score, b, h, q_idx, kv_idx)``, d score_mod / d score at the scaled score. Default None:
+        ``score_mod.score_mod_grad``; a score_mod with neither raises ValueError.
+    rung : str, keyword only, default "v7"
+        Which kernels: a key of :data:`BACKWARD_VERSIONS` ("v7": the ladder's fastest backward with the mods;
+        "v1": the first flex backward, kept so that its results stay reproducible).
+
+    Returns
+    -------
+    Flash2Backward
+        ``(dQ, dK, dV)`` in the input dtype and kind; dK, dV summed over each GQA group; dQ = 0 on fully masked
+        rows.
+    """
+    backward = BACKWARD_VERSIONS.get(rung) if isinstance(rung, str) else None
+    if backward is None:
+        raise ValueError(f"rung must be one of {sorted(BACKWARD_VERSIONS)}, got {rung!r}")
+    return backward(Q, K, V, O, L, dO, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                    enable_gqa=enable_gqa, score_mod_grad=score_mod_grad)
