@@ -1169,8 +1169,9 @@ def _flex_tensor_core_forward(q, k, v, mods: FlexMods, scale: float, enable_gqa:
 
 
 def _flex_tensor_core_backward(dO, q, k, v, O, L, mods: FlexMods, scale: float, enable_gqa: bool):
-    """FlexAttention backward on ``kernels_gpu.flex.flex_backward`` (the mma.sync backward v1 over the block
-    classes, dQ by atomic adds, through score_mod's derivative), padded as the forward; dQ, dK, dV contiguous in
+    """FlexAttention backward on ``kernels_gpu.flex.flex_backward`` (built as the mma.sync backward v7 over the
+    block classes: a key-block kernel for dK, dV and a query-block kernel for dQ, through score_mod's derivative),
+    padded as the forward; dQ, dK, dV contiguous in
     the inputs' dtype, dK, dV summed over each GQA group."""
     import kernels_gpu.flex as kflex
     d, d_v = q.shape[-1], v.shape[-1]
