@@ -163,6 +163,20 @@ def test_backward_rung_b2_matches_oracle(monkeypatch):
     flash_attn_rule(hopper.BACKWARD_VERSIONS["b2"](Q, K, V, O, L, dO, causal=True), Q, K, V, dO, True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+def test_backward_rung_b3_matches_oracle(deterministic, monkeypatch):
+    """b3's ring: three row blocks (the last ragged: 22 rows) for each of two query heads (GQA), so six row blocks
+    pass through two stages — each stage refilled twice, both parities of its full and empty barriers waited on;
+    causal with N_q > N_k: rows 0-49 see no key, the whole of row block 0 but its last 14 rows. The deterministic
+    mode runs b3's dK/dV kernel through the same ring, then b2's dQ pass."""
+    pytest.importorskip("torch")
+    from test_tensorcore_backward import _problem, flash_attn_rule
+    monkeypatch.setattr(rt, "poison_outputs", True)
+    Q, K, V, O, L, dO = _problem((1, 2, 150, 16), (1, 1, 100, 16), "bfloat16", True, seed=23, scale=2.0)
+    grads = hopper.BACKWARD_VERSIONS["b3"](Q, K, V, O, L, dO, causal=True, deterministic=deterministic)
+    flash_attn_rule(grads, Q, K, V, dO, True)
+
+
 def test_backward_refuses_wide_heads():
     Q = np.zeros((1, 1, 64, 136), np.float16)
     L = np.zeros((1, 1, 64), np.float32)

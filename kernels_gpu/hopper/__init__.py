@@ -53,6 +53,7 @@ import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba co
 from kernels_gpu.hopper import (  # noqa: E402
     flash_backward_b1,
     flash_backward_b2,
+    flash_backward_b3,
     flash_forward_fp8,
     flash_forward_h1,
     flash_forward_h2,
@@ -75,7 +76,8 @@ VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_f
 flash_forward = flash_forward_h2.flash_forward
 
 #: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
-BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward, "b2": flash_backward_b2.flash_backward}
+BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward, "b2": flash_backward_b2.flash_backward,
+                     "b3": flash_backward_b3.flash_backward}
 
 #: the backward rung the ladder has reached (b2; no backward rung has run on a GPU yet, so the op keeps the mma.sync
 #: backward)
