@@ -32,16 +32,23 @@ block from opaque copies, and the deterministic mode's dQ pass (b2's kernel, unc
 before it).
 
 **What ptxas reports** (CUDA 13.0's ptxas, numba-cuda 0.30.4, bf16, ``python -m benchmarks.profilers.hopper_sass
-b3 b3-kv --d 128``, read on a machine without a GPU): PTXAS_REPORT
+b3 b3-kv --d 128``, read on a machine without a GPU): the key-block kernel at d = 128 uses 255 registers and
+spills 4 bytes (one value; b2: 20), and its loop over row blocks is 2441 instructions (b2: 3135: the copies'
+address arithmetic is gone); the dK/dV-only kernel 242 registers, no spills (b2: 232). At d = 64 nothing spills
+and the key-block kernel needs 168 registers (b2: 255). The exception is causal at d = 128: 20 bytes (b2: none).
+A first build spilled 40 bytes (56 of loads) at d = 128: the refill computed the next row block as
+``(step + 1) // n_i`` — a 64-bit division (numba's integers are int64) whose temporaries ptxas found no room for
+at the top of the loop; the next row block is now stepped from this one (i + 1, or the first row block of head
+h + 1), which brought the spills to 4 bytes.
 
-**Prediction (written before the first GPU run; nothing here is measured on a GPU).** A row block's copies at
-d = 128 are 2 × 16 KB + 512 bytes; at the H200's ~4.8 TB/s shared by 132 SMs that is ~1 µs if they stream from
-HBM, and most of it comes from L2 (every key block reads the same Q_i, dO_i). b2 waits for them at every row block
-and its seven products of 2·64·128·128 FLOPs per warpgroup take ~2-3 µs at b2's predicted rate, so hiding the
-copies should be worth 10-30 % over b2 at d = 128 (bf16, N ≥ 4096, non-causal): b3 280-450 TFLOP/s where b2 is
-predicted at 250-380, less at d = 64 (half the FLOPs per byte copied, and a larger share of copy time to hide: the
-gain may be larger there, 15-40 %). What stays: each warpgroup's softmax and dS still wait for its products (no
-overlap of the element-wise steps with the tensor cores inside a warpgroup), and dQ's atomic adds.
+**Prediction (written before the first GPU run; nothing here is measured on a GPU).** Per row block at d = 128 a
+block computes five products of 2·64·64·128 FLOPs per warpgroup, 10.5 MFLOP: ~4.6 µs at 300 TFLOP/s over 132
+SMs. Its copies are 2 × 16 KB + 512 bytes, mostly from L2 (every key block reads the same Q_i, dO_i): ~1-1.5 µs
+of latency and transfer that b2 waits for at every row block. Hiding them should be worth 15-30 % over b2 at
+d = 128 (bf16, N ≥ 4096, non-causal): b3 290-490 TFLOP/s where b2 is predicted at 250-380. At d = 64 the products
+halve and the copies' latency does not, so the share hidden, and the gain, should be larger (20-40 %). What stays:
+each warpgroup's softmax and dS still wait for its products (no overlap of the element-wise steps with the
+tensor cores inside a warpgroup), and dQ's atomic adds.
 """
 
 from __future__ import annotations
@@ -214,14 +221,15 @@ def make_kernel(cfg: BackwardConfig, atomic_dq: bool = True):
             # Lines 9-10 for the next row block, into the other stage, before this one's products: its copies run
             # under them. The stage is free once both warpgroups have released the row block before this one.
             if tid == 0 and step + 1 < n_steps:
-                nxt = step + 1
-                gq_next = nxt // n_i
+                nxt = step + 1                # row block i + 1 of head h, or the first of head h + 1 (no division)
+                i_next, h_next = i + 1, h
+                if i_next == T_r:
+                    i_next, h_next = i_first, h + 1
                 if nxt >= STAGES:
                     wait_phase(sm, base + EMPTY + 2 * (nxt % STAGES), (nxt // STAGES - 1) % 2)
                 # (opaque: the copies' addresses are recomputed here, by this thread, not held by all across rows)
                 load_row_block(sm, smf, nxt % STAGES, q_map, do_map, stats, int32(ptx.opaque_u32(z)),
-                               int32(ptx.opaque_u32(hk * G + gq_next)),
-                               int32(ptx.opaque_u32((i_first + nxt - gq_next * n_i) * B_r)),
+                               int32(ptx.opaque_u32(h_next)), int32(ptx.opaque_u32(i_next * B_r)),
                                int32(ptx.opaque_u32(base)))
             # The tiles' and barriers' addresses, made anew each row block (opaque copies of the base): the
             # descriptors computed from them stay in the loop instead of being hoisted and held in registers (b2).
@@ -273,8 +281,9 @@ def make_kernel(cfg: BackwardConfig, atomic_dq: bool = True):
 
     @cfg.jit()
     def flash_backward_b3_kv(Q, K, V, dO, stats, dK, dV, N_q, N_k, G, scale, scale_log2, q_map, do_map):
-        key_block(Q, K, V, dO, stats, stats, dK, dV, N_q, N_k, G, scale, scale_log2, q_map, do_map)  # (stats:
-    return flash_backward_b3_kv                                                                     # never written)
+        # (stats in dQacc's place: never written)
+        key_block(Q, K, V, dO, stats, stats, dK, dV, N_q, N_k, G, scale, scale_log2, q_map, do_map)
+    return flash_backward_b3_kv
 
 
 # -- the launches ----------------------------------------------------------------------------------------------------
