@@ -27,10 +27,10 @@ step() {
     sanitize) for tool in memcheck racecheck synccheck; do
             extra=(); [[ $tool == memcheck ]] && extra=(--report-api-errors no)
             timeout "${T_SAN:-100}" compute-sanitizer --tool $tool "${extra[@]}" python3 -m benchmarks.profilers.hopper_sanitize \
-                --rungs "${SAN_RUNGS:-h1,h2,h5,h6,b1,b2}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
+                --rungs "${SAN_RUNGS:-h1,h2,h5,h6,b1,b2,b3}" 2>&1 | tee -a "$OUT/hopper_sanitizer.log" | tail -4
         done ;;
     backward) timeout "${T_BWD:-200}" python3 -m benchmarks.tensorcore_backward --out "$OUT/${BWD_NAME:-hopper_backward}.json" \
-        --impls "${BWD_IMPLS:-hopper_b1,hopper_b2,v7,sdpa_default,sdpa_flash}" ${BWD_ARGS:-} 2>&1 | grep -v "it/s" | tail -40 ;;
+        --impls "${BWD_IMPLS:-hopper_b1,hopper_b2,hopper_b3,v7,sdpa_default,sdpa_flash}" ${BWD_ARGS:-} 2>&1 | grep -v "it/s" | tail -40 ;;
     fp8) timeout "${T_FP8_TESTS:-240}" python3 -m pytest -m gpu tests/gpu/test_hopper_fp8_gpu.py -q -p no:cacheprovider \
         --maxfail=${MAXFAIL:-8} 2>&1 | tee "$OUT/hopper_fp8_gpu_tests.log" | tail -15
         timeout "${T_FP8:-420}" python3 -m benchmarks.hopper --fp8 --out "$OUT/${BENCH_NAME:-hopper_forward}.json" \

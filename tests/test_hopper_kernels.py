@@ -78,6 +78,8 @@ def test_rung_matches_oracle(version, case, monkeypatch):
 def test_versions_and_the_fastest_rung():
     assert list(hopper.VERSIONS) == ["h1", "h2", "h3", "h4", "h5", "h6"]
     assert hopper.flash_forward is hopper.VERSIONS["h2"]
+    assert list(hopper.BACKWARD_VERSIONS) == ["b1", "b2", "b3"]
+    assert hopper.flash_backward is hopper.BACKWARD_VERSIONS["b3"]
 
 
 def test_a_gpu_that_is_not_sm90_gets_a_clear_error(monkeypatch):
@@ -161,6 +163,31 @@ def test_backward_rung_b2_matches_oracle(monkeypatch):
     monkeypatch.setattr(rt, "poison_outputs", True)
     Q, K, V, O, L, dO = _problem((1, 2, 40, 72), (1, 1, 20, 72), "bfloat16", True, seed=22, scale=2.0)
     flash_attn_rule(hopper.BACKWARD_VERSIONS["b2"](Q, K, V, O, L, dO, causal=True), Q, K, V, dO, True)
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, deterministic", [
+    # three row blocks (the last ragged: 22 rows) for each of two query heads (GQA): six row blocks through two
+    # stages, each stage refilled twice, both parities of its full and empty barriers waited on; causal with
+    # N_q > N_k: rows 0-49 see no key
+    ((1, 2, 150, 16), (1, 1, 100, 16), False),
+    # the deterministic mode: b3's dK/dV kernel through both stages (two row blocks, rows 0-29 masked), then b2's
+    # dQ pass
+    ((1, 1, 70, 16), (1, 1, 40, 16), True),
+], ids=["ring-gqa-masked-rows", "deterministic"])
+def test_backward_rung_b3_matches_oracle(shape_q, shape_kv, deterministic, monkeypatch):
+    """b3's ring of row blocks against the oracle with flash-attn's rule (bf16, logits in the tens)."""
+    pytest.importorskip("torch")
+    from test_tensorcore_backward import _problem, flash_attn_rule
+    monkeypatch.setattr(rt, "poison_outputs", True)
+    Q, K, V, O, L, dO = _problem(shape_q, shape_kv, "bfloat16", True, seed=23, scale=2.0)
+    grads = hopper.BACKWARD_VERSIONS["b3"](Q, K, V, O, L, dO, causal=True, deterministic=deterministic)
+    flash_attn_rule(grads, Q, K, V, dO, True)
+
+
+def test_backward_rung_b3_refuses_a_deterministic_that_is_not_a_bool():
+    Q = np.zeros((1, 1, 64, 16), np.float16)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        hopper.BACKWARD_VERSIONS["b3"](Q, Q, Q, Q, np.zeros((1, 1, 64), np.float32), Q, deterministic="yes")
 
 
 def test_backward_refuses_wide_heads():

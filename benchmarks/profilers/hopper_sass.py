@@ -92,6 +92,8 @@ def kernel_ptx(rung: str, d: int, dtype: str, causal: bool) -> tuple[str, int | 
         else:
             kernel, signature = module.make_dq_kernel(cfg), (words, words, words, words, f32, words)
         signature += scalars + (types.float32,)
+        if kind != "dq":                                # b3 on: the key-block kernels' tensor maps (Q, dO)
+            signature += (types.Array(types.uint64, 1, "C"),) * getattr(module, "TENSOR_MAPS", 0)
     elif rung == "fp8":                                 # e4m3 inputs, per-(batch, head) descales, three maps
         module = importlib.import_module("kernels_gpu.hopper.flash_forward_fp8")
         kernel = module.make_kernel(module.config_for(d, causal, False))

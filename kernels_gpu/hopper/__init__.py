@@ -34,6 +34,8 @@ and a backward ladder (FA2 Algorithm 2)::
         query blocks; cp.async copies waited for at once; d ≤ 128
     b2  b1 with dQ's share a 64-column panel at a time and added by red.global.add.v4, and the loop's addresses
         recomputed per row block: b1's SASS spills (824 bytes of loads a thread at d = 128), b2's 20
+    b3  b2 with Q_i, dO_i, L_i, D_i copied by TMA into a ring of two stages (full and empty mbarriers), the next
+        row block's copies issued by one thread before this row block's products, so that they run under them
 
 ``flash_forward`` is the fastest measured rung; ``VERSIONS`` maps "h1" … to each (same signature);
 ``BACKWARD_VERSIONS`` maps "b1" … to the backward rungs and ``flash_backward`` is the newest (not yet measured)::
@@ -53,6 +55,7 @@ import kernels_gpu  # noqa: F401  (applies the np.row_stack shim before numba co
 from kernels_gpu.hopper import (  # noqa: E402
     flash_backward_b1,
     flash_backward_b2,
+    flash_backward_b3,
     flash_forward_fp8,
     flash_forward_h1,
     flash_forward_h2,
@@ -75,11 +78,12 @@ VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_f
 flash_forward = flash_forward_h2.flash_forward
 
 #: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
-BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward, "b2": flash_backward_b2.flash_backward}
+BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward, "b2": flash_backward_b2.flash_backward,
+                     "b3": flash_backward_b3.flash_backward}
 
-#: the backward rung the ladder has reached (b2; no backward rung has run on a GPU yet, so the op keeps the mma.sync
+#: the backward rung the ladder has reached (b3; no backward rung has run on a GPU yet, so the op keeps the mma.sync
 #: backward)
-flash_backward = flash_backward_b2.flash_backward
+flash_backward = flash_backward_b3.flash_backward
 
 #: the FP8 forward (FA3 §3.3): ``flash_forward_fp8(Q, K, V, causal=False, scale=None, descale_q=None,
 #: descale_k=None, descale_v=None, incoherent=True) -> Flash2Forward(O, L)`` on float8 e4m3 inputs, O in bfloat16
