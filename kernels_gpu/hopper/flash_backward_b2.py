@@ -47,8 +47,8 @@ from numba import cuda, float32, int32, uint16, uint32
 
 from kernels_gpu import ptx
 from kernels_gpu.hopper import launch as hopper_launch
-from kernels_gpu.hopper.backward_steps import make_products
-from kernels_gpu.hopper.steps import ALIGN_BYTES, SBO, SWIZZLE_128B, HopperConfig, make_steps
+from kernels_gpu.hopper.backward_steps import make_dq_share, make_products
+from kernels_gpu.hopper.steps import ALIGN_BYTES, HopperConfig, make_steps
 from kernels_gpu.tensorcore import backward_launch
 from kernels_gpu.tensorcore.backward_steps import BackwardConfig, make_backward_steps
 from kernels_gpu.tensorcore.steps import device as tc_device
@@ -109,64 +109,11 @@ def make_kernel(cfg: BackwardConfig, atomic_dq: bool = True):
     jit = tc_device(cfg.simulated)
     S_LEN, C_LEN = B_r // 2, D // 2
     causal = cfg.causal
-    # dQ's share, a panel of at most 64 columns at a time (D ≤ 128: one or two panels; the second may be narrower)
-    PANELS = -(-D // 64)
-    N0, N1 = min(64, D), D - 64
-    DQ_LEN = N0 // 2
-    dq_wgmma_0 = ptx.make_wgmma(cfg.dtype, N0, "smem", True)
-    dq_wgmma_1 = ptx.make_wgmma(cfg.dtype, N1, "smem", True) if PANELS > 1 else dq_wgmma_0
-    fence_0, wait_0 = ptx.make_wgmma_fence(N0 // 2), ptx.make_wgmma_wait(0, N0 // 2)
-    fence_1 = ptx.make_wgmma_fence(max(N1, 8) // 2)
-    wait_1 = ptx.make_wgmma_wait(0, max(N1, 8) // 2)
-    descriptor, shfl_xor = ptx.descriptor, ptx.shfl_xor
-
-    @jit
-    def dq_panel_0(sm, acc, ds_byte, k_byte):
-        """acc (64 × N0) = dS K_w[:, 0:N0]: dS this warpgroup's 64 queries × 64 keys (its panel, K-major), K_w its
-        64 rows of K_j, panel 0, read MN-major (``k_byte``: its first row's byte address). Alg. 2 line 20, the
-        first 64 columns of d."""
-        fence_0(acc)
-        for kk in range(4):
-            desc_ds = descriptor(ds_byte + 32 * kk, 16, SBO, SWIZZLE_128B)
-            desc_k = descriptor(k_byte + kk * (16 * 128), B_c * 128, SBO, SWIZZLE_128B)
-            dq_wgmma_0(sm, acc, desc_ds, desc_k, uint32(kk > 0))
-        ptx.wgmma_commit()
-        wait_0(acc)
-
-    @jit
-    def dq_panel_1(sm, acc, ds_byte, k_byte):
-        """:func:`dq_panel_0` for columns 64 … D − 1 (``k_byte``: the first row of panel 1)."""
-        fence_1(acc)
-        for kk in range(4):
-            desc_ds = descriptor(ds_byte + 32 * kk, 16, SBO, SWIZZLE_128B)
-            desc_k = descriptor(k_byte + kk * (16 * 128), B_c * 128, SBO, SWIZZLE_128B)
-            dq_wgmma_1(sm, acc, desc_ds, desc_k, uint32(kk > 0))
-        ptx.wgmma_commit()
-        wait_1(acc)
-
-    @jit
-    def add_dq(dQacc, acc, z, h, row0, col0, N_q, lane):
-        """Add a panel's share (``acc``: rows row0 + g, row0 + g + 8 of the warp, columns col0 + 8n + 2t + e) into the
-        float32 dQ in HBM, four adjacent floats per ``red.global.add.v4``: lanes t and t ^ 1 swap halves, so that
-        an even lane holds four columns of row g and an odd one four of row g + 8. Every lane of the warp takes
-        part in the exchange (it is a warp-wide shuffle); the adds skip rows past N_q and columns past d."""
-        g = lane // 4
-        t = lane % 4
-        odd = t % 2
-        H, d = dQacc.shape[1], dQacc.shape[3]
-        row = row0 + g + 8 * odd
-        base = ((z * H + h) * N_q + row) * d
-        for n in range(DQ_LEN // 4):
-            mine0, mine1 = acc[4 * n], acc[4 * n + 1]            # row g
-            other0, other1 = acc[4 * n + 2], acc[4 * n + 3]      # row g + 8
-            r0 = shfl_xor(other0 if odd == 0 else mine0, 1)
-            r1 = shfl_xor(other1 if odd == 0 else mine1, 1)
-            col = col0 + 8 * n + 2 * (t - odd)
-            if row < N_q and col < d:
-                if odd == 0:
-                    ptx.red_add_v4_f32(dQacc, base + col, mine0, mine1, r0, r1)
-                else:
-                    ptx.red_add_v4_f32(dQacc, base + col, r0, r1, other0, other1)
+    # dQ's share, a panel of at most 64 columns at a time (D ≤ 128: one or two panels; the second may be narrower):
+    # the two panel products and the four-float adds (kernels_gpu.hopper.backward_steps.make_dq_share)
+    dqs = make_dq_share(cfg.d, B_c, cfg.dtype, cfg.simulated)
+    dq_panel_0, dq_panel_1, add_dq = dqs["dq_panel_0"], dqs["dq_panel_1"], dqs["add_dq"]
+    PANELS, DQ_LEN = dqs["PANELS"], dqs["DQ_LEN"]
 
     @jit
     def key_block(Q, K, V, dO, stats, dQacc, dK, dV, N_q, N_k, G, scale, scale_log2):
