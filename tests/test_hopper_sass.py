@@ -45,6 +45,18 @@ def test_the_main_loop_is_the_backward_branch_around_the_most_hgmmas():
     assert lines[-1].split()[1:3] == ["@P2", "BRA"]
 
 
+def test_the_registers_after_setmaxnreg_are_read_from_the_listing():
+    listing = hopper_sass.instructions("""
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R250, R1, R2, RZ ;
+        /*0020*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+        /*0030*/                   FFMA R200, R12, R13, R199 ;
+        /*0040*/                   STS [R3+0x10], R201 ;
+    """)
+    assert hopper_sass.highest_register_after_setmaxnreg(listing) == 201
+    assert hopper_sass.highest_register_after_setmaxnreg(hopper_sass.instructions(LISTING)) is None
+
+
 @pytest.mark.skipif(any(shutil.which(t) is None for t in ("ptxas", "cuobjdump", "nvdisasm")),
                     reason="needs ptxas, cuobjdump and nvdisasm on PATH")
 def test_a_rung_compiles_for_sm90a_without_a_gpu():

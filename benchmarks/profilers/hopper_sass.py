@@ -143,6 +143,17 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
+def highest_register_after_setmaxnreg(listing: list[tuple[int, str]]) -> int | None:
+    """The highest general register (``R<n>``) named after the first ``setmaxnreg.inc`` (SASS ``USETMAXREG.
+    TRY_ALLOC``): what the warpgroups that took registers use, beyond the launch's count that ``ptxas -v`` reports.
+    None for a kernel without it."""
+    start = next((i for i, (_, text) in enumerate(listing) if "USETMAXREG.TRY_ALLOC" in text), None)
+    if start is None:
+        return None
+    found = [int(n) for _, text in listing[start:] for n in re.findall(r"\bR(\d+)\b", text)]
+    return max(found, default=None)
+
+
 def main_loop(listing: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """The loop (a backward branch and what lies between its target and it) that holds the most wgmmas, the
     shortest of those: the consumers' loop over K/V tiles, not a retry loop around an epilogue's product."""
@@ -206,6 +217,9 @@ def main(argv=None) -> int:
             body = main_loop(listing)
             print(f"== {rung}, d = {args.d}, {args.dtype}{', causal' if args.causal else ''}: "
                   f"{len(listing)} instructions; {resources.replace(chr(10), '; ')}")
+            highest = highest_register_after_setmaxnreg(listing)
+            if highest is not None:
+                print(f"  after setmaxnreg: registers up to R{highest}")
             if body:
                 print(f"  main loop {body[0][0]:x}-{body[-1][0]:x}: {len(body)} instructions")
                 print("\n".join(segments(body)))
