@@ -27,9 +27,10 @@ and at d = 64 the key-block kernel 60. A consumer thread holds, for the whole lo
 Everything else is b1's: two consumer warpgroups per key block of 128, B_r = 64, the five products, the
 deterministic mode's dQ pass (b1's, unchanged: no atomics, 164 registers, no spills).
 
-**What ptxas reports** (CUDA 13.0's ptxas, numba-cuda 0.30.4, bf16, read on a machine without a GPU): the
-key-block kernel at d = 128 spills 20 bytes (stores and loads: five values, outside the products), against b1's
-648 / 824; at d = 64, and in the dK/dV-only kernel at d = 128, nothing (b1: 60 and 48 bytes).
+**What ptxas reports** (CUDA 13.0's ptxas, numba-cuda 0.30.4, bf16, read on a machine without a GPU;
+``benchmarks/results/sm90a_offline/hopper_sass_*.txt``): the key-block kernel at d = 128 spills 20 bytes (stores and
+loads: five values, outside the products), against b1's 648 / 824; at d = 64, and in the dK/dV-only kernel at d =
+128, nothing (b1: 60 and 48 bytes).
 
 **Prediction (written before the first GPU run; nothing here is measured on a GPU).** The spills' local-memory
 round trips and the per-float atomics sit in the loop of every row block, so removing them should be worth

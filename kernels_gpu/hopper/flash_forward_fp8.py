@@ -1,7 +1,8 @@
 """Hopper FA2 forward on float8, rung fp8: h2's kernel (two consumer warpgroups sharing each K/V tile, TMA copies
 into a ring of mbarrier-guarded stages) with both products on the FP8 tensor cores — FlashAttention-3 Section 3.3.
 
-What changes against h2 (:mod:`kernels_gpu.hopper.flash_forward_h2`), all of it in :mod:`kernels_gpu.hopper.fp8_steps`:
+What changes against h2 (:mod:`kernels_gpu.hopper.flash_forward_h2`), all of it in
+:mod:`kernels_gpu.hopper.fp8_steps`:
 
 1. Q, K, V arrive as float8 e4m3 (one byte each); S = Q₈K₈ᵀ is ``wgmma m64n{B_c}k32 .e4m3`` — twice the K per
    instruction, twice bf16's peak rate.
@@ -38,11 +39,12 @@ Registers: as h2 plus four packed P̃ registers per step (≤ 212 + ~8 at d = 12
 h2's 230. Risk: the byte transpose's shared-memory traffic may conflict in banks (consecutive threads write words
 of one Vᵀ row, 4 bytes apart: conflict-free; their loads read four key rows, swizzled: ≤ 2-way).
 
-**What ptxas made of it** (read without a GPU, ``python -m benchmarks.profilers.hopper_sass fp8``, CUDA 13.0's
-ptxas for sm_90a): the inline PTX assembles, the products are ``QGMMA.64x128x32.F32.E4M3.E4M3``; 214 registers at
-d = 128 (200 at 256, 167 at 64), no local memory. The V transpose, run for every tile, is a loop whose body alone
-holds 362 instructions, mostly integer address arithmetic (IMAD, IADD3, SHF, LOP3, LEA) — more than the unmasked
-softmax of a tile — so it may cost more than the few percent the model allows.
+**What ptxas made of it** (read without a GPU, ``python -m benchmarks.profilers.hopper_sass fp8``, committed in
+``benchmarks/results/sm90a_offline/``; CUDA 13.0's ptxas for sm_90a): the inline PTX assembles, the products are
+``QGMMA.64x128x32.F32.E4M3.E4M3``; 214 registers at d = 128 (200 at 256, 167 at 64), no local memory. The V
+transpose, run for every tile, is a loop whose body alone holds 362 instructions, mostly integer address arithmetic
+(IMAD, IADD3, SHF, LOP3, LEA) — more than the unmasked softmax of a tile — so it may cost more than the few percent
+the model allows.
 """
 
 from __future__ import annotations

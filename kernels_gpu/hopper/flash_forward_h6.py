@@ -28,13 +28,12 @@ the PV product off the chain shortens it to about S + softmax ≈ 2600-2900 cycl
 d = 128, N = 16384 about 560-620 TFLOP/s (cuDNN 595-650 in the same runs). If h5 misses its prediction, h6's gain
 is bounded by what h5 left.
 
-**What ptxas reports** (read without a GPU: ``python -m benchmarks.profilers.hopper_sass h6``, bf16): the loop
-as designed — S_ij and the PV product issued back to back, ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` before the softmax,
-``0x0`` before the rescale — with no wait injected by ptxas; consumers up to R236 after ``setmaxnreg``; no local
-memory at d = 64, 128, 256, except causal d = 128: 16 bytes stored, 28 loaded (after the row and diagonal indices
-were made 32-bit: 40 / 52 before).
+**What ptxas reports** (read without a GPU: ``python -m benchmarks.profilers.hopper_sass h6``, bf16;
+``benchmarks/results/sm90a_offline/``): the loop as designed — S_ij and the PV product issued back to back,
+``WARPGROUP.DEPBAR.LE gsb0, 0x1`` before the softmax, ``0x0`` before the rescale — with no wait injected by ptxas;
+consumers up to R236 after ``setmaxnreg``; no local memory at d = 64, 128, 256, except causal d = 128: 16 bytes
+stored, 28 loaded (after the row and diagonal indices were made 32-bit: 40 / 52 before).
 """
-
 
 from __future__ import annotations
 
