@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from benchmarks.harness.results_io import default_results_path, write_measurement
 
@@ -246,6 +247,7 @@ def run(args, checkpoint=None) -> dict:
         pass
     device_name = "cpu (dry run)" if dry else torch.cuda.get_device_name(0)
     rows = []
+    bar = tqdm(total=len(ds) * len(Ns) * len(mods), desc="flex grid", file=sys.stdout)
     for d in ds:
         heads = hidden // d
         for N in Ns:
@@ -291,13 +293,15 @@ def run(args, checkpoint=None) -> dict:
                         except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
                             row.update(status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
                         rows.append(row)
-                        print(f"d={d:3d} N={N:5d} {name:15s} {impl:10s} {pass_:16s} "
-                              f"{row.get('tflops', float('nan')):7.1f} TFLOP/s  {row['status']}", flush=True)
+                        bar.write(f"d={d:3d} N={N:5d} {name:15s} {impl:10s} {pass_:16s} "
+                                  f"{row.get('tflops', float('nan')):7.1f} TFLOP/s  {row['status']}")
+                bar.update(1)
                 del sets, plain, dO
                 if checkpoint is not None:
                     checkpoint(rows)
                 if not dry:
                     torch.cuda.empty_cache()
+    bar.close()
     summary = summarize(rows, Ns, ds, block_size, window)
     versions = dict(torch=torch.__version__, numba=numba.__version__, numpy=np.__version__,
                     python=platform.python_version())
