@@ -6,7 +6,10 @@ For each (dtype, d, causal, N) of the grid (batch × N = 16k tokens, hidden 2048
 implementation — the rungs ``hopper_h1`` …, ``sdpa_default`` (``F.scaled_dot_product_attention`` with no backend
 chosen: cuDNN on an H100/H200), ``sdpa_flash`` (PyTorch's FlashAttention-2) and ``tensorcore_v11`` (the fastest
 mma.sync rung) — is checked against SDPA's math backend in float32 on the same inputs (relative error < 1e-2, no
-NaN), then timed with CUDA events (warm-up, median of repeats, three input sets rotated). TFLOP/s use the FA2
+NaN), then timed with CUDA events (warm-up, median of repeats, three input sets rotated) twice: ``ms`` with the
+timed calls queued back to back (the GPU's time, as a training loop sees it: the host launches ahead), and
+``serial_ms`` with the host waiting for each call (from an idle GPU: the host's checks and launch included — where
+it exceeds ``ms`` by much, small problems are launch-bound). TFLOP/s come from ``ms`` and use the FA2
 paper's model (4·N²·d·batch·heads, halved when causal). The run also measures the wgmma ceiling: a kernel of
 ``wgmma m64n256k16`` from shared memory and nothing else, issued as the rungs issue theirs. Records carry ``impl``,
 ``pass``, ``dtype``, ``d``, ``N``, ``causal``, ``tflops``.
@@ -225,9 +228,10 @@ def run_fp8(args, header) -> int:
                                               rel_error=rel)
                         else:
                             rt.poison_outputs = False
-                            ms, reps = time_ms(call, sets)
+                            ms, reps = time_ms(call, sets, queued=True)
+                            serial_ms, _ = time_ms(call, sets)
                             rt.poison_outputs = True
-                            rec = make_record(**common, ms=ms, repeats=reps, rel_error=rel,
+                            rec = make_record(**common, ms=ms, repeats=reps, rel_error=rel, serial_ms=serial_ms,
                                               tflops=forward_flops(batch, heads, N, d, causal) / ms / 1e9)
                     except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
                         rec = make_record(**common, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
@@ -317,10 +321,11 @@ def main(argv=None) -> int:
                     rec = make_record(**common, status="wrong", error=f"relative error {rel:.3g}", rel_error=rel)
                 else:
                     rt.poison_outputs = False
-                    ms, reps = time_ms(call, inputs)
+                    ms, reps = time_ms(call, inputs, queued=True)
+                    serial_ms, _ = time_ms(call, inputs)
                     rt.poison_outputs = True
                     rec = make_record(**common, ms=ms, tflops=forward_flops(batch, heads, N, d, causal) / ms / 1e9,
-                                      repeats=reps, rel_error=rel)
+                                      repeats=reps, rel_error=rel, serial_ms=serial_ms)
             except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
                 rec = make_record(**common, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
             records.append(rec)

@@ -35,8 +35,15 @@ def forward_flops(batch: int, heads: int, N: int, d: int, causal: bool) -> float
     return 4.0 * N * N * d * batch * heads / (2.0 if causal else 1.0)
 
 
-def time_ms(fn, inputs, target_ms=150.0, min_rep=3, max_rep=30):
-    """Median milliseconds of ``fn(*inputs[k])`` over repeats, cycling through the input sets (CUDA events)."""
+def time_ms(fn, inputs, target_ms=150.0, min_rep=3, max_rep=30, queued=False):
+    """Median milliseconds of ``fn(*inputs[k])`` over repeats, cycling through the input sets (CUDA events).
+
+    ``queued=False``: the host waits for each call before it launches the next, so a call's time runs from an idle
+    GPU and includes what the host spends before the kernel starts (argument checks, tensor maps, the launch).
+    ``queued=True``: the host launches every timed call before it waits once, so where the host is faster than
+    the GPU the calls run back to back and each time is the GPU's alone — what a training loop sees. Where the
+    host is slower, the queued time is the host's: the call is launch-bound.
+    """
     import torch
     for args in inputs:
         fn(*args)
@@ -48,6 +55,14 @@ def time_ms(fn, inputs, target_ms=150.0, min_rep=3, max_rep=30):
     torch.cuda.synchronize()
     first = start.elapsed_time(end)
     reps = int(min(max_rep, max(min_rep, target_ms / max(first, 1e-3))))
+    if queued:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for r, (s, e) in enumerate(events):
+            s.record()
+            fn(*inputs[r % len(inputs)])
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events), reps
     times = []
     for r in range(reps):
         args = inputs[r % len(inputs)]

@@ -73,9 +73,10 @@ VERSIONS = {"h1": flash_forward_h1.flash_forward, "h2": flash_forward_h2.flash_f
             "h3": flash_forward_h3.flash_forward, "h4": flash_forward_h4.flash_forward,
             "h5": flash_forward_h5.flash_forward, "h6": flash_forward_h6.flash_forward}
 
-#: the fastest measured rung: h2 (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json``; h3 and h4
-#: measured slower, ``hopper_forward_h4_bf16.json``; h5 and h6 not yet measured)
-flash_forward = flash_forward_h2.flash_forward
+#: the fastest measured rung: h5 (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json``, 2026-12-02:
+#: at bf16 non-causal, N = 4096-16384, h5 beats h2 by 5-9 % at d = 64 and 128 and by 6-14 % at d = 256; h6 ties h5
+#: at d = 128 and loses 30 % at d = 256)
+flash_forward = flash_forward_h5.flash_forward
 
 #: the backward rungs: name → ``flash_backward(Q, K, V, O, L, dO, causal=False, scale=None) -> Flash2Backward``
 BACKWARD_VERSIONS = {"b1": flash_backward_b1.flash_backward, "b2": flash_backward_b2.flash_backward,
