@@ -421,19 +421,15 @@ def _in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def hopper_forward_applies(device: torch.device, d: int, N_k: int, causal: bool) -> bool:
-    """Whether the forward runs ``kernels_gpu.hopper`` (wgmma, TMA) rather than the mma.sync ladder: on an sm_90
-    GPU, where the Hopper rung measured at least as fast as mma.sync's v11 in both float16 and bfloat16, in every
-    run on record (``benchmarks/results/nvidia-h200/hopper_forward_{bf16,fp16}.json`` and
-    ``hopper_forward_h4_bf16.json``, 2026-12-02): d > 128 from N_k = 2048 (every N_k when non-causal);
-    64 < d ≤ 128 from N_k = 4096 non-causal, 8192 causal (at causal N_k = 4096 one run measured 1.09×, another
-    0.81×); d ≤ 64 from 8192 (non-causal) or 16384 (causal)."""
+    """Whether the forward runs ``kernels_gpu.hopper`` (wgmma, TMA: rung h5) rather than the mma.sync ladder: on an
+    sm_90 GPU from N_k = 2048. The H200 run on record (``benchmarks/results/nvidia-h200/hopper_forward_h5_*.json``,
+    2026-12-02, calls queued as a training loop queues them) measured h5 faster than v11 at every d (64, 128, 256),
+    N_k (1024-16384), causal or not, float16 and bfloat16 — by 1.07-2.7×. But a Hopper call costs the host about
+    0.2-0.4 ms more before its kernel starts (the ``serial_ms`` of the same records), so a lone call at N_k = 1024,
+    or causal at 2048, from an idle GPU measured slower than v11; below 2048 keys the mma.sync ladder keeps it."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    if d > 128:
-        return not causal or N_k >= 2048
-    if d > 64:
-        return N_k >= (8192 if causal else 4096)
-    return N_k >= (16384 if causal else 8192)
+    return N_k >= 2048
 
 
 def _tensor_core_forward(q, k, v, causal: bool, scale: float):

@@ -32,8 +32,9 @@ from kernels_gpu.hopper.flash_forward_fp8 import config_for  # (the module: its 
                                   dict(N=64, a_from="regs"), dict(N=8, a_start=96, b_start=8192 + 32)],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_fp8_wgmma_twin_is_the_specification(case):
-    got, expected = selftest.check_wgmma_fp8(**case, seed=7)
+    got, expected, size = selftest.check_wgmma_fp8(**case, seed=7)
     np.testing.assert_array_equal(got, expected)
+    assert np.all(size >= np.abs(expected)) and np.all(size > 0)       # the GPU test's scale of each sum
 
 
 def test_pack_e4m3_twin_rounds_like_fa2edu_fp8():
