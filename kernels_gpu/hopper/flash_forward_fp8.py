@@ -45,6 +45,19 @@ of one Vᵀ row, 4 bytes apart: conflict-free; their loads read four key rows, s
 transpose, run for every tile, is a loop whose body alone holds 362 instructions, mostly integer address arithmetic
 (IMAD, IADD3, SHF, LOP3, LEA) — more than the unmasked softmax of a tile — so it may cost more than the few percent
 the model allows.
+
+**Measured** (H200, 2026-12-02, ``benchmarks/results/nvidia-h200/hopper_forward_fp8.json``, calls queued,
+non-causal; the bf16 column is ``hopper.flash_forward``, h5, in the same run): d = 128, N = 4096 / 16384: 236 /
+245 TFLOP/s against bf16's 510 / 505 and cuDNN's 675 / 611; d = 256: 257 / 266 against 581 / 580 — **0.44-0.49×
+bf16**, a miss by a factor of three of the 1.2-1.4× predicted (and of the issue's 1.5×). Relative error 0.053
+against the bf16 inputs' float32 reference at every point (FP8's own rounding; the GPU tests of the rung did not
+run: the run stopped at the instruction test, below), and the error study on the kernel matches
+fa2edu.fp8's prediction to 10⁻⁴ (per-head) and 1.5·10⁻³ (incoherent), incoherent processing cutting the RMSE
+to 0.33× plain. FP8 at 245 is half of h2's bf16 at the same shape (494 in the h5 run), so this rung spends about
+as long again as h2 on what it adds; the per-tile V transpose, 362 integer-heavy instructions a thread for every
+tile of every row block, is the first suspect, the two conversions per P̃ element the second. Not yet profiled:
+the timeline and Nsight Compute's view of this rung are the next run. The GPU test of the FP8 instruction also
+taught something: wgmma's e4m3 sums are not float32-exact (:func:`kernels_gpu.hopper.selftest.check_wgmma_fp8`).
 """
 
 from __future__ import annotations

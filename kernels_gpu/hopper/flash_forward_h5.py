@@ -28,6 +28,22 @@ softmax the other's GEMMs keep the tensor cores busy, and the tile period should
 d = 128, 380-420 TFLOP/s at N = 4096 and 500-560 at N = 16384, above h2 (365 / 455 in h4's run) — the first rung
 to pass h2, if the prediction holds. If it misses, read the stamps first: ``benchmarks.hopper_timeline`` with h5
 names the step that did not shrink.
+
+**Measured** (H200, 2026-12-02; ``benchmarks/results/nvidia-h200/hopper_forward_h5_{bf16,fp16}.json`` and
+``hopper_forward_h5_causal_bf16.json``, calls queued back to back; TFLOP/s at N = 4096 / 8192 / 16384, bf16):
+d = 128 non-causal 502 / 534 / 486 (h2 in the same run 476 / 491 / 494; cuDNN 669 / 679 / 636), causal
+438 / 504 / 538 (cuDNN 578 / 615 / 626); d = 64 333 / 340 / 339 (h2 292 / 304 / 311); d = 256 578 / 607 / 568
+(h2 539 / 532 / 536). The fastest rung, and what ``hopper.flash_forward`` runs: 0.75-0.79× cuDNN at d = 128
+non-causal, 0.76-0.86× causal, 0.78-0.92× at d = 256. Against the prediction: at N = 4096 above it (502 against
+380-420), at N = 16384 just under it (486 against 500-560), because h4's run, which the prediction scaled from,
+measured h2 lower than this one did (365 / 455). The stamps (``hopper_timeline_h5.json``: N = 16384, d = 128,
+block 0, medians over tiles, SM cycles at 1.98 GHz) say which part held: the softmax fell to 1700-1810 cycles a
+tile, h2's, as predicted; the tile period fell to 3976, not 3400-3700. A consumer's tile is still one chain —
+waiting for its stage and its turn 330-510, S = QKᵀ 740-880, softmax 1700-1810, PV 750-770, release 220-280 —
+and the period is that chain, while the two consumers' GEMMs need about 2530 cycles of tensor pipe a tile (8.4
+MFLOP at the 866 TFLOP/s ceiling the same run measured, shared by 132 SMs): 64 % busy. To go faster, a
+consumer's chain must get shorter than the tensor pipe's 2530: a shorter softmax, or one that its own GEMMs
+run under (h6).
 """
 
 from __future__ import annotations

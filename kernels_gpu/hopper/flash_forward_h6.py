@@ -33,6 +33,22 @@ is bounded by what h5 left.
 ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` before the softmax, ``0x0`` before the rescale — with no wait injected by ptxas;
 consumers up to R236 after ``setmaxnreg``; no local memory at d = 64, 128, 256, except causal d = 128: 16 bytes
 stored, 28 loaded (after the row and diagonal indices were made 32-bit: 40 / 52 before).
+
+**Measured** (H200, 2026-12-02, ``benchmarks/results/nvidia-h200/hopper_forward_h5_{bf16,fp16}.json``, calls
+queued; TFLOP/s at N = 4096 / 8192 / 16384, bf16 non-causal): d = 128 508 / 514 / 505, h5 in the same run
+502 / 534 / 486 — a tie (0.96-1.04×), not the predicted ≥ 1.1× and 560-620; d = 64 318 / 330 / 337 (h5 333 /
+340 / 339); d = 256 405 / 404 / 399, 0.68-0.70× h5. The prediction assumed h5 would reach its own; it did not
+(period 3976 cycles, not 3400-3700), and the stamps of h6 (``hopper_timeline_h5.json``, the same shape, block 0,
+medians) show the overlap moving time rather than removing it: the period grew to 4160 cycles; the softmax of one
+consumer shrank (1340 against h5's 1700) but the wait from issuing S_ij to its completion grew from 740-880 to
+1260-1400 — S_ij now queues on the tensor pipe behind this consumer's PV product and the other consumer's GEMMs,
+which ping-pong still orders around S. At d = 256 the ring has two stages, and h6 frees a stage one tile later
+than h5: the producer cannot load tile j + 1 until tile j − 1's PV product is done, so the copy's latency is
+exposed once a tile — the likely cause of the 30 % loss, not yet seen in stamps (the timeline ran at d = 128).
+Three stages do not fit at d = 256 (Q_i's 64 KB and three 64 KB stages of K_j, V_j pass the 227 KB), so there
+``hopper.flash_forward`` runs h5. What would help next, each a rung of its own with its own prediction: drop the
+ping-pong turns around S when the overlap is on, and at d = 256 free K_j's half of a stage right after S_ij (it
+is not read again) so the producer can refill it a tile early.
 """
 
 from __future__ import annotations
