@@ -153,6 +153,18 @@ PyTorch's compiled FlexAttention (not yet measured here; ``benchmarks/flex.py`` 
 near SDPA flash (FlashAttention-2), the forward target is plausible at d = 128 and tight at d = 64, where the
 ladder's v11 is 0.82× SDPA flash; if its Triton kernels reach wgmma-class speed, mma.sync cannot meet it.
 
+**Measured** (H200, 2026-12-02, ``benchmarks/results/nvidia-h200/flex_bf16.json``, bf16, d = 128, N = 16384,
+BLOCK_SIZE 64, calls queued; TFLOP/s of kept scores, forward): causal 251, sliding window 205, prefix-LM 250,
+document 202, ALiBi 171, relative_bias 136, softcap 52 — against PyTorch's compiled FlexAttention 408 / 310 / 406 /
+290 / 369 / 84 / 190 (0.62 / 0.66 / 0.62 / 0.70 / 0.46 / 1.61 / 0.27×) and SDPA's causal 639. Against the
+prediction: causal is 0.78× of the ladder's v11-causal in the same session (320, ``hopper_forward_h5_causal_bf16
+.json``), not within 15 %; ALiBi 0.53×, not 0.85×; softcap 0.21× of causal, far past the predicted 20-35 % —
+the double-precision tanh is the suspect named above, and its float32 form the change to make. The window's
+speed-up over causal: 6.75× forward, 6.81× forward + backward (the ledger: 7.41×, 7.24×; issue 38's 8× missed, as
+predicted). PyTorch's Triton kernels are of wgmma class: issue 38's ≥ 1.0× is met only with relative_bias. (A
+first run of the harness timed PyTorch's FlexAttention after dynamo's recompile limit had sent it to eager mode,
+1-12 TFLOP/s; the harness now raises that limit and refuses the eager fallback.)
+
 **Backward rung v7 (the default): the mods on the ladder's fastest backward.** The v1-based kernel ran the
 ladder's backward v1, which the ladder measured at 104-113 TFLOP/s (fp16, N = 4096, H100); the ladder's v7 reached
 174-206 TFLOP/s from N = 4096 (bf16, ``tensorcore_backward_v7.json``). Between them are v2-v7, one change each, and
