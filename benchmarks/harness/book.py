@@ -164,9 +164,10 @@ def _profile_for(name: str):
 #: the (impl, pass, d, causal, N) key of :class:`Run` does not tell apart), the tensor-core harnesses' (their own
 #: record layout, read by :mod:`benchmarks.harness.tensorcore_book`), the GPT and op timings of
 #: :mod:`benchmarks.gpt_speed` and the decoding step's (:mod:`benchmarks.decode`,
-#: :mod:`benchmarks.profilers.decode_variants`: schemas of their own)
+#: :mod:`benchmarks.profilers.decode_variants`: schemas of their own), the Hopper timeline's stamps and
+#: :mod:`benchmarks.flex`'s rows (schemas of their own)
 OTHER_HARNESSES = ("ncu_io.json", "context_parallel*.json", "tensorcore*.json", "gpt_speed*.json", "decode*.json",
-                   "hopper_timeline*.json")
+                   "hopper_timeline*.json", "flex*.json")
 
 
 def _timing_files(folder: Path, pattern: str = "*.json") -> list[Path]:
