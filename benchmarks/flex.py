@@ -297,7 +297,7 @@ def run(args, checkpoint=None) -> dict:
                             if not dry:
                                 rt.poison_outputs = False
                             inputs = plain if pass_ == "forward" else sets
-                            ms, reps = time_cpu(fn, inputs) if dry else time_ms(fn, inputs, queued=True)   # the GPU's time
+                            ms, reps = time_cpu(fn, inputs) if dry else time_ms(fn, inputs, queued=True)
                             if not dry:
                                 rt.poison_outputs = True
                             flops = model_flops(kept, d, batch, heads, pass_)

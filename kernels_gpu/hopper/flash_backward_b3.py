@@ -50,8 +50,8 @@ halve and the copies' latency does not, so the share hidden, and the gain, shoul
 each warpgroup's softmax and dS still wait for its products (no overlap of the element-wise steps with the
 tensor cores inside a warpgroup), and dQ's atomic adds.
 
-**Measured** (H200, 2026-12-02, ``benchmarks/results/nvidia-h200/tensorcore_backward_hopper_b3.json``, bf16, d = 128, calls
-queued; TFLOP/s by the FA2 model, backward = 2.5 × forward): non-causal N = 4096 / 16384: 217 / 221, causal
+**Measured** (H200, 2026-12-02, ``benchmarks/results/nvidia-h200/tensorcore_backward_hopper_b3.json``, bf16, d = 128,
+calls queued; TFLOP/s by the FA2 model, backward = 2.5 × forward): non-causal N = 4096 / 16384: 217 / 221, causal
 184 / 204 — beside chapter 14's mma.sync v7 at 202 / 206 and 197 / 213, PyTorch's FlashAttention-2 289 / 307 and
 253 / 310, and cuDNN (SDPA's default) 521 / 540 and 489 / 523. Below the prediction (290-490) and at 0.41× cuDNN:
 the Hopper backward is, so far, no faster than the mma.sync one, and ``fa2edu.torch.flash_attention`` keeps the

@@ -92,10 +92,8 @@ def check_wgmma(dtype: str = "bfloat16", N: int = 64, a_from: str = "smem", tran
     else:
         A = wl.from_a_fragments(ptx.half_values(a_regs.view(np.uint16), dtype).reshape(128, 8))
     B = ptx.half_values(wl.read_operand(memory, desc_b, N, "MN" if trans_b else "K"), dtype).T
-    C = wl.from_accumulator_fragments(acc_in)
-    expected = wl.accumulator_fragments(wl.wgmma_reference(A, B, C))
-    size = wl.accumulator_fragments(np.abs(A.astype(np.float64)) @ np.abs(B.astype(np.float64)) + np.abs(C))
-    return got, expected, size
+    expected = wl.accumulator_fragments(wl.wgmma_reference(A, B, wl.from_accumulator_fragments(acc_in)))
+    return got, expected
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,11 +142,12 @@ def check_wgmma_fp8(N: int = 64, a_from: str = "smem", mode_a: int = 1, mode_b: 
     accumulators. Returns (the warpgroup's accumulators after the instruction, the specification's, the size of
     each sum: Σ_k |a_ik b_kj| + |c_ij| laid out like them).
 
-    The specification sums exactly (float64, rounded once to float32). The hardware does not, for FP8: on the H200
-    (2026-12-02, ``tests/gpu/test_hopper_fp8_gpu.py``) its sums differed from the exact ones by 10⁻⁶-2·10⁻⁴ of
-    their size (the five elements its log printed; up to 53 in sums of ~10⁵) — the accumulator keeps fewer mantissa bits than float32 while it adds FP8 products, as DeepSeek-V3's
-    report found on the H800 (about 14 bits). A layout mistake errs by the size itself; the GPU test separates the
-    two with a bound of 2⁻⁸ of the size."""
+    The specification sums exactly (float64, rounded once to float32). The hardware does not, for FP8: on the
+    H200 (2026-12-02, ``tests/gpu/test_hopper_fp8_gpu.py``) its sums differed from the exact ones by 10⁻⁶-2·10⁻⁴
+    of their size (the five elements its log printed; up to 53 in sums of ~10⁵): the accumulator keeps fewer
+    mantissa bits than float32 while it adds FP8 products, as DeepSeek-V3's report found on the H800 (about 14
+    bits). A layout mistake errs by the size itself; the GPU test separates the two with a bound of 2⁻⁸ of the
+    size."""
     from fa2edu.fp8 import from_bits
     rng = np.random.default_rng(seed)
     memory = _random_e4m3(rng, 4 * MEMORY_WORDS).view(np.uint32)

@@ -48,8 +48,9 @@ def test_fp8_wgmma_instruction(case):
     N, a_from, mode_a, mode_b, a_start, b_start = case
     got, expected, size = selftest.check_wgmma_fp8(N, a_from, mode_a, mode_b, seed=N, a_start=a_start,
                                                    b_start=b_start)
-    # Not exact: FP8 wgmma adds its products in an accumulator narrower than float32 (the first H200 run of this
-    # test, 2026-12-02, saw errors of 1e-6 to 2e-4 of Σ|a·b|; this bound is not yet run); a wrong layout errs by ~Σ|a·b| itself.
+    # Not exact: FP8 wgmma adds its products in an accumulator narrower than float32 (the first H200 run of
+    # this test, 2026-12-02, saw errors of 1e-6 to 2e-4 of Σ|a·b|; this bound is not yet run); a wrong layout
+    # errs by ~Σ|a·b| itself.
     assert np.all(np.isfinite(got))
     err = np.abs(got.astype(np.float64) - expected)
     assert np.all(err <= 2.0 ** -8 * size), f"worst error {np.max(err / size):.3g} of the sum's size"
