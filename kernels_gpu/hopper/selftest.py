@@ -140,7 +140,7 @@ def check_wgmma_fp8(N: int = 64, a_from: str = "smem", mode_a: int = 1, mode_b: 
     """One ``wgmma m64nNk32 .e4m3`` on random e4m3 shared memory: A (K-major, swizzle ``mode_a``; or random
     registers of four codes) at byte ``a_start``, B (K-major, swizzle ``mode_b``) at byte ``b_start``, random
     accumulators. Returns (the warpgroup's accumulators after the instruction, the specification's, the size of
-    each sum: Σ_k |a_ik b_kj| + |c_ij| laid out like them).
+    each sum, Σ_k abs(a_ik·b_kj) + abs(c_ij), laid out like them).
 
     The specification sums exactly (float64, rounded once to float32). The hardware does not, for FP8: on the
     H200 (2026-12-02, ``tests/gpu/test_hopper_fp8_gpu.py``) its sums differed from the exact ones by 10⁻⁶-2·10⁻⁴
